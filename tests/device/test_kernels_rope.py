@@ -1,0 +1,42 @@
+import numpy as np
+import pytest
+import torch
+
+from device.kernels.rope import rope_inplace
+
+
+def _reference(x, positions, theta):
+    # transformers: inv_freq = 1 / theta ** (arange(0, D, 2) / D); freqs in float32;
+    # emb = cat(freqs, freqs); x * cos + rotate_half(x) * sin
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freqs = torch.from_numpy(positions).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    xt = torch.from_numpy(x)
+    x1, x2 = xt[..., : d // 2], xt[..., d // 2:]
+    rot = torch.cat((-x2, x1), dim=-1)
+    return (xt * cos + rot * sin).numpy(), inv_freq.numpy()
+
+
+@pytest.mark.parametrize("t,nh,d,theta", [(1, 1, 2, 10000.0), (3, 5, 6, 10000.0), (17, 4, 128, 1e7)])
+def test_rope_matches_transformers(t, nh, d, theta):
+    rng = np.random.default_rng(t)
+    x = rng.standard_normal((t, nh, d), dtype=np.float32)
+    positions = rng.integers(0, 5000, t).astype(np.int32)
+    ref, inv_freq = _reference(x, positions, theta)
+    rope_inplace(x, positions, inv_freq)
+    np.testing.assert_allclose(x, ref, rtol=1e-5, atol=2e-5)
+
+
+def test_rope_position_zero_is_identity():
+    x = np.random.default_rng(0).standard_normal((2, 3, 8), dtype=np.float32)
+    before = x.copy()
+    rope_inplace(x, np.zeros(2, np.int32), np.ones(4, np.float32))
+    np.testing.assert_array_equal(x, before)
+
+
+def test_rope_rejects_wrong_inv_freq_length():
+    x = np.zeros((2, 3, 8), np.float32)
+    with pytest.raises(ValueError, match="inv_freq"):
+        rope_inplace(x, np.zeros(2, np.int32), np.ones(3, np.float32))
