@@ -100,44 +100,51 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
         for r in range(query_start[s], query_start[s + 1]):
             seq_of_row[r] = s
     sc = np.float32(scale)
-    for item in prange(n_rows * hq):
-        r = item // hq
-        h = item % hq
-        kvh = h // group
+    # One work item per (query row, KV head): the `group` query heads that
+    # share a KV head are processed together, so each K/V row is read once.
+    for item in prange(n_rows * hkv):
+        r = item // hkv
+        kvh = item % hkv
+        h0 = kvh * group
         s = seq_of_row[r]
         q_len = query_start[s + 1] - query_start[s]
         pos = context_lens[s] - q_len + (r - query_start[s])
         n_keys = pos + 1
-        scores = np.empty(bs, np.float32)
-        acc = np.zeros(d, np.float32)
-        m = _NEG_BIG
-        denom = np.float32(0.0)
-        qv = q[r, h]
+        scores = np.empty((group, bs), np.float32)
+        acc = np.zeros((group, d), np.float32)
+        m = np.full(group, _NEG_BIG, np.float32)
+        denom = np.zeros(group, np.float32)
+        qv = q[r, h0:h0 + group]  # [group, D]
         for b in range((n_keys + bs - 1) // bs):
             blk = block_tables[s, b]
             cnt = min(bs, n_keys - b * bs)
-            bmax = _NEG_BIG
             for o in range(cnt):
                 kv = k_cache[blk, o, kvh]
-                dot = np.float32(0.0)
+                for g in range(group):
+                    dot = np.float32(0.0)
+                    for i in range(d):
+                        dot += qv[g, i] * kv[i]
+                    scores[g, o] = dot * sc
+            for g in range(group):
+                bmax = _NEG_BIG
+                for o in range(cnt):
+                    bmax = max(bmax, scores[g, o])
+                m_new = max(m[g], bmax)
+                corr = np.float32(np.exp(m[g] - m_new))
+                denom[g] *= corr
                 for i in range(d):
-                    dot += qv[i] * kv[i]
-                dot *= sc
-                scores[o] = dot
-                if dot > bmax:
-                    bmax = dot
-            m_new = max(m, bmax)
-            corr = np.float32(np.exp(m - m_new))
-            denom *= corr
-            for i in range(d):
-                acc[i] *= corr
+                    acc[g, i] *= corr
+                for o in range(cnt):
+                    scores[g, o] = np.float32(np.exp(scores[g, o] - m_new))
+                    denom[g] += scores[g, o]
+                m[g] = m_new
             for o in range(cnt):
-                p = np.float32(np.exp(scores[o] - m_new))
-                denom += p
                 vv = v_cache[blk, o, kvh]
-                for i in range(d):
-                    acc[i] += p * vv[i]
-            m = m_new
-        inv = np.float32(1.0) / denom
-        for i in range(d):
-            out[r, h, i] = acc[i] * inv
+                for g in range(group):
+                    p = scores[g, o]
+                    for i in range(d):
+                        acc[g, i] += p * vv[i]
+        for g in range(group):
+            inv = np.float32(1.0) / denom[g]
+            for i in range(d):
+                out[r, h0 + g, i] = acc[g, i] * inv
