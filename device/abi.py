@@ -1,0 +1,66 @@
+"""The program ABI: what a compiled entry receives, and how it finds its tensors.
+
+    entry(f32, i32, i64, u16, table)
+
+The first four are the card's arena seen as float32, int32, int64 and uint16
+(1-D, C-contiguous, same bytes). `table` is int64[n_slots], a view of the
+program's operand region: slot i holds a byte address or a dimension, written
+at launch. A kernel turns an address into a typed view with the helpers
+below (`f32_at(f32, addr, n)` is `f32[addr >> 2 : (addr >> 2) + n]`), then
+`.reshape(...)`. They raise on a misaligned address or a view past the arena.
+"""
+
+from numba import njit, types
+
+# the exact signature every entry is compiled for: arrays 1-D, C-contiguous, writable
+ENTRY_ARGS = (
+    types.float32[::1],
+    types.int32[::1],
+    types.int64[::1],
+    types.uint16[::1],
+    types.int64[::1],
+)
+
+
+@njit(nogil=True, cache=True)
+def f32_at(f32, addr, n):
+    """float32[n] at byte address `addr`."""
+    if addr & 3:
+        raise ValueError("f32_at: address is not 4-byte aligned")
+    start = addr >> 2
+    if addr < 0 or n < 0 or start + n > f32.shape[0]:
+        raise IndexError("f32_at: view lies outside the arena")
+    return f32[start:start + n]
+
+
+@njit(nogil=True, cache=True)
+def i32_at(i32, addr, n):
+    """int32[n] at byte address `addr`."""
+    if addr & 3:
+        raise ValueError("i32_at: address is not 4-byte aligned")
+    start = addr >> 2
+    if addr < 0 or n < 0 or start + n > i32.shape[0]:
+        raise IndexError("i32_at: view lies outside the arena")
+    return i32[start:start + n]
+
+
+@njit(nogil=True, cache=True)
+def i64_at(i64, addr, n):
+    """int64[n] at byte address `addr`."""
+    if addr & 7:
+        raise ValueError("i64_at: address is not 8-byte aligned")
+    start = addr >> 3
+    if addr < 0 or n < 0 or start + n > i64.shape[0]:
+        raise IndexError("i64_at: view lies outside the arena")
+    return i64[start:start + n]
+
+
+@njit(nogil=True, cache=True)
+def u16_at(u16, addr, n):
+    """uint16[n] at byte address `addr`."""
+    if addr & 1:
+        raise ValueError("u16_at: address is not 2-byte aligned")
+    start = addr >> 1
+    if addr < 0 or n < 0 or start + n > u16.shape[0]:
+        raise IndexError("u16_at: view lies outside the arena")
+    return u16[start:start + n]

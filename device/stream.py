@@ -1,0 +1,193 @@
+"""Stream: an ordered FIFO queue of commands run by one worker thread.
+
+Enqueueing returns at once (it blocks only when `depth` commands are already
+waiting: backpressure). Commands run in the order enqueued. A command that
+raises does not stop the stream: the exception is kept and re-raised on the
+host, chained (`raise ... from original`), by the next `synchronize()` or
+event wait that covers the command.
+
+Compute commands hold the card's compute lock while they run (the card has
+one set of cores); copies, event records and waits do not.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from device.memory import DeviceError, DeviceTensor
+
+if TYPE_CHECKING:
+    from device.card import Card
+    from device.event import Event
+
+DEFAULT_DEPTH = 64
+
+
+class DeviceCommandError(DeviceError):
+    """A command failed on a stream; `__cause__` is the original exception, with its traceback."""
+
+    def __init__(self, stream: str, seq: int, label: str, exc: BaseException, more: int):
+        self.stream, self.seq, self.label, self.more = stream, seq, label, more
+        extra = f" (and {more} later failed commands)" if more else ""
+        super().__init__(f"command #{seq} '{label}' on stream '{stream}' failed: {exc!r}{extra}")
+
+
+@dataclass(slots=True)
+class _Failure:
+    seq: int
+    label: str
+    exc: BaseException
+
+
+_STOP = object()
+
+
+class Stream:
+    def __init__(self, card: Card, name: str = "stream", depth: int = DEFAULT_DEPTH):
+        if depth < 1:
+            raise DeviceError(f"stream depth must be at least 1, got {depth}")
+        self.card = card
+        self.name = name
+        self.depth = depth
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._submit_lock = threading.Lock()  # seq order == queue order across host threads
+        self._done = threading.Condition()  # guards _completed and _failures
+        self._submitted = 0
+        self._completed = 0
+        self._failures: list[_Failure] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=f"stream-{name}", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"Stream({self.name!r}, submitted={self._submitted}, completed={self._completed})"
+
+    # enqueueing ---------------------------------------------------------------
+    def enqueue(self, fn, *args, compute: bool = True, label: str | None = None) -> int:
+        """Run `fn(*args)` on this stream after everything enqueued before; returns its number.
+
+        `compute=True` (the default) holds the card's compute lock while `fn` runs.
+        """
+        return self._submit(fn, args, compute, label or getattr(fn, "__name__", "command"))
+
+    def copy_h2d(self, dst: DeviceTensor, src: np.ndarray) -> int:
+        """Copy host `src` into `dst`; `src` is snapshotted now, so it may be reused at once."""
+        _check_same(dst, src, "copy_h2d")
+        snapshot = np.array(src, dtype=dst.dtype, copy=True, order="C")
+        return self._submit(_h2d, (self.card, dst, snapshot), False, "copy_h2d")
+
+    def copy_d2h(self, dst: np.ndarray, src: DeviceTensor) -> int:
+        """Fill host `dst` from `src` when the stream reaches this command."""
+        _check_same(src, dst, "copy_d2h")
+        if not dst.flags.writeable:
+            raise DeviceError("copy_d2h: host destination is read-only")
+        return self._submit(_d2h, (self.card, dst, src), False, "copy_d2h")
+
+    def record_event(self, event: Event | None = None) -> Event:
+        from device.event import Event
+
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        """Later commands on this stream wait until `event` (as recorded now) has fired."""
+        gen = event._generation()
+        if gen:
+            self._submit(event._block_until, (gen,), False, "wait_event")
+
+    # host side --------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every command enqueued so far; re-raise the first that failed."""
+        with self._submit_lock:
+            target = self._submitted
+        self._wait_for(target)
+        self._raise_failures(target)
+
+    def query(self) -> bool:
+        """True when every command enqueued so far has run."""
+        with self._done:
+            return self._completed >= self._submitted
+
+    def close(self) -> None:
+        """Finish pending commands and stop the worker thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    # internals ----------------------------------------------------------------
+    def _submit(self, fn, args, compute: bool, label: str) -> int:
+        if self._closed:
+            raise DeviceError(f"stream '{self.name}' is closed")
+        with self._submit_lock:
+            self._submitted += 1
+            seq = self._submitted
+            self._queue.put((seq, fn, args, compute, label))  # blocks when full: backpressure
+        return seq
+
+    def _wait_for(self, seq: int) -> None:
+        if threading.current_thread() is self._thread:
+            raise DeviceError(f"a command on stream '{self.name}' waited on its own stream (deadlock)")
+        with self._done:
+            while self._completed < seq:
+                self._done.wait()
+
+    def _raise_failures(self, upto: int) -> None:
+        """Raise (and forget) the failures of commands numbered <= `upto`."""
+        with self._done:
+            if not self._failures or self._failures[0].seq > upto:
+                return
+            covered = [f for f in self._failures if f.seq <= upto]
+            self._failures = [f for f in self._failures if f.seq > upto]
+        first = covered[0]
+        raise DeviceCommandError(self.name, first.seq, first.label, first.exc, len(covered) - 1) from first.exc
+
+    def _work(self) -> None:
+        lock = self.card.compute_lock
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            seq, fn, args, compute, label = item
+            failure = None
+            try:
+                if compute:
+                    with lock:
+                        fn(*args)
+                else:
+                    fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - kept for the host, re-raised there
+                failure = _Failure(seq, label, exc)
+                self.card.counters.add("failed_commands")
+            with self._done:
+                if failure is not None:
+                    self._failures.append(failure)
+                self._completed = seq
+                self._done.notify_all()
+
+
+def _check_same(t: DeviceTensor, host: np.ndarray, what: str) -> None:
+    if not isinstance(t, DeviceTensor):
+        raise DeviceError(f"{what}: expected a DeviceTensor, got {type(t).__name__}")
+    if host.size != t.size or np.dtype(host.dtype) != t.dtype:
+        raise DeviceError(
+            f"{what}: host array {host.shape} {host.dtype} does not match device tensor "
+            f"{t.shape} {t.dtype} (need the same dtype and number of elements)"
+        )
+
+
+def _h2d(card: Card, dst: DeviceTensor, src: np.ndarray) -> None:
+    dst.numpy().reshape(-1)[:] = src.reshape(-1)
+    card.counters.add("h2d_bytes", src.nbytes)
+
+
+def _d2h(card: Card, dst: np.ndarray, src: DeviceTensor) -> None:
+    np.copyto(dst, src.numpy().reshape(dst.shape))
+    card.counters.add("d2h_bytes", dst.nbytes)
