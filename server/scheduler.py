@@ -1,0 +1,209 @@
+"""Which sequences compute which tokens in the next step.
+
+Policy (the block manager does the accounting):
+
+1. every running sequence that has one token to compute (a decode) gets it,
+   oldest admitted first;
+2. running sequences still prefilling get the next chunk of their prompt;
+3. waiting sequences are admitted first come, first served while the token
+   budget, ``max_num_seqs`` and the free KV blocks allow.
+
+When a running sequence needs a KV block and none is free, the most recently
+admitted running sequence not yet in this step is preempted: its blocks are
+freed and it goes back to the head of the waiting queue, to be recomputed from
+its known tokens. The oldest sequence therefore always makes progress (no
+starvation), and a request was only admitted if it fits the whole cache alone
+(the engine refuses the others up front), so preemption always ends.
+
+A sequence whose last sampled token is still on the device decodes with
+``from_device``: the step reads the token the previous launch sampled. A
+sequence with presence/frequency/repetition penalties needs its full token
+history on the host, so it skips a step instead (it decodes every other step
+while the engine overlaps launches): correctness over throughput.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from server.block_manager import BlockManager
+from server.sequence import SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # tokens of seq already in the KV cache
+    num_new: int  # tokens computed this step
+    sample: bool  # sample the next token after this chunk
+    from_device: bool  # the one decode token is read on the device
+    prompt_logprobs: bool  # score the prompt tokens of this chunk (echo + logprobs)
+    num_generated: int  # output tokens before this chunk's sample: the RNG counter
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
+                f"({max_num_batched_tokens}) must be positive"
+            )
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
+        self._admitted = 0
+        self.num_preemptions = 0
+
+    # ---- queues -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take ``seq`` out of the queues; free its blocks now or once its steps are collected."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.num_inflight == 0:
+            self.blocks.free(seq)
+        else:
+            self.deferred_free.append(seq)
+
+    def collected(self, seq: Sequence) -> None:
+        """A launched step that included ``seq`` has been read back."""
+        seq.num_inflight -= 1
+        if seq.num_inflight == 0 and seq.status is SeqStatus.FINISHED and seq.block_table:
+            self.blocks.free(seq)
+            self.deferred_free.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- what a sequence needs ----------------------------------------------
+
+    @staticmethod
+    def _target(seq: Sequence) -> tuple[int, bool]:
+        """(tokens the KV cache must reach, sample after reaching them)."""
+        if seq.params.max_tokens == 0:  # scoring only: compute the prompt, sample nothing
+            return seq.num_prompt, False
+        if not seq.wants_more:
+            return seq.num_computed, False  # the last token is sampled; nothing to compute
+        return seq.num_tokens, True
+
+    def _ready(self, seq: Sequence) -> bool:
+        if seq.num_pending > 1:
+            return False
+        if seq.num_pending == 1 and (seq.params.uses_penalties or seq.num_computed != seq.num_tokens - 1):
+            return False
+        return True
+
+    # ---- the step -------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        done: set[int] = set()
+        bs = self.blocks.block_size
+
+        def victim_for(seq: Sequence) -> Sequence | None:
+            for cand in reversed(self.running):
+                if cand is not seq and cand.seq_id not in done:
+                    return cand
+            return None
+
+        def run_pass(decodes: bool) -> None:
+            nonlocal budget
+            for seq in list(self.running):
+                if budget == 0:
+                    return
+                if seq.status is not SeqStatus.RUNNING or seq.seq_id in done:
+                    continue
+                target, sample = self._target(seq)
+                remaining = target - seq.num_computed
+                if remaining <= 0 or (remaining == 1) != decodes or not self._ready(seq):
+                    continue
+                want = min(remaining, budget)
+                # find blocks: shrink a prefill chunk to what fits, preempt when nothing fits
+                while True:
+                    room = (len(seq.block_table) + self.blocks.num_free) * bs - seq.num_computed
+                    if room >= 1:
+                        break
+                    victim = victim_for(seq)
+                    if victim is None:
+                        break
+                    self._preempt(victim)
+                if room < 1:
+                    if self.deferred_free:
+                        continue  # blocks come back when the step in flight is collected
+                    self._preempt(seq)
+                    continue
+                num_new = min(want, room)
+                chunks.append(self._take(seq, num_new, sample and num_new == remaining))
+                done.add(seq.seq_id)
+                budget -= num_new
+
+        run_pass(decodes=True)
+        run_pass(decodes=False)
+
+        # admit waiting sequences, first come first served
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.seq_id in done or not self._ready(seq) or seq.num_pending:
+                break
+            target, sample = self._target(seq)
+            remaining = target - seq.num_computed
+            if remaining <= 0:
+                break
+            num_new = min(remaining, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed + num_new):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_order = self._admitted
+            self._admitted += 1
+            self.running.append(seq)
+            chunks.append(self._take(seq, num_new, sample and num_new == remaining))
+            done.add(seq.seq_id)
+            budget -= num_new
+        return chunks
+
+    def _take(self, seq: Sequence, num_new: int, sample: bool) -> ScheduledChunk:
+        start = seq.num_computed
+        self.blocks.grow(seq, start + num_new)
+        from_device = seq.num_pending == 1
+        prompt_lp = (
+            seq.params.prompt_logprobs
+            and start < seq.num_prompt
+            and any(lp is None for lp in seq.prompt_logprobs[1:])
+        )
+        num_generated = seq.num_generated_total
+        seq.num_computed = start + num_new
+        seq.num_inflight += 1
+        if sample:
+            seq.num_pending += 1
+        return ScheduledChunk(seq, start, num_new, sample, from_device, prompt_lp, num_generated)

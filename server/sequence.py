@@ -1,0 +1,158 @@
+"""One generated sequence: its tokens, its place in the KV cache, how it stops.
+
+A request with ``n`` choices owns ``n`` sequences. Counters follow nano-vllm
+and vLLM v1: ``num_computed`` (tokens scheduled into the KV cache, including
+steps still on the device) chases ``num_tokens`` (tokens known on the host
+plus tokens sampled on the device but not yet read back, ``num_pending``).
+Prefill, chunked prefill, decode and recompute after preemption are the same
+arithmetic.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from models import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class GenerationParams:
+    """Everything the engine needs to know about one request's generation."""
+
+    sampling: SamplingParams
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; 0..5: sampled token + top-n
+    prompt_logprobs: bool = False  # echo with logprobs: score the prompt too
+
+    @property
+    def uses_penalties(self) -> bool:
+        s = self.sampling
+        return (
+            s.presence_penalty != 0.0 or s.frequency_penalty != 0.0 or s.repetition_penalty != 1.0
+        )
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Logprob of one token plus its top alternatives (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # choice index within the request
+    prompt_ids: list[int]
+    params: GenerationParams
+    arrival: float
+    token_ids: list[int] = field(default_factory=list)  # prompt + output known on the host
+    num_pending: int = 0  # tokens sampled by launched steps, not read back yet
+    num_computed: int = 0  # tokens written (or being written) into the KV cache
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_inflight: int = 0  # launched steps this sequence is part of, not collected yet
+    admitted_order: int = -1  # admission counter: the preemption victim is the largest
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    text: str = ""  # output text so far (cut before a stop string)
+    num_text_sent: int = 0  # characters of ``text`` already handed to the client
+    num_tokens_sent: int = 0  # output tokens (and logprobs) already handed to the client
+    prompt_logprobs_sent: bool = False
+    detok: object | None = None  # models.tokenizer.IncrementalDetokenizer
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+        if self.params.prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens known on the host."""
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the KV cache must eventually hold: known plus pending."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_generated_total(self) -> int:
+        """Output tokens known or being sampled on the device."""
+        return self.num_generated + self.num_pending
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def wants_more(self) -> bool:
+        """True while another sampled token could still be used."""
+        p = self.params
+        return self.num_generated_total < p.max_tokens
+
+    @property
+    def stop_holdback(self) -> int:
+        """Characters kept back while streaming: a stop string may still start in them."""
+        return max((len(s) for s in self.params.stop), default=1) - 1
+
+    def append_text(self, delta: str) -> str | None:
+        """Add detokenized text; return the stop string it completes, if any.
+
+        The text is cut before the stop string. Only the tail that could hold a
+        new match is searched, so a stop string spanning tokens is found once.
+        """
+        before = len(self.text)
+        self.text += delta
+        if not delta or not self.params.stop:
+            return None
+        if self.num_generated < self.params.min_tokens:
+            return None
+        longest = max(len(s) for s in self.params.stop)
+        begin = max(0, before - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            i = self.text.find(stop, begin)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        self.text = self.text[: best[0]]
+        return best[1]
+
+    def take_text(self) -> str:
+        """Text not yet sent, minus the holdback unless finished."""
+        end = len(self.text) if self.is_finished else max(self.num_text_sent, len(self.text) - self.stop_holdback)
+        delta = self.text[self.num_text_sent : end]
+        self.num_text_sent = end
+        return delta

@@ -1,0 +1,256 @@
+"""Engine + scheduler + block manager against the deterministic fake runner."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from models import SamplingParams
+from server.engine import Engine, RequestRejected
+from server.sequence import GenerationParams
+from tests.server.fakes import EOS, FakeRunner, FakeTokenizer, reference
+
+TOK = FakeTokenizer()
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.updates = []
+        self.done = threading.Event()
+
+    def __call__(self, update) -> None:
+        self.updates.append(update)
+        if update.finish_reason is not None:
+            self.done.set()
+
+    def wait(self):
+        assert self.done.wait(20), "request did not finish"
+        return self
+
+    @property
+    def token_ids(self):
+        return [t for u in self.updates for t in u.token_ids]
+
+    @property
+    def text(self):
+        return "".join(u.text for u in self.updates)
+
+    @property
+    def last(self):
+        return self.updates[-1]
+
+
+def params(max_tokens=16, **kw) -> GenerationParams:
+    sampling = SamplingParams(temperature=0.0, **kw.pop("sampling", {}))
+    return GenerationParams(sampling=sampling, max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture
+def make_engine():
+    engines = []
+
+    def make(runner=None, **kw):
+        runner = runner or FakeRunner()
+        engine = Engine(runner, TOK, **kw)
+        engine.start()
+        engines.append(engine)
+        return engine, runner
+
+    yield make
+    for e in engines:
+        e.shutdown()
+
+
+def submit(engine, prompt, p=None, rid=None, n=1):
+    c = Collector()
+    p = p or params()
+    engine.add_request(rid or f"r{id(c)}", TOK.encode(prompt), [p] * n, c)
+    return c
+
+
+def test_greedy_output_matches_the_model_run_alone(make_engine):
+    engine, runner = make_engine()
+    c = submit(engine, "hello world", params(max_tokens=12, ignore_eos=True)).wait()
+    assert c.token_ids == reference(TOK.encode("hello world"), 12)
+    assert c.text == TOK.decode(c.token_ids)
+    assert c.last.finish_reason == "length"
+    assert runner.violations == []
+
+
+def test_many_concurrent_requests_of_mixed_lengths_each_match_their_reference(make_engine):
+    runner = FakeRunner(num_kv_blocks=400, max_num_batched_tokens=24, max_num_seqs=8)
+    engine, _ = make_engine(runner, max_num_seqs=8, max_num_batched_tokens=24)
+    prompts = [("abc def ghi jkl mno pqr stu"[: 3 + i * 7 % 25]) or "a" for i in range(40)]
+    lens = [1 + (i * 5) % 17 for i in range(40)]
+    cs = [submit(engine, p, params(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, lens, strict=True)]
+    for c, p, m in zip(cs, prompts, lens, strict=True):
+        assert c.wait().token_ids == reference(TOK.encode(p), m)
+    assert runner.violations == []
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_token_budget(make_engine):
+    runner = FakeRunner(max_num_batched_tokens=8)
+    engine, _ = make_engine(runner, max_num_batched_tokens=8)
+    prompt = "the quick brown fox jumps"  # 25 tokens
+    c = submit(engine, prompt, params(max_tokens=3, ignore_eos=True)).wait()
+    assert c.token_ids == reference(TOK.encode(prompt), 3)
+    chunk_sizes = [len(w.token_ids) for launch in runner.launches[:4] for w in launch]
+    assert chunk_sizes == [8, 8, 8, 1]
+    assert runner.violations == []
+
+
+def test_decodes_read_the_previous_sample_on_the_device(make_engine):
+    engine, runner = make_engine()
+    submit(engine, "abc", params(max_tokens=8, ignore_eos=True)).wait()
+    assert any(w.from_device for launch in runner.launches for w in launch)
+    assert runner.violations == []
+
+
+def test_sequences_with_penalties_never_decode_from_the_device(make_engine):
+    engine, runner = make_engine()
+    p = params(max_tokens=8, ignore_eos=True, sampling={"presence_penalty": 0.5})
+    c = submit(engine, "abc", p).wait()
+    assert len(c.token_ids) == 8
+    works = [w for launch in runner.launches for w in launch]
+    assert not any(w.from_device for w in works)
+    last = works[-1]
+    assert last.penalty_token_ids == TOK.encode("abc") + c.token_ids[:-1]
+
+
+def test_preemption_with_a_cache_too_small_for_all_still_gives_every_reference_output(make_engine):
+    runner = FakeRunner(num_kv_blocks=12, block_size=4, max_model_len=48)
+    engine, _ = make_engine(runner, max_num_seqs=8)
+    prompts = ["abcdefghij", "klmnopqrst", "uvwxyz abc", "hello there", "general k", "zyx wvu"]
+    cs = [submit(engine, p, params(max_tokens=20, ignore_eos=True)) for p in prompts]
+    for c, p in zip(cs, prompts, strict=True):
+        assert c.wait().token_ids == reference(TOK.encode(p), 20)
+    assert engine.scheduler.num_preemptions > 0
+    assert runner.violations == []
+    assert engine.blocks.num_free == 12
+
+
+def test_a_stop_string_spanning_tokens_cuts_the_text_and_is_the_stop_reason(make_engine):
+    engine, _ = make_engine()
+    full = TOK.decode(reference(TOK.encode("stop me"), 16))
+    stop = full[5:8]
+    c = submit(engine, "stop me", params(max_tokens=16, ignore_eos=True, stop=["zzzzzzz", stop])).wait()
+    assert c.text == full[: full.index(stop)]
+    assert (c.last.finish_reason, c.last.stop_reason) == ("stop", stop)
+
+
+def test_a_stop_token_id_ends_generation_without_its_text(make_engine):
+    engine, _ = make_engine()
+    ref = reference(TOK.encode("tokens"), 16)
+    stop_id = ref[4]
+    c = submit(engine, "tokens", params(max_tokens=16, stop_token_ids=[stop_id])).wait()
+    cut = ref.index(stop_id)
+    assert c.token_ids == ref[: cut + 1]
+    assert c.text == TOK.decode(ref[:cut])
+    assert (c.last.finish_reason, c.last.stop_reason) == ("stop", stop_id)
+
+
+def test_eos_stops_generation_unless_ignore_eos(make_engine):
+    runner = FakeRunner(eos_every=5)
+    engine, _ = make_engine(runner)
+    prompt = TOK.encode("find an eos")
+    ref = reference(prompt, 40, eos_every=5, ignore_eos=True)
+    assert EOS in ref, "pick a prompt whose greedy output holds an EOS"
+    c = submit(engine, "find an eos", params(max_tokens=40)).wait()
+    assert c.token_ids == ref[: ref.index(EOS) + 1]
+    assert c.last.finish_reason == "stop" and c.last.stop_reason is None
+    c2 = submit(engine, "find an eos", params(max_tokens=40, ignore_eos=True)).wait()
+    assert c2.token_ids == ref and c2.last.finish_reason == "length"
+
+
+def test_min_tokens_keeps_generating_past_an_early_eos(make_engine):
+    runner = FakeRunner(eos_every=5)
+    engine, _ = make_engine(runner)
+    ref = reference(TOK.encode("find an eos"), 40, eos_every=5, ignore_eos=True)
+    first = ref.index(EOS)
+    c = submit(engine, "find an eos", params(max_tokens=40, min_tokens=first + 2)).wait()
+    assert len(c.token_ids) >= first + 2
+
+
+def test_a_token_sampled_after_the_stop_is_discarded(make_engine):
+    engine, _ = make_engine()
+    ref = reference(TOK.encode("tokens"), 16)
+    c = submit(engine, "tokens", params(max_tokens=16, stop_token_ids=[ref[3]])).wait()
+    assert len(c.token_ids) == ref.index(ref[3]) + 1
+    assert engine.stats.tokens_discarded >= 1
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_n_choices_with_greedy_sampling_are_identical(make_engine):
+    engine, _ = make_engine()
+    c = submit(engine, "two", params(max_tokens=5, ignore_eos=True), n=2).wait()
+    c.done.clear()
+    by_index = {0: [], 1: []}
+    for u in c.updates:
+        by_index[u.index] += u.token_ids
+    assert by_index[0] == by_index[1] == reference(TOK.encode("two"), 5)
+
+
+def test_abort_frees_the_blocks_of_a_running_request(make_engine):
+    engine, runner = make_engine(FakeRunner(max_model_len=4000, num_kv_blocks=1000))
+    c = submit(engine, "abort me", params(max_tokens=3000, ignore_eos=True), rid="victim")
+    while not c.updates:
+        threading.Event().wait(0.001)
+    assert engine.blocks.num_free < engine.blocks.num_blocks
+    engine.abort("victim")
+    for _ in range(2000):
+        if engine.blocks.num_free == engine.blocks.num_blocks and engine.num_requests == 0:
+            break
+        threading.Event().wait(0.005)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.num_requests == 0
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(make_engine):
+    bad = FakeTokenizer().encode("?")[0]
+    engine, _ = make_engine(FakeRunner(fail_when_token=bad))
+    c = submit(engine, "bad ?", params(max_tokens=4)).wait()
+    assert c.last.finish_reason == "error" and "injected device fault" in c.last.error
+    good = submit(engine, "good", params(max_tokens=4, ignore_eos=True)).wait()
+    assert good.token_ids == reference(TOK.encode("good"), 4)
+    assert engine.alive
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_dead_loop_fails_waiting_requests_and_reports_not_alive(make_engine):
+    engine, _ = make_engine()
+
+    def broken():
+        raise RuntimeError("scheduler bug")
+
+    engine.scheduler.schedule = broken
+    c = submit(engine, "x", params(max_tokens=4)).wait()
+    assert c.last.finish_reason == "error" and "scheduler bug" in c.last.error
+    engine._thread.join(5)
+    assert not engine.alive
+
+
+def test_a_request_longer_than_the_context_is_refused_with_the_numbers(make_engine):
+    engine, _ = make_engine(FakeRunner(max_model_len=32))
+    with pytest.raises(RequestRejected, match=r"32 tokens.*40 tokens \(10 in the prompt, 30"):
+        engine.add_request("r", list(range(1, 11)), [params(max_tokens=30)], Collector())
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_with_the_numbers(make_engine):
+    engine, _ = make_engine(FakeRunner(num_kv_blocks=4, block_size=4, max_model_len=256))
+    with pytest.raises(RequestRejected, match=r"holds 16 tokens \(4 blocks of 4\)"):
+        engine.add_request("r", list(range(1, 11)), [params(max_tokens=10)], Collector())
+
+
+def test_scoring_with_max_tokens_zero_returns_prompt_logprobs_and_no_tokens(make_engine):
+    engine, _ = make_engine(FakeRunner(max_num_batched_tokens=4), max_num_batched_tokens=4)
+    p = params(max_tokens=0, logprobs=1, prompt_logprobs=True)
+    c = submit(engine, "score this", p).wait()
+    assert c.token_ids == []
+    assert c.last.finish_reason == "length"
+    lps = [u.prompt_logprobs for u in c.updates if u.prompt_logprobs is not None][0]
+    assert lps[0] is None
+    ids = TOK.encode("score this")
+    assert [lp.token_id for lp in lps[1:]] == ids[1:]
+    assert [round(lp.logprob, 4) for lp in lps[1:]] == [round(-0.5 - 0.01 * t, 4) for t in ids[1:]]
