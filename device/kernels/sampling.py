@@ -1,0 +1,296 @@
+"""On-device sampling for a batch of rows of logits.
+
+    sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs,
+           logits, temperature, top_k, top_p, min_p, seeds, counters,
+           presence_penalty, frequency_penalty, repetition_penalty,
+           penalty_offsets, penalty_ids, penalty_counts)
+
+Outputs (first):
+    out_ids            int32[S]      sampled token of each row
+    out_logprobs       float32[S]    its logprob under the raw distribution
+                                     (log_softmax of the unpenalized, untempered logits)
+    out_top_ids        int32[S, K]   the K most likely tokens of the raw distribution,
+                                     most likely first (K may be 0)
+    out_top_logprobs   float32[S, K] their raw logprobs
+Inputs:
+    logits             float32[S, V] (not modified)
+    temperature        float32[S]    0 -> greedy (argmax of the penalized logits)
+    top_k              int32[S]      0 -> off; 1 -> greedy
+    top_p              float32[S]    in (0, 1]; 1 -> off
+    min_p              float32[S]    in [0, 1]; 0 -> off
+    seeds              uint64[S]     per-request seed
+    counters           int64[S]      tokens the request generated so far
+    presence_penalty   float32[S]    OpenAI: logit -= presence * (count > 0)
+    frequency_penalty  float32[S]    OpenAI: logit -= frequency * count
+    repetition_penalty float32[S]    HF/vLLM: logit / r if logit > 0 else logit * r; 1 -> off
+    penalty_offsets    int32[S+1]    row s owns penalty_ids[offsets[s]:offsets[s+1]]
+    penalty_ids        int32[N]      tokens seen in the prompt or the output, unique per row
+    penalty_counts     int32[N]      occurrences of each in the output (0: prompt only)
+
+Order per row, as vLLM v1: penalties (repetition, then frequency and
+presence); temperature; min_p (drop tokens whose probability is below
+min_p times the top one's); top_k (keep the k most likely); top_p (keep the
+smallest set of most likely tokens whose mass reaches top_p of what is left);
+then one draw from what remains, renormalized. Ties at a top_k boundary are
+broken arbitrarily but deterministically. Tokens whose probability is below
+e^-87 of the top one (float32 underflow) are never drawn.
+
+Randomness: u = uniform(seed, counter), a splitmix64 hash of the pair, so a
+row's token depends only on (seed, counter, logits, parameters), never on the
+row's position in the batch or on the other rows.
+
+No full sort of the vocabulary: top-k is a quickselect, top-p a
+mass-weighted quickselect, both O(V) expected.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_LOG_UNDERFLOW = np.float32(-87.0)  # exp below this is 0 or denormal in float32
+
+
+@njit(nogil=True, cache=True)
+def splitmix64(x):
+    """The splitmix64 finalizer of x + golden gamma; x, result uint64."""
+    z = x + _GAMMA
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(nogil=True, cache=True)
+def uniform(seed, counter):
+    """A float64 in [0, 1) from (seed uint64, counter int64), 53 random bits."""
+    h = splitmix64(np.uint64(seed) ^ splitmix64(np.uint64(counter)))
+    return np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+@njit(nogil=True, cache=True)
+def _partition3(vals, idx, lo, hi, pivot):
+    """Rearrange vals[lo:hi] (and idx alongside) into [> pivot][== pivot][< pivot].
+
+    Returns (a, b): the == block is [a, b)."""
+    lt = lo
+    i = lo
+    gt = hi
+    while i < gt:
+        v = vals[i]
+        if v > pivot:
+            vals[i], vals[lt] = vals[lt], v
+            idx[i], idx[lt] = idx[lt], idx[i]
+            lt += 1
+            i += 1
+        elif v < pivot:
+            gt -= 1
+            vals[i], vals[gt] = vals[gt], v
+            idx[i], idx[gt] = idx[gt], idx[i]
+        else:
+            i += 1
+    return lt, gt
+
+
+@njit(nogil=True, cache=True)
+def _median3(vals, lo, hi):
+    a = vals[lo]
+    b = vals[(lo + hi) // 2]
+    c = vals[hi - 1]
+    return max(min(a, b), min(max(a, b), c))
+
+
+@njit(nogil=True, cache=True)
+def _select_largest(vals, idx, n, k):
+    """Rearrange vals[:n] (idx alongside) so that vals[:k] are the k largest; 0 < k <= n."""
+    lo = 0
+    hi = n
+    while True:  # invariant: lo < k <= hi, [:lo] >= [lo:hi] >= [hi:n]
+        a, b = _partition3(vals, idx, lo, hi, _median3(vals, lo, hi))
+        if k <= a:
+            hi = a
+        elif k <= b:
+            return
+        else:
+            lo = b
+
+
+@njit(nogil=True, cache=True)
+def _top_p_count(w, idx, n, target):
+    """Rearrange w[:n] (idx alongside) so its c largest come first, where c is the
+    smallest count whose mass reaches target (> 0); returns c."""
+    lo = 0
+    hi = n
+    acc = 0.0  # mass of w[:lo], always < target; the answer is in (lo, hi]
+    while hi - lo > 1:
+        pivot = _median3(w, lo, hi)
+        a, b = _partition3(w, idx, lo, hi, pivot)
+        s_gt = 0.0
+        for j in range(lo, a):
+            s_gt += w[j]
+        if acc + s_gt >= target:
+            hi = a
+            continue
+        s_eq = (b - a) * np.float64(pivot)
+        if acc + s_gt + s_eq >= target:
+            need = int(np.ceil((target - acc - s_gt) / pivot))
+            return a + min(max(need, 1), b - a)
+        acc += s_gt + s_eq
+        lo = b
+    return hi
+
+
+@njit(nogil=True, cache=True)
+def _top_raw(out_ids, out_lp, row, lse):
+    """The K largest of row (ties: lower id first), most likely first, as logprobs."""
+    k = out_ids.shape[0]
+    if k == 0:
+        return
+    n = 0
+    for i in range(row.shape[0]):
+        x = row[i]
+        if n == k and x <= row[out_ids[k - 1]]:
+            continue
+        j = n if n < k else k - 1  # insertion point search from the end
+        while j > 0 and row[out_ids[j - 1]] < x:
+            if j < k:
+                out_ids[j] = out_ids[j - 1]
+            j -= 1
+        out_ids[j] = i
+        if n < k:
+            n += 1
+    for j in range(k):
+        if j < n:
+            out_lp[j] = row[out_ids[j]] - lse
+        else:  # K > V
+            out_ids[j] = -1
+            out_lp[j] = -np.inf
+
+
+@njit(nogil=True, cache=True)
+def _sample_row(row, temperature, top_k, top_p, min_p, seed, counter,
+                presence, frequency, repetition, pen_ids, pen_counts, z, w, idx):
+    """One row: returns the sampled token id. row float32[V] raw logits;
+    z, w float32[V], idx int32[V] scratch."""
+    v_n = row.shape[0]
+    z[:] = row
+    for j in range(pen_ids.shape[0]):
+        t = pen_ids[j]
+        x = z[t]
+        if repetition != 1.0:
+            x = x / repetition if x > 0 else x * repetition
+        c = pen_counts[j]
+        if c > 0:
+            x -= frequency * np.float32(c) + presence
+        z[t] = x
+    zmax = z[0]
+    arg = 0
+    for i in range(1, v_n):
+        if z[i] > zmax:
+            zmax = z[i]
+            arg = i
+    if temperature <= 0.0 or top_k == 1:
+        return arg
+    inv_t = np.float32(1.0) / temperature
+    cut = _LOG_UNDERFLOW
+    if min_p > 0.0:
+        cut = max(cut, np.float32(np.log(min_p)))
+    n = 0
+    if 0 < top_k < v_n:
+        for i in range(v_n):
+            w[i] = z[i]
+            idx[i] = i
+        _select_largest(w, idx, v_n, top_k)
+        for j in range(top_k):
+            e = (w[j] - zmax) * inv_t
+            if e >= cut:
+                w[n] = np.exp(e)
+                idx[n] = idx[j]
+                n += 1
+    else:
+        for i in range(v_n):
+            e = (z[i] - zmax) * inv_t
+            if e >= cut:
+                w[n] = np.exp(e)
+                idx[n] = i
+                n += 1
+    if top_p < 1.0:
+        total = 0.0
+        for j in range(n):
+            total += w[j]
+        n = _top_p_count(w, idx, n, top_p * total)
+    total = 0.0
+    for j in range(n):
+        total += w[j]
+    u = uniform(seed, counter) * total
+    acc = 0.0
+    for j in range(n):
+        acc += w[j]
+        if acc > u:
+            return idx[j]
+    return arg  # not reached: acc ends at total > u
+
+
+@njit(nogil=True, cache=True)
+def _check(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
+           top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+           repetition_penalty, penalty_offsets, penalty_ids, penalty_counts):
+    s_n, v_n = logits.shape
+    for n in (out_ids.shape[0], out_logprobs.shape[0], out_top_ids.shape[0],
+              out_top_logprobs.shape[0], temperature.shape[0], top_k.shape[0], top_p.shape[0],
+              min_p.shape[0], seeds.shape[0], counters.shape[0], presence_penalty.shape[0],
+              frequency_penalty.shape[0], repetition_penalty.shape[0]):
+        if n != s_n:
+            raise ValueError("sample: a per-row array's length differs from the rows of logits", n, s_n)
+    if out_top_ids.shape[1] != out_top_logprobs.shape[1]:
+        raise ValueError("sample: out_top_ids and out_top_logprobs differ in width",
+                         out_top_ids.shape[1], out_top_logprobs.shape[1])
+    if penalty_offsets.shape[0] != s_n + 1 or penalty_offsets[0] != 0 \
+            or penalty_offsets[s_n] > penalty_ids.shape[0] or penalty_counts.shape[0] != penalty_ids.shape[0]:
+        raise ValueError("sample: want penalty_offsets [S+1] from 0 to at most N = len(penalty_ids) = len(penalty_counts)",
+                         s_n, penalty_ids.shape[0])
+    for s in range(s_n):
+        if penalty_offsets[s + 1] < penalty_offsets[s]:
+            raise ValueError("sample: penalty_offsets decrease at row", s)
+        if not (top_p[s] > 0.0 and top_p[s] <= 1.0):
+            raise ValueError("sample: top_p must be in (0, 1] (row, value)", s, top_p[s])
+        if not (min_p[s] >= 0.0 and min_p[s] <= 1.0):
+            raise ValueError("sample: min_p must be in [0, 1] (row, value)", s, min_p[s])
+        if top_k[s] < 0:
+            raise ValueError("sample: top_k must be >= 0 (row, value)", s, top_k[s])
+        if not repetition_penalty[s] > 0.0:
+            raise ValueError("sample: repetition_penalty must be > 0 (row, value)", s, repetition_penalty[s])
+    for j in range(penalty_offsets[s_n]):
+        if penalty_ids[j] < 0 or penalty_ids[j] >= v_n:
+            raise IndexError("sample: penalty token id out of range (id, vocab)", penalty_ids[j], v_n)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
+           top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+           repetition_penalty, penalty_offsets, penalty_ids, penalty_counts):
+    """Sample one token per row of logits; see the module docstring."""
+    _check(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
+           top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+           repetition_penalty, penalty_offsets, penalty_ids, penalty_counts)
+    s_n, v_n = logits.shape
+    for s in prange(s_n):
+        row = logits[s]
+        mx = row[0]
+        for i in range(1, v_n):
+            mx = max(mx, row[i])
+        se = 0.0
+        for i in range(v_n):
+            se += np.exp(row[i] - mx)
+        lse = mx + np.float32(np.log(se))
+        _top_raw(out_top_ids[s], out_top_logprobs[s], row, lse)
+        z = np.empty(v_n, np.float32)
+        w = np.empty(v_n, np.float32)
+        idx = np.empty(v_n, np.int32)
+        p0 = penalty_offsets[s]
+        p1 = penalty_offsets[s + 1]
+        tok = _sample_row(row, temperature[s], top_k[s], top_p[s], min_p[s], seeds[s], counters[s],
+                          presence_penalty[s], frequency_penalty[s], repetition_penalty[s],
+                          penalty_ids[p0:p1], penalty_counts[p0:p1], z, w, idx)
+        out_ids[s] = tok
+        out_logprobs[s] = row[tok] - lse

@@ -1,0 +1,278 @@
+import numpy as np
+import pytest
+from scipy import stats
+
+from device.kernels.sampling import sample, uniform
+
+V = 1000
+
+
+def _call(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, counter=None, k=0,
+          presence=0.0, frequency=0.0, repetition=1.0, penalties=None):
+    """Run `sample` with per-row parameters given as scalars or lists.
+
+    penalties: per row a dict {token_id: output_count} (count 0 = prompt only)."""
+    s, v = logits.shape
+
+    def col(x, dt):
+        return np.full(s, x, dt) if np.isscalar(x) else np.asarray(x, dt)
+
+    penalties = penalties or [{} for _ in range(s)]
+    offsets = np.zeros(s + 1, np.int32)
+    offsets[1:] = np.cumsum([len(p) for p in penalties])
+    pen_ids = np.array([t for p in penalties for t in p], np.int32)
+    pen_counts = np.array([c for p in penalties for c in p.values()], np.int32)
+    ids = np.full(s, -5, np.int32)
+    lp = np.full(s, np.nan, np.float32)
+    top_ids = np.full((s, k), -5, np.int32)
+    top_lp = np.full((s, k), np.nan, np.float32)
+    counter = np.arange(s) if counter is None else counter
+    sample(ids, lp, top_ids, top_lp, logits, col(temperature, np.float32), col(top_k, np.int32),
+           col(top_p, np.float32), col(min_p, np.float32), col(seed, np.uint64),
+           col(counter, np.int64), col(presence, np.float32), col(frequency, np.float32),
+           col(repetition, np.float32), offsets, pen_ids, pen_counts)
+    return ids, lp, top_ids, top_lp
+
+
+def _logits(s, v=V, seed=0, spread=3.0):
+    return np.random.default_rng(seed).standard_normal((s, v), dtype=np.float32) * spread
+
+
+def _log_softmax(x):
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _repeat(row, n):
+    return np.ascontiguousarray(np.broadcast_to(row, (n, row.shape[0])))
+
+
+# --- reference support sets (numpy, full sort) ------------------------------
+
+def _probs(row, temperature):
+    z = row.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+def _support_top_k(row, k):
+    return set(np.argsort(-row)[:k].tolist())
+
+
+def _support_top_p(row, top_p, temperature=1.0):
+    p = _probs(row, temperature)
+    order = np.argsort(-p)
+    c = np.cumsum(p[order])
+    n = int(np.searchsorted(c, top_p * c[-1])) + 1  # smallest prefix reaching top_p
+    return set(order[:n].tolist())
+
+
+def _support_min_p(row, min_p, temperature=1.0):
+    p = _probs(row, temperature)
+    return set(np.nonzero(p >= min_p * p.max())[0].tolist())
+
+
+# --- greedy -----------------------------------------------------------------
+
+def test_temperature_zero_is_argmax():
+    logits = _logits(9)
+    ids, _, _, _ = _call(logits, temperature=0.0)
+    np.testing.assert_array_equal(ids, logits.argmax(1))
+
+
+def test_top_k_one_is_argmax_at_any_temperature():
+    logits = _logits(9, seed=1)
+    ids, _, _, _ = _call(logits, temperature=1.5, top_k=1)
+    np.testing.assert_array_equal(ids, logits.argmax(1))
+
+
+def test_single_row_single_token_vocab():
+    ids, lp, _, _ = _call(np.zeros((1, 1), np.float32), temperature=1.0)
+    assert ids[0] == 0 and lp[0] == 0.0
+
+
+# --- logprobs ---------------------------------------------------------------
+
+def test_logprob_of_sampled_token_is_raw_log_softmax():
+    logits = _logits(6, v=49159, seed=2)
+    ids, lp, _, _ = _call(logits, temperature=0.7, top_k=20, repetition=1.3,
+                          penalties=[{int(i): 2} for i in logits.argmax(1)])
+    ref = _log_softmax(logits)[np.arange(6), ids]
+    np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_top_logprobs_are_raw_top_k_sorted(k):
+    logits = _logits(4, seed=3)
+    _, _, top_ids, top_lp = _call(logits, temperature=0.0, k=k, frequency=5.0,
+                                  penalties=[{int(logits[s].argmax()): 3} for s in range(4)])
+    ref_ids = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(top_ids, ref_ids)
+    np.testing.assert_allclose(top_lp, np.take_along_axis(_log_softmax(logits), ref_ids, 1),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_top_logprobs_wider_than_vocab_pad_with_minus_one():
+    _, _, top_ids, top_lp = _call(np.array([[0.0, 1.0]], np.float32), k=3)
+    assert top_ids.tolist() == [[1, 0, -1]]
+    assert top_lp[0, 2] == -np.inf
+
+
+# --- support restrictions ---------------------------------------------------
+
+N_DRAWS = 3000
+
+
+def _draws(row, **kw):
+    ids, _, _, _ = _call(_repeat(row, N_DRAWS), counter=np.arange(N_DRAWS), **kw)
+    return set(ids.tolist())
+
+
+@pytest.mark.parametrize("k", [2, 7, 40])
+def test_top_k_draws_stay_in_and_cover_top_k(k):
+    row = _logits(1, seed=4, spread=0.5)[0]
+    assert _draws(row, top_k=k) == _support_top_k(row, k)
+
+
+@pytest.mark.parametrize("top_p", [0.2, 0.3, 0.5])
+def test_top_p_draws_stay_in_and_cover_nucleus(top_p):
+    row = _logits(1, seed=5, spread=2.0)[0]
+    support = _support_top_p(row, top_p)
+    assert 1 < len(support) < 40
+    assert _draws(row, top_p=top_p) == support
+
+
+@pytest.mark.parametrize("min_p", [0.1, 0.2, 0.5])
+def test_min_p_draws_stay_in_and_cover_support(min_p):
+    row = _logits(1, seed=6, spread=2.0)[0]
+    support = _support_min_p(row, min_p, temperature=0.8)
+    assert 1 < len(support) < 40
+    assert _draws(row, min_p=min_p, temperature=0.8) == support
+
+
+def test_top_p_applies_after_top_k():
+    row = _logits(1, seed=7, spread=0.3)[0]
+    top = np.argsort(-row)[:20]
+    sub = np.full_like(row, -np.inf)
+    sub[top] = row[top]
+    support = _support_top_p(sub, 0.5)
+    assert _draws(row, top_k=20, top_p=0.5) == support
+
+
+def test_top_p_with_ties_keeps_exact_count():
+    # 10 equal tokens, top_p 0.35 needs exactly 4 of them (mass 0.4)
+    row = np.zeros(10, np.float32)
+    assert len(_draws(row, top_p=0.35)) == 4
+
+
+# --- determinism ------------------------------------------------------------
+
+def test_same_seed_and_counter_give_same_token_in_any_batch_position():
+    target = _logits(1, seed=8, spread=0.5)[0]
+    others = _logits(5, seed=9, spread=0.5)
+    alone, _, _, _ = _call(target[None], top_p=0.9, seed=1234, counter=[17])
+    for pos in range(6):
+        batch = np.insert(others, pos, target, axis=0)
+        seeds = np.arange(6) + 99
+        seeds[pos] = 1234
+        counters = np.arange(6) * 3
+        counters[pos] = 17
+        ids, _, _, _ = _call(batch, top_p=0.9, seed=seeds, counter=counters)
+        assert ids[pos] == alone[0]
+
+
+def test_different_counters_give_different_tokens():
+    row = _logits(1, seed=10, spread=0.1)[0]
+    assert len(_draws(row)) > 100
+
+
+def test_different_seeds_give_different_tokens():
+    row = _logits(1, seed=11, spread=0.1)[0]
+    ids, _, _, _ = _call(_repeat(row, 200), seed=np.arange(200), counter=np.zeros(200))
+    assert len(set(ids.tolist())) > 50
+
+
+def test_uniform_is_in_unit_interval_and_seed_sensitive():
+    us = [uniform(np.uint64(s), c) for s in range(50) for c in range(50)]
+    assert min(us) >= 0.0 and max(us) < 1.0
+    assert len(set(us)) == len(us)
+
+
+# --- distribution -----------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_draws_match_softmax_chi_square(temperature):
+    row = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5], np.float32)
+    n = 40000
+    ids, _, _, _ = _call(_repeat(row, n), temperature=temperature, seed=42, counter=np.arange(n))
+    observed = np.bincount(ids, minlength=row.size)
+    expected = _probs(row, temperature) * n
+    _, pvalue = stats.chisquare(observed, expected)
+    assert pvalue > 1e-3
+
+
+# --- penalties --------------------------------------------------------------
+
+def _penalized(row, pen, presence, frequency, repetition):
+    z = row.astype(np.float64).copy()
+    for t, c in pen.items():
+        z[t] = z[t] / repetition if z[t] > 0 else z[t] * repetition
+        z[t] -= frequency * c + presence * (c > 0)
+    return z
+
+
+@pytest.mark.parametrize("presence,frequency,repetition", [(1.5, 0.0, 1.0), (0.0, 0.7, 1.0),
+                                                           (0.0, 0.0, 2.0), (0.4, 0.3, 1.3)])
+def test_penalties_match_reference_under_greedy(presence, frequency, repetition):
+    rng = np.random.default_rng(12)
+    logits = _logits(40, v=50, seed=13, spread=1.0)
+    pens = []
+    for _ in range(40):
+        toks = rng.choice(50, size=8, replace=False)
+        pens.append({int(t): int(c) for t, c in zip(toks, rng.integers(0, 4, 8), strict=True)})
+    ids, _, _, _ = _call(logits, temperature=0.0, presence=presence, frequency=frequency,
+                         repetition=repetition, penalties=pens)
+    ref = [int(np.argmax(_penalized(logits[s], pens[s], presence, frequency, repetition)))
+           for s in range(40)]
+    assert ids.tolist() == ref
+    assert ids.tolist() != logits.argmax(1).tolist()  # the penalties changed something
+
+
+def test_prompt_only_tokens_get_repetition_but_not_presence_penalty():
+    row = np.array([[1.0, 0.9, -3.0]], np.float32)
+    # token 0 seen in the prompt only: repetition 1.2 -> 0.833 < 0.9, presence ignored
+    ids, _, _, _ = _call(row, temperature=0.0, presence=10.0, repetition=1.2, penalties=[{0: 0}])
+    assert ids[0] == 1
+    ids, _, _, _ = _call(row, temperature=0.0, presence=10.0, penalties=[{0: 0}])
+    assert ids[0] == 0
+
+
+def test_penalties_change_sampled_distribution():
+    row = np.zeros(4, np.float32)
+    ids, _, _, _ = _call(_repeat(row, 2000), frequency=100.0, counter=np.arange(2000),
+                         penalties=[{0: 1, 1: 2}] * 2000)
+    assert set(ids.tolist()) == {2, 3}
+
+
+# --- validation -------------------------------------------------------------
+
+def test_rejects_top_p_zero():
+    with pytest.raises(ValueError, match="top_p"):
+        _call(_logits(1), top_p=0.0)
+
+
+def test_rejects_penalty_token_out_of_vocab():
+    with pytest.raises(IndexError, match="penalty token id"):
+        _call(_logits(1, v=10), penalties=[{10: 1}])
+
+
+def test_rejects_per_row_array_of_wrong_length():
+    logits = _logits(2)
+    with pytest.raises(ValueError, match="per-row"):
+        sample(np.empty(2, np.int32), np.empty(2, np.float32), np.empty((2, 0), np.int32),
+               np.empty((2, 0), np.float32), logits, np.ones(1, np.float32), np.zeros(2, np.int32),
+               np.ones(2, np.float32), np.zeros(2, np.float32), np.zeros(2, np.uint64),
+               np.zeros(2, np.int64), np.zeros(2, np.float32), np.zeros(2, np.float32),
+               np.ones(2, np.float32), np.zeros(3, np.int32), np.zeros(0, np.int32),
+               np.zeros(0, np.int32))
