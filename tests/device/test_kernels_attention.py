@@ -164,3 +164,24 @@ def test_write_then_attend_equals_reference_on_contiguous_kv():
     w /= w.sum(-1, keepdims=True)
     ref = np.einsum("hts,shd->thd", w, vv)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_write_kv_and_attention_are_callable_from_njit_code():
+    from numba import njit
+
+    @njit
+    def layer(out, q, k, v, kc, vc, slots, bt, qs, cl):
+        write_kv(kc, vc, k, v, slots)
+        paged_attention(out, q, kc, vc, bt, qs, cl, 0.5)
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((3, 4, D), dtype=np.float32)
+    k = rng.standard_normal((3, 2, D), dtype=np.float32)
+    kc = np.zeros((2, 4, 2, D), np.float32)
+    vc = np.zeros_like(kc)
+    bt = np.array([[1]], np.int32)
+    qs = np.array([0, 3], np.int32)
+    cl = np.array([3], np.int32)
+    out = np.empty_like(q)
+    layer(out, q, k, k, kc, vc, np.array([4, 5, 6], np.int32), bt, qs, cl)
+    np.testing.assert_allclose(out, _reference(q, kc, vc, bt, qs, cl, 0.5), rtol=1e-4, atol=1e-5)

@@ -47,3 +47,19 @@ def test_gemm_rejects_wrong_out_shape():
     a, b = _ab(2, 3, 5)
     with pytest.raises(ValueError, match="out shape"):
         gemm(np.zeros((2, 4), np.float32), a, b)
+
+
+def test_gemm_and_gemm_bt_are_callable_from_njit_code():
+    from numba import njit
+
+    @njit
+    def two_layers(out1, out2, x, w1, w2t):
+        gemm(out1, x, w1)
+        gemm_bt(out2, out1, w2t)
+
+    x, w1 = _ab(3, 5, 7)
+    w2t = np.random.default_rng(1).standard_normal((4, 7), dtype=np.float32)
+    out1 = np.empty((3, 7), np.float32)
+    out2 = np.empty((3, 4), np.float32)
+    two_layers(out1, out2, x, w1, w2t)
+    np.testing.assert_allclose(out2, (x.astype(np.float64) @ w1) @ w2t.T, rtol=1e-4, atol=1e-4)

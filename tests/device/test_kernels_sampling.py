@@ -276,3 +276,19 @@ def test_rejects_per_row_array_of_wrong_length():
                np.zeros(2, np.int64), np.zeros(2, np.float32), np.zeros(2, np.float32),
                np.ones(2, np.float32), np.zeros(3, np.int32), np.zeros(0, np.int32),
                np.zeros(0, np.int32))
+
+
+def test_sample_is_callable_from_njit_code():
+    from numba import njit
+
+    @njit
+    def step(ids, lp, tid, tlp, logits, t, k, p, mp, seeds, ctr, pr, fr, rp, off, pid, pc):
+        sample(ids, lp, tid, tlp, logits, t, k, p, mp, seeds, ctr, pr, fr, rp, off, pid, pc)
+
+    logits = _logits(3)
+    ids = np.empty(3, np.int32)
+    zf, of = np.zeros(3, np.float32), np.ones(3, np.float32)
+    step(ids, np.empty(3, np.float32), np.empty((3, 2), np.int32), np.empty((3, 2), np.float32),
+         logits, zf, np.zeros(3, np.int32), of, zf, np.zeros(3, np.uint64), np.zeros(3, np.int64),
+         zf, zf, of, np.zeros(4, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+    np.testing.assert_array_equal(ids, logits.argmax(1))
