@@ -1,0 +1,77 @@
+"""The paged KV cache on the card: per layer a K and a V tensor [NB + 1, BS, Hkv, D].
+
+Blocks 0..NB-1 belong to sequences (the server's block manager hands them out by number);
+block NB is a trash block where the padding rows of a bucket write their K/V, so the
+step program never needs a branch for them. NB comes from a memory budget, a fraction
+of the device memory still free (after weights and program scratch), or is given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from device import Card, DeviceOutOfMemory, DeviceTensor
+from models.config import GraniteConfig
+
+
+def block_bytes(config: GraniteConfig, block_size: int) -> int:
+    """Bytes one block costs across all layers, K and V (float32)."""
+    return 2 * config.num_hidden_layers * block_size * config.kv_size * 4
+
+
+def free_device_bytes(card: Card) -> int:
+    """Bytes the allocator can still hand out in one piece."""
+    return int(card.allocator.stats().largest_free)
+
+
+def blocks_for_budget(card: Card, config: GraniteConfig, block_size: int, fraction: float) -> int:
+    """Blocks that fit in `fraction` of the free device memory (one trash block included)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction}")
+    budget = int(free_device_bytes(card) * fraction)
+    # Each layer's K and V are separate allocations: leave room for 128-byte alignment.
+    per_tensor_pad = 128 * 2 * config.num_hidden_layers
+    n = (budget - per_tensor_pad) // block_bytes(config, block_size) - 1
+    if n < 1:
+        raise DeviceOutOfMemory(requested=2 * block_bytes(config, block_size),
+                                free=budget, largest_free=free_device_bytes(card),
+                                capacity=card.capacity)
+    return int(n)
+
+
+class KVCache:
+    """K and V per layer, [NB + 1, BS, Hkv, D] float32; block NB is the padding trash block."""
+
+    def __init__(self, card: Card, config: GraniteConfig, block_size: int = 64,
+                 num_blocks: int | None = None, fraction: float = 0.9):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_blocks is None:
+            num_blocks = blocks_for_budget(card, config, block_size, fraction)
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {num_blocks}")
+        self.card = card
+        self.block_size = block_size
+        self.num_blocks = int(num_blocks)                   # NB usable blocks
+        self.trash_block = self.num_blocks                  # index of the padding block
+        shape = (self.num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
+        self.k: list[DeviceTensor] = []                     # per layer [NB + 1, BS, Hkv, D]
+        self.v: list[DeviceTensor] = []
+        try:
+            for _ in range(config.num_hidden_layers):
+                self.k.append(card.empty(shape, np.float32))
+                self.v.append(card.empty(shape, np.float32))
+        except BaseException:
+            self.free()
+            raise
+        self.nbytes = sum(t.nbytes for t in self.k + self.v)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the cache holds when every block is used."""
+        return self.num_blocks * self.block_size
+
+    def free(self) -> None:
+        for t in self.k + self.v:
+            self.card.free(t)
+        self.k, self.v = [], []
