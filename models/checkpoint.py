@@ -112,8 +112,11 @@ def _widen(code: str, stored: np.ndarray) -> np.ndarray:
     if code == "F32":
         return stored                     # read-only view of the mapping
     if code == "BF16":
-        # bf16 is the top half of a float32: shift into place, reinterpret.
-        return (stored.astype(np.uint32) << 16).view(np.float32)
+        # bf16 is the top half of a float32: widen, shift into place in place, reinterpret.
+        out = np.empty(stored.shape, dtype=np.uint32)
+        out[...] = stored
+        out <<= np.uint32(16)
+        return out.view(np.float32)
     return stored.astype(np.float32)      # F16
 
 
