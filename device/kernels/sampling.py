@@ -68,6 +68,61 @@ def uniform(seed, counter):
     return np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 in two parts (Cody-Waite), as Cephes expf
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def exp_nonpos(x, bits):
+    """x[n] = exp(x[n]) in place for x <= 0 (clamped at -87), float32, within 3e-7
+    relative; bits int32[n] scratch. Cephes' expf polynomial, with 2**k built from
+    its bits, so the loop vectorizes (np.exp does not here: no SVML)."""
+    for i in range(x.shape[0]):
+        v = max(x[i], _LOG_UNDERFLOW)
+        k = np.floor(v * _LOG2E + np.float32(0.5))
+        r = v - k * _LN2_HI - k * _LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        x[i] = p * r * r + r + np.float32(1.0)
+        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    scale = bits.view(np.float32)
+    for i in range(x.shape[0]):
+        x[i] *= scale[i]
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _sum(x):
+    """Sum of float32[n] in float64 (vectorized)."""
+    s = 0.0
+    for i in range(x.shape[0]):
+        s += x[i]
+    return s
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _log_sum_exp(row, w, bits):
+    """log(sum(exp(row))) of float32[V]; w float32[V], bits int32[V] scratch."""
+    mx = _max(row)
+    for i in range(row.shape[0]):
+        w[i] = row[i] - mx
+    exp_nonpos(w, bits)
+    return mx + np.float32(np.log(_sum(w)))
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _max(x):
+    """Largest value of a non-empty float32[n] (vectorized)."""
+    m = x[0]
+    for i in range(1, x.shape[0]):
+        m = max(m, x[i])
+    return m
+
+
 @njit(nogil=True, cache=True)
 def _partition3(vals, idx, lo, hi, pivot):
     """Rearrange vals[lo:hi] (and idx alongside) into [> pivot][== pivot][< pivot].
@@ -169,9 +224,9 @@ def _top_raw(out_ids, out_lp, row, lse):
 
 @njit(nogil=True, cache=True)
 def _sample_row(row, temperature, top_k, top_p, min_p, seed, counter,
-                presence, frequency, repetition, pen_ids, pen_counts, z, w, idx):
+                presence, frequency, repetition, pen_ids, pen_counts, z, w, idx, bits):
     """One row: returns the sampled token id. row float32[V] raw logits;
-    z, w float32[V], idx int32[V] scratch."""
+    z, w float32[V], idx, bits int32[V] scratch."""
     v_n = row.shape[0]
     z[:] = row
     for j in range(pen_ids.shape[0]):
@@ -197,28 +252,47 @@ def _sample_row(row, temperature, top_k, top_p, min_p, seed, counter,
         cut = max(cut, np.float32(np.log(min_p)))
     n = 0
     if 0 < top_k < v_n:
+        # Prefilter: split into top_k chunks; the smallest chunk maximum is a lower
+        # bound of the top_k-th largest value, so everything below it is out.
+        width = v_n // top_k
+        bound = zmax
+        for c in range(top_k):
+            bound = min(bound, _max(z[c * width:(c + 1) * width]))
+        m = 0
         for i in range(v_n):
-            w[i] = z[i]
-            idx[i] = i
-        _select_largest(w, idx, v_n, top_k)
+            if z[i] >= bound:
+                w[m] = z[i]
+                idx[m] = i
+                m += 1
+        _select_largest(w, idx, m, top_k)
         for j in range(top_k):
             e = (w[j] - zmax) * inv_t
             if e >= cut:
-                w[n] = np.exp(e)
+                w[n] = e
                 idx[n] = idx[j]
                 n += 1
     else:
         for i in range(v_n):
             e = (z[i] - zmax) * inv_t
             if e >= cut:
-                w[n] = np.exp(e)
+                w[n] = e
                 idx[n] = i
                 n += 1
+    exp_nonpos(w[:n], bits[:n])
     if top_p < 1.0:
         total = 0.0
         for j in range(n):
             total += w[j]
-        n = _top_p_count(w, idx, n, top_p * total)
+        # Prefilter: tokens at or below a weight x hold at most n * x of the mass, so
+        # below (1 - top_p) * total / n none of them is needed to reach top_p.
+        bound = np.float32(0.999 * (1.0 - top_p) * total / n)
+        m = 0
+        for j in range(n):
+            if w[j] >= bound:
+                w[m] = w[j]
+                idx[m] = idx[j]
+                m += 1
+        n = _top_p_count(w, idx, m, top_p * total)
     total = 0.0
     for j in range(n):
         total += w[j]
@@ -276,21 +350,16 @@ def sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, tempera
     s_n, v_n = logits.shape
     for s in prange(s_n):
         row = logits[s]
-        mx = row[0]
-        for i in range(1, v_n):
-            mx = max(mx, row[i])
-        se = 0.0
-        for i in range(v_n):
-            se += np.exp(row[i] - mx)
-        lse = mx + np.float32(np.log(se))
-        _top_raw(out_top_ids[s], out_top_logprobs[s], row, lse)
         z = np.empty(v_n, np.float32)
         w = np.empty(v_n, np.float32)
         idx = np.empty(v_n, np.int32)
+        bits = np.empty(v_n, np.int32)
+        lse = _log_sum_exp(row, w, bits)
+        _top_raw(out_top_ids[s], out_top_logprobs[s], row, lse)
         p0 = penalty_offsets[s]
         p1 = penalty_offsets[s + 1]
         tok = _sample_row(row, temperature[s], top_k[s], top_p[s], min_p[s], seeds[s], counters[s],
                           presence_penalty[s], frequency_penalty[s], repetition_penalty[s],
-                          penalty_ids[p0:p1], penalty_counts[p0:p1], z, w, idx)
+                          penalty_ids[p0:p1], penalty_counts[p0:p1], z, w, idx, bits)
         out_ids[s] = tok
         out_logprobs[s] = row[tok] - lse
