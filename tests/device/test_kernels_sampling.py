@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from device.kernels.sampling import sample, uniform
+from device.kernels.sampling import exp_nonpos, sample, uniform
 
 V = 1000
 
@@ -133,6 +133,16 @@ def _draws(row, **kw):
 def test_top_k_draws_stay_in_and_cover_top_k(k):
     row = _logits(1, seed=4, spread=0.5)[0]
     assert _draws(row, top_k=k) == _support_top_k(row, k)
+
+
+def test_top_k_just_below_vocab_drops_only_the_smallest():
+    row = np.array([0.3, -1.0, 0.2, 0.1, 0.0], np.float32)
+    assert _draws(row, top_k=4) == {0, 2, 3, 4}
+
+
+def test_top_k_larger_than_vocab_keeps_everything():
+    row = np.array([0.3, -1.0, 0.2], np.float32)
+    assert _draws(row, top_k=10) == {0, 1, 2}
 
 
 @pytest.mark.parametrize("top_p", [0.2, 0.3, 0.5])
@@ -292,3 +302,12 @@ def test_sample_is_callable_from_njit_code():
          logits, zf, np.zeros(3, np.int32), of, zf, np.zeros(3, np.uint64), np.zeros(3, np.int64),
          zf, zf, of, np.zeros(4, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
     np.testing.assert_array_equal(ids, logits.argmax(1))
+
+
+def test_exp_nonpos_matches_exp_to_float32_precision():
+    x = np.concatenate([-np.random.default_rng(0).random(10001).astype(np.float32) * 87,
+                        np.array([0.0, -1e-8, -0.5, -86.9], np.float32)])
+    y = x.copy()
+    exp_nonpos(y, np.empty(x.size, np.int32))
+    ref = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(y - ref) / ref) < 5e-7
