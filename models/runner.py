@@ -116,6 +116,11 @@ class StepHandle:
     def done(self) -> bool:
         return self._launch.done()
 
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """(tokens, sequences) of the program this step ran."""
+        return self._meta.t_bucket, self._meta.s_bucket
+
     def result(self) -> StepOutput:
         if self._out is None:
             self._launch.wait()

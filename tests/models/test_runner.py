@@ -1,0 +1,130 @@
+"""ModelRunner mechanics: buckets, warm-up, launches that never compile, device-fed decode,
+padding, and the errors a caller gets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from device import Card
+from models import ModelRunner, SamplingParams, SeqWork, load_model
+from tests.models.conftest import write_granite_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_granite_checkpoint(tmp_path_factory.mktemp("runner"), vocab=256, hidden=128,
+                                    layers=2, heads=4, kv_heads=1, tie=False, init_std=0.2)
+
+
+@pytest.fixture()
+def runner(model_dir):
+    card = Card(128 << 20)
+    model = load_model(model_dir, card, tokenizer=False)
+    r = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=32, block_size=BLOCK,
+                    num_kv_blocks=16, seed=0)
+    yield r
+    r.close()
+    card.close()
+
+
+def prefill(seq_id, ids, blocks, sample=True, start=0):
+    return SeqWork(seq_id=seq_id, token_ids=ids, start_pos=start, block_table=blocks,
+                   sample=sample, sampling=GREEDY)
+
+
+def test_buckets_are_powers_of_two_up_to_the_limits(runner):
+    assert runner.t_buckets == [1, 2, 4, 8, 16, 32]
+    assert runner.s_buckets == [1, 2, 4]
+    assert all(s <= t for t, s in runner.bucket_shapes())
+    assert len(runner.bucket_shapes()) == 1 + 2 + 3 * 4
+
+
+def test_a_step_runs_in_the_smallest_bucket_that_fits(runner):
+    h = runner.launch([prefill(0, [1, 2, 3], [0]), prefill(1, [4, 5], [1])])
+    h.result()
+    assert h.bucket == (8, 2)
+
+
+def test_after_warmup_launches_of_any_shape_never_compile(runner):
+    runner.warmup(progress=False)
+    assert len(runner.programs) == len(runner.bucket_shapes())
+    before = runner.card.counters.snapshot()
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n_seq = int(rng.integers(1, 5))
+        work = []
+        for i in range(n_seq):
+            n = int(rng.integers(1, 32 // n_seq + 1))
+            work.append(prefill(i, rng.integers(0, 256, n).tolist(), [4 * i, 4 * i + 1],
+                                sample=bool(rng.integers(0, 2)) or i == 0))
+        runner.launch(work).result()
+    after = runner.card.counters.snapshot()
+    assert after["compiles"] == before["compiles"]
+    assert after.get("cache_loads", 0) == before.get("cache_loads", 0)
+    assert after["prepares"] == before["prepares"]
+    assert after["launches"] == before["launches"] + 40
+
+
+def test_device_fed_decode_launched_ahead_equals_host_fed_decode(runner):
+    prompt = [7, 8, 9, 10, 11]
+    # host-fed: read each token back, feed it in
+    first = runner.launch([prefill(0, prompt, [0])]).result().token_ids[0]
+    host = [int(first)]
+    for i in range(6):
+        w = SeqWork(0, [host[-1]], len(prompt) + i, [0], True, GREEDY)
+        host.append(int(runner.launch([w]).result().token_ids[0]))
+    # device-fed: all launches enqueued before any result is read
+    handles = [runner.launch([prefill(0, prompt, [1])])]
+    for i in range(6):
+        w = SeqWork(0, [-1], len(prompt) + i, [1], True, GREEDY, from_device=True)
+        handles.append(runner.launch([w]))
+    device = [int(h.result().token_ids[0]) for h in handles]
+    assert device == host
+
+
+def test_padding_rows_write_only_the_trash_block(runner):
+    for t in runner.kv.k + runner.kv.v:
+        t.numpy()[...] = 0
+    runner.launch([prefill(0, [1, 2, 3], [5])]).result()          # 3 tokens in bucket 4
+    k0 = runner.kv.k[0].numpy()                                    # [NB + 1, BS, Hkv, D]
+    written = np.flatnonzero(np.abs(k0).reshape(k0.shape[0], k0.shape[1], -1).sum(-1).ravel())
+    slots = set(written.tolist())
+    assert {5 * BLOCK, 5 * BLOCK + 1, 5 * BLOCK + 2} <= slots
+    assert all(s // BLOCK in (5, runner.kv.trash_block) for s in slots)
+
+
+def test_too_many_tokens_is_refused_with_the_numbers(runner):
+    with pytest.raises(ValueError, match="33 tokens exceed max_num_batched_tokens 32"):
+        runner.launch([prefill(0, list(range(33)), [0, 1, 2])])
+
+
+def test_short_block_table_is_refused(runner):
+    with pytest.raises(ValueError, match="block table has 1 blocks, 17 tokens need 2"):
+        runner.launch([prefill(0, list(range(17)), [0])])
+
+
+def test_device_decode_without_a_previous_sample_is_refused(runner):
+    runner.launch([prefill(0, [1, 2], [0])]).result()
+    with pytest.raises(ValueError, match="seq 9: from_device, but it did not sample"):
+        runner.launch([SeqWork(9, [-1], 2, [1], True, GREEDY, from_device=True)])
+
+
+def test_token_outside_the_vocabulary_is_refused(runner):
+    with pytest.raises(ValueError, match="token id 256 is outside the vocabulary"):
+        runner.launch([prefill(0, [1, 256], [0])])
+
+
+def test_kv_blocks_come_from_the_memory_left(model_dir):
+    card = Card(64 << 20)
+    model = load_model(model_dir, card, tokenizer=False)
+    r = ModelRunner(model, card, max_num_seqs=2, max_num_batched_tokens=16, block_size=BLOCK,
+                    kv_cache_fraction=0.5)
+    left = card.allocator.stats().largest_free
+    assert r.num_kv_blocks > 100
+    assert r.kv.nbytes <= 0.5 * (left + r.kv.nbytes) + 1
+    r.close()
+    card.close()
