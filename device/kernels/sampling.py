@@ -40,7 +40,12 @@ row's token depends only on (seed, counter, logits, parameters), never on the
 row's position in the batch or on the other rows.
 
 No full sort of the vocabulary: top-k is a quickselect, top-p a
-mass-weighted quickselect, both O(V) expected.
+mass-weighted quickselect, both O(V) expected and both run on the survivors
+of an exact O(V) prefilter (top-k: the smallest of k chunk maxima bounds the
+k-th largest value from below; top-p: tokens lighter than (1 - top_p) of the
+mass spread over all candidates are never needed). exp is `exp_nonpos`, a
+polynomial that vectorizes. Scratch: four [V] arrays per row, allocated in
+the kernel.
 """
 
 import numpy as np
