@@ -3,6 +3,9 @@
 import numpy as np
 from numba import njit, prange
 
+# Reassociated sums (vectorized), but infinities and NaN keep their meaning.
+_REORDER = {"reassoc", "contract", "nsz", "arcp", "afn"}
+
 
 @njit(nogil=True, cache=True)
 def _check(out, x):
@@ -10,7 +13,7 @@ def _check(out, x):
         raise ValueError("softmax: out shape differs from x shape (rows, cols)", x.shape[0], x.shape[1])
 
 
-@njit(nogil=True, cache=True, parallel=True)
+@njit(nogil=True, cache=True, parallel=True, fastmath=_REORDER)
 def softmax(out, x):
     """out[M, N] = exp(x - max) / sum(exp(x - max)), per row."""
     _check(out, x)
@@ -30,7 +33,7 @@ def softmax(out, x):
             out[i, j] *= r
 
 
-@njit(nogil=True, cache=True, parallel=True)
+@njit(nogil=True, cache=True, parallel=True, fastmath=_REORDER)
 def log_softmax(out, x):
     """out[M, N] = x - max - log(sum(exp(x - max))), per row."""
     _check(out, x)

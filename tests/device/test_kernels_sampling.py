@@ -311,3 +311,12 @@ def test_exp_nonpos_matches_exp_to_float32_precision():
     exp_nonpos(y, np.empty(x.size, np.int32))
     ref = np.exp(x.astype(np.float64))
     assert np.max(np.abs(y - ref) / ref) < 5e-7
+
+
+def test_minus_inf_logits_are_never_drawn_and_have_minus_inf_logprob():
+    row = np.array([0.0, -np.inf, 1.0, -np.inf, 0.5], np.float32)
+    ids, lp, top_ids, top_lp = _call(_repeat(row, 500), counter=np.arange(500), k=5)
+    assert set(ids.tolist()) == {0, 2, 4}
+    np.testing.assert_allclose(lp, _log_softmax(row[None])[0, ids], rtol=1e-5)
+    assert top_ids[0].tolist() == [2, 4, 0, 1, 3]
+    assert np.all(np.isneginf(top_lp[:, 3:]))
