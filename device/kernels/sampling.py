@@ -51,10 +51,12 @@ the kernel.
 import numpy as np
 from numba import njit, prange
 
+from device.kernels.fastexp import exp_nonpos
+
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
-_LOG_UNDERFLOW = np.float32(-87.0)  # exp below this is 0 or denormal in float32
+_LOG_UNDERFLOW = np.float32(-87.0)  # exp_nonpos gives 0 below this
 
 
 @njit(nogil=True, cache=True)
@@ -71,33 +73,6 @@ def uniform(seed, counter):
     """A float64 in [0, 1) from (seed uint64, counter int64), 53 random bits."""
     h = splitmix64(np.uint64(seed) ^ splitmix64(np.uint64(counter)))
     return np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
-
-
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)  # ln 2 in two parts (Cody-Waite), as Cephes expf
-_LN2_LO = np.float32(-2.12194440e-4)
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def exp_nonpos(x, bits):
-    """x[n] = exp(x[n]) in place for x <= 0 (clamped at -87), float32, within 3e-7
-    relative; bits int32[n] scratch. Cephes' expf polynomial, with 2**k built from
-    its bits, so the loop vectorizes (np.exp does not here: no SVML)."""
-    for i in range(x.shape[0]):
-        v = max(x[i], _LOG_UNDERFLOW)
-        k = np.floor(v * _LOG2E + np.float32(0.5))
-        r = v - k * _LN2_HI - k * _LN2_LO
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        x[i] = p * r * r + r + np.float32(1.0)
-        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    scale = bits.view(np.float32)
-    for i in range(x.shape[0]):
-        x[i] *= scale[i]
 
 
 @njit(nogil=True, cache=True, fastmath=True)
