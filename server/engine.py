@@ -107,6 +107,18 @@ class EngineStats:
         return min(1.0, self.busy_device_seconds / self.busy_wall_seconds)
 
 
+def _penalty_tokens(seq: Sequence) -> list[int]:
+    """Tokens the penalties count, known on the host (the device adds a from_device token).
+
+    As in vLLM: presence and frequency penalties count generated tokens only; a
+    repetition penalty counts the prompt too (then all three share that list,
+    since the runner takes one list).
+    """
+    if seq.params.sampling.repetition_penalty != 1.0:
+        return list(seq.token_ids)
+    return list(seq.output_ids)
+
+
 class Engine:
     def __init__(
         self,
@@ -115,7 +127,6 @@ class Engine:
         *,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
-        max_waiting: int = 1024,
         card=None,
         observer: EngineObserver | None = None,
     ) -> None:
@@ -127,7 +138,6 @@ class Engine:
         self.max_model_len = runner.max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_waiting = max_waiting
         self.card = card
         self.observer = observer or EngineObserver()
         self.blocks = BlockManager(self.num_kv_blocks, self.block_size)
@@ -306,7 +316,7 @@ class Engine:
             num_generated=c.num_generated,
             from_device=c.from_device,
             prompt_logprobs=c.prompt_logprobs,
-            penalty_token_ids=list(seq.token_ids) if p.uses_penalties else None,
+            penalty_token_ids=_penalty_tokens(seq) if c.sample and p.uses_penalties else None,
         )
 
     def _collect(self, step: _Step) -> None:

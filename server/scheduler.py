@@ -16,10 +16,11 @@ starvation), and a request was only admitted if it fits the whole cache alone
 (the engine refuses the others up front), so preemption always ends.
 
 A sequence whose last sampled token is still on the device decodes with
-``from_device``: the step reads the token the previous launch sampled. A
-sequence with presence/frequency/repetition penalties needs its full token
-history on the host, so it skips a step instead (it decodes every other step
-while the engine overlaps launches): correctness over throughput.
+``from_device``: the step reads the token the previous launch sampled. This
+holds for sequences with presence/frequency/repetition penalties too: their
+penalty list carries the tokens known on the host and the device counts the
+token it reads (models/runner.py), so penalties see the true history without
+the host waiting for it.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class Scheduler:
     def _ready(self, seq: Sequence) -> bool:
         if seq.num_pending > 1:
             return False
-        if seq.num_pending == 1 and (seq.params.uses_penalties or seq.num_computed != seq.num_tokens - 1):
+        if seq.num_pending == 1 and seq.num_computed != seq.num_tokens - 1:
             return False
         return True
 

@@ -47,3 +47,75 @@ if not hasattr(models, "SeqWork"):  # pragma: no cover - removed once models/ la
     models.SamplingParams = SamplingParams
     models.SeqWork = SeqWork
     models.StepOutput = StepOutput
+
+
+import asyncio  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+class ServerThread:
+    """A real uvicorn server for ``app`` on 127.0.0.1, a free port, in a background thread."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.sock]))
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def real_settings(**overrides):
+    """granite-tiny, sized so tests are quick on 2 cores: small buckets, lazy programs."""
+    from server.cli import Settings
+
+    base = dict(
+        model="granite-tiny",
+        max_num_seqs=32,
+        max_num_batched_tokens=64,
+        block_size=16,
+        num_kv_blocks=256,
+        max_model_len=1024,
+        device_memory=1 << 30,
+        warmup=False,
+        max_n=4,
+        max_waiting=256,
+    )
+    base.update(overrides)
+    return Settings(**base)
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """The real stack (granite-tiny, ModelRunner, Engine, FastAPI) behind uvicorn, once per session."""
+    from server.cli import build
+
+    built = build(real_settings(), progress=False)
+    with ServerThread(built.app) as server:
+        server.built = built
+        yield server
+    built.engine.shutdown()

@@ -108,15 +108,22 @@ def test_decodes_read_the_previous_sample_on_the_device(make_engine):
     assert runner.violations == []
 
 
-def test_sequences_with_penalties_never_decode_from_the_device(make_engine):
+def test_penalties_count_the_output_tokens_known_on_the_host(make_engine):
     engine, runner = make_engine()
     p = params(max_tokens=8, ignore_eos=True, sampling={"presence_penalty": 0.5})
     c = submit(engine, "abc", p).wait()
-    assert len(c.token_ids) == 8
     works = [w for launch in runner.launches for w in launch]
-    assert not any(w.from_device for w in works)
     last = works[-1]
-    assert last.penalty_token_ids == TOK.encode("abc") + c.token_ids[:-1]
+    assert last.from_device  # the device adds the token it reads
+    assert last.penalty_token_ids == c.token_ids[:-2]
+
+
+def test_a_repetition_penalty_counts_the_prompt_too(make_engine):
+    engine, runner = make_engine()
+    p = params(max_tokens=3, ignore_eos=True, sampling={"repetition_penalty": 1.2})
+    c = submit(engine, "abc", p).wait()
+    last = runner.launches[-1][-1]
+    assert last.penalty_token_ids == TOK.encode("abc") + c.token_ids[:-2]
 
 
 def test_preemption_with_a_cache_too_small_for_all_still_gives_every_reference_output(make_engine):

@@ -1,0 +1,239 @@
+"""``spyre-serve``: the command line.
+
+    spyre-serve serve [--model granite-tiny] [--host 127.0.0.1] [--port 8000] ...
+
+Every flag can also come from an environment variable (``--max-num-seqs`` from
+``SPYRE_SERVE_MAX_NUM_SEQS``, and so on) so a container is configured without
+a command line; a flag given on the command line wins. ``build()`` is what
+``serve`` runs before listening, and what the end-to-end tests run too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, fields
+
+log = logging.getLogger("spyre_serve")
+
+ENV_PREFIX = "SPYRE_SERVE_"
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '1G', '512M', '64MiB' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes or e.g. 512M, 2G)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass(slots=True)
+class Settings:
+    """What ``serve`` needs; one field per flag."""
+
+    model: str = "granite-tiny"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    block_size: int = 64
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    device_memory: int | None = None
+    api_key: str | None = None
+    max_waiting: int = 1024
+    max_n: int = 8
+    max_body_bytes: int = 1 << 20
+    drain_timeout: float = 30.0
+    warmup: bool = True
+    log_level: str = "info"
+
+
+HELP = {
+    "model": "checkpoint directory (Hugging Face format) or an embedded profile name",
+    "host": "address to listen on",
+    "port": "TCP port to listen on",
+    "served_model_name": "model name clients use (default: the --model name)",
+    "max_num_seqs": "most sequences in one step (running requests)",
+    "max_num_batched_tokens": "token budget of one step (prefill chunk size)",
+    "block_size": "tokens per KV cache block",
+    "num_kv_blocks": "KV cache blocks (default: what fits in 90%% of the free device memory)",
+    "max_model_len": "context length (default: the model's, capped by the KV cache)",
+    "device_memory": "emulated card memory, bytes or e.g. 2G (default: sized for this machine)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize",
+    "max_waiting": "most requests waiting for admission; more get 503 + Retry-After",
+    "max_n": "largest n (choices per prompt) a request may ask for",
+    "max_body_bytes": "largest request body; larger gets 413",
+    "drain_timeout": "seconds to finish running requests after SIGTERM",
+    "warmup": "compile and prepare every step program before listening",
+    "log_level": "debug, info, warning or error",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spyre-serve",
+        description="OpenAI-compatible inference server for IBM Granite models on an emulated Spyre card.",
+        epilog=f"Every flag may be set from the environment: --max-num-seqs from {ENV_PREFIX}MAX_NUM_SEQS, etc.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="load a model and serve the OpenAI API over HTTP",
+        description="Load a model onto the emulated card, compile its step programs, and serve "
+        "/v1/completions, /v1/chat/completions, /v1/models, /health, /tokenize, /detokenize, /metrics.",
+        epilog=f"Environment: each flag as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MODEL, {ENV_PREFIX}PORT, "
+        f"{ENV_PREFIX}API_KEY); a flag on the command line wins.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = Settings()
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        default = getattr(defaults, f.name)
+        env_value = os.environ.get(env)
+        help_text = f"{HELP[f.name]} [env {env}]"
+        if f.name == "warmup":
+            serve.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text,
+                               default=_bool(env_value) if env_value is not None else default)
+            continue
+        kind = {"port": int, "max_num_seqs": int, "max_num_batched_tokens": int, "block_size": int,
+                "num_kv_blocks": int, "max_model_len": int, "max_waiting": int, "max_n": int,
+                "max_body_bytes": parse_bytes, "device_memory": parse_bytes, "drain_timeout": float}.get(f.name, str)
+        value = kind(env_value) if env_value is not None else default
+        serve.add_argument(flag, type=kind, default=value, help=help_text,
+                           metavar=f.name.upper() if f.name != "model" else "DIR|NAME")
+    return parser
+
+
+def _bool(text: str) -> bool:
+    return text.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def parse_args(argv: list[str] | None = None) -> Settings:
+    args = _parser().parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in fields(Settings)}
+    return Settings(**values)
+
+
+@dataclass(slots=True)
+class Built:
+    app: object
+    engine: object
+    runner: object
+    card: object
+    model: object
+    metrics: object
+
+
+def _mb(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def build(s: Settings, progress: bool = True) -> Built:
+    """Card, model, runner (warmed up), engine (started), metrics and the app."""
+    from device import Card
+    from models import ModelRunner, load_model
+    from server.api import ServerConfig, create_app
+    from server.engine import Engine
+    from server.metrics import Metrics
+
+    t0 = time.monotonic()
+    card = Card(memory_bytes=s.device_memory) if s.device_memory else Card()
+    model = load_model(s.model, card)
+    cfg = model.config
+    log.info("model %s from %s: %d layers, hidden %d, %d heads (%d KV), vocab %d, stored %s",
+             model.name, model.path, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+             cfg.num_key_value_heads, cfg.vocab_size, model.stored_dtype)
+    runner = ModelRunner(model, card, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                         block_size=s.block_size, num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len)
+    kv_bytes = runner.kv.nbytes
+    planned = getattr(runner, "_allocated", [])  # workspace, I/O buffers, layer table
+    scratch = sum(t.nbytes for t in planned) - runner.layer_table.nbytes
+    total = card.memory.nbytes
+    log.info("memory plan on a %s card: weights %s, KV cache %s (%d blocks of %d tokens = %d tokens), "
+             "scratch and I/O %s, in use %s",
+             _mb(total), _mb(model.weights.nbytes), _mb(kv_bytes), runner.num_kv_blocks, runner.block_size,
+             runner.num_kv_blocks * runner.block_size, _mb(scratch), _mb(card.allocator.stats().allocated))
+    if s.warmup:
+        shapes = runner.bucket_shapes()
+        log.info("compiling and preparing %d step programs (token buckets %s)", len(shapes), runner.t_buckets)
+        runner.warmup(progress=progress)
+    compiles = card.counters.snapshot()["compiles"]
+    name = s.served_model_name or model.name
+    metrics = Metrics(name, card=card, compiles_at_ready=compiles)
+    engine = Engine(runner, model.tokenizer, max_num_seqs=s.max_num_seqs,
+                    max_num_batched_tokens=s.max_num_batched_tokens, card=card)
+    metrics.attach(engine)
+    engine.start()
+    config = ServerConfig(model_name=name, model_path=str(model.path), api_key=s.api_key, max_n=s.max_n,
+                          max_waiting=s.max_waiting,
+                          max_body_bytes=s.max_body_bytes)
+    app = create_app(engine, model.tokenizer, config, metrics)
+    log.info("ready in %.1f s: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, %d programs",
+             time.monotonic() - t0, runner.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
+             len(runner.programs))
+    return Built(app, engine, runner, card, model, metrics)
+
+
+def _draining_server(config, engine, drain_timeout: float):
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """First SIGTERM/SIGINT: stop admitting (503), let running requests finish, then exit 0.
+        A second signal exits at once."""
+
+        draining = False
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.draining:
+                self.force_exit = True
+                self.should_exit = True
+                return
+            self.draining = True
+            engine.accepting = False
+            log.info("signal %s: draining %d requests (up to %.0f s), admitting none", sig,
+                     engine.num_requests, drain_timeout)
+            threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+        def _drain(self) -> None:
+            deadline = time.monotonic() + drain_timeout
+            while engine.num_requests and time.monotonic() < deadline:
+                time.sleep(0.05)
+            left = engine.num_requests
+            if left:
+                log.warning("drain timeout: %d requests still running are cut off", left)
+            self.should_exit = True
+
+    return DrainingServer(config)
+
+
+def serve(s: Settings) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    built = build(s, progress=True)
+    config = uvicorn.Config(built.app, host=s.host, port=s.port, log_level=s.log_level,
+                            timeout_graceful_shutdown=max(1, int(s.drain_timeout)))
+    server = _draining_server(config, built.engine, s.drain_timeout)
+    log.info("serving %s on http://%s:%d/v1", built.metrics.model_name, s.host, s.port)
+    server.run()
+    built.engine.shutdown()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    s = parse_args(argv)
+    return serve(s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Prometheus metrics: vLLM's names and meanings, and the card's own under ``spyre_``.
+
+Counters and histograms are fed by the engine (``EngineObserver`` hooks, on
+the engine thread); gauges are read from the engine and the card when
+``/metrics`` is scraped. Each app has its own registry, so several servers
+can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from server.engine import Engine, EngineObserver
+
+# vLLM's buckets
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class Metrics(EngineObserver):
+    def __init__(self, model_name: str, card=None, compiles_at_ready: int | None = None) -> None:
+        self.model_name = model_name
+        self.card = card
+        self.compiles_at_ready = compiles_at_ready
+        self.engine: Engine | None = None
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", labels + ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels,
+            buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels,
+            buckets=ITL_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", labels,
+            buckets=E2E_BUCKETS, registry=r,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", labels,
+            buckets=E2E_BUCKETS, registry=r,
+        )
+        r.register(_LiveCollector(self))
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        engine.observer = self
+
+    # ---- EngineObserver (engine thread) ----
+    def on_scheduled(self, queue_seconds: float, num_prompt_tokens: int) -> None:
+        self.queue_time.labels(self.model_name).observe(queue_seconds)
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def on_tokens(self, n: int) -> None:
+        self.generation_tokens.labels(self.model_name).inc(n)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def on_token_gap(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def on_finished(self, reason: str, e2e_seconds: float) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
+        self.e2e.labels(self.model_name).observe(e2e_seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _LiveCollector:
+    """Gauges read at scrape time from the engine and the card."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m, engine, card = self.m, self.m.engine, self.m.card
+        name = [m.model_name]
+
+        def gauge(metric: str, doc: str, value: float):
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric(name, value)
+            return g
+
+        def counter(metric: str, doc: str, value: float):
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric(name, value)
+            return c
+
+        if engine is not None:
+            yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                        engine.num_running_requests)
+            yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                        engine.num_waiting_requests)
+            yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.blocks.usage)
+            yield gauge("spyre_kv_blocks_total", "KV cache blocks on the card.", engine.blocks.num_blocks)
+            yield gauge("spyre_kv_blocks_free", "KV cache blocks free right now.", engine.blocks.num_free)
+            yield counter("spyre_preemptions", "Sequences preempted (blocks freed, recomputed later).",
+                          engine.scheduler.num_preemptions)
+            yield counter("spyre_engine_steps", "Steps launched by the engine.", engine.stats.steps)
+            yield counter("spyre_engine_failed_steps", "Steps that raised; their requests failed.",
+                          engine.stats.failed_steps)
+            busy = engine.stats.device_busy_fraction
+            yield gauge("spyre_device_busy_fraction",
+                        "Device compute time over wall time while the engine had work.", busy)
+            yield gauge("spyre_device_idle_fraction", "1 - spyre_device_busy_fraction.", 1.0 - busy
+                        if engine.stats.busy_wall_seconds > 0 else 0.0)
+            yield gauge("spyre_engine_alive", "1 while the engine loop runs.", 1.0 if engine.alive else 0.0)
+        if card is not None:
+            counters = card.counters.snapshot()
+            yield counter("spyre_launches", "Program launches on the card.", counters.get("launches", 0))
+            yield counter("spyre_compiles", "Program compilations in this process.", counters.get("compiles", 0))
+            if m.compiles_at_ready is not None:
+                yield gauge("spyre_compiles_after_warmup", "Compilations since warm-up finished (stays 0).",
+                            counters.get("compiles", 0) - m.compiles_at_ready)
+            yield counter("spyre_device_compute_seconds", "Time the card spent computing.",
+                          counters.get("compute_seconds", 0.0))
+            stats = card.allocator.stats()
+            yield gauge("spyre_device_memory_used_bytes", "Device memory allocated.", stats.allocated)
+            yield gauge("spyre_device_memory_peak_bytes", "Peak device memory allocated.", stats.peak)
