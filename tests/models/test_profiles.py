@@ -10,10 +10,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from models import profiles  # noqa: E402
 from models.checkpoint import expected_shapes, load_checkpoint  # noqa: E402
 from models.config import GraniteConfig  # noqa: E402
 from models.profiles import (  # noqa: E402
     EIGHT_B_LAYERS,
+    FORMAT_VERSION,
     TINY,
     ProfileError,
     ensure_profile,
@@ -64,6 +66,22 @@ def test_8b_layers_has_granite_8b_widths():
     assert c.attention_multiplier == 1 / 128 and EIGHT_B_LAYERS.dtype == "bfloat16"
 
 
+def test_8b_layers_rows_past_the_tokenizer_are_zero():
+    assert EIGHT_B_LAYERS.used_vocab == 8192
+    small = dataclasses.replace(TINY.config, vocab_size=300, num_hidden_layers=1)
+    emb = dict(init_tensors(small, TINY.stds, 7, used_vocab=256))["model.embed_tokens.weight"]
+    assert not emb[256:].any() and (emb[:256] != 0).all()
+
+
+def test_chunked_generation_equals_whole(monkeypatch):
+    small = dataclasses.replace(TINY.config, vocab_size=300, num_hidden_layers=1)
+    whole = dict(init_tensors(small, TINY.stds, 7, used_vocab=256))
+    monkeypatch.setattr(profiles, "CHUNK_ELEMENTS", 1000)   # ~2 rows of 512 per chunk
+    chunked = dict(init_tensors(small, TINY.stds, 7, used_vocab=256))
+    for name, arr in whole.items():
+        np.testing.assert_array_equal(chunked[name], arr, err_msg=name)
+
+
 def test_tiny_written_in_hf_format(tiny_dir):
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (tiny_dir / f).is_file()
@@ -107,7 +125,7 @@ def test_two_processes_racing_get_one_complete_checkpoint(tmp_path):
         assert p.exitcode == 0
     paths = {queue.get(timeout=5), queue.get(timeout=5)}
     assert len(paths) == 1
-    assert [p.name for p in tmp_path.iterdir()] == [f"{TINY.name}-v1"]   # no temp dirs left
+    assert [p.name for p in tmp_path.iterdir()] == [f"{TINY.name}-v{FORMAT_VERSION}"]  # no temp dirs
     assert load_checkpoint(paths.pop()).config == TINY.config
 
 
