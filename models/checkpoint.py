@@ -40,6 +40,7 @@ class CheckpointError(ValueError):
 class Checkpoint:
     config: GraniteConfig
     tensors: dict[str, np.ndarray]   # HF name -> float32 array of expected_shapes(config)[name]
+                                     # (stored bits if loaded with widen=False)
     path: Path                       # the checkpoint directory
     stored_dtypes: dict[str, str] = field(default_factory=dict)  # HF name -> "F32" | "BF16" | "F16"
 
@@ -84,7 +85,7 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def _map_file(path: Path) -> tuple[dict[str, tuple[str, np.ndarray]], int]:
+def _map_file(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     """name -> (dtype code, stored-bits view into a read-only mapping of the file)."""
     header, start = read_safetensors_header(path)
     size = path.stat().st_size
@@ -105,7 +106,7 @@ def _map_file(path: Path) -> tuple[dict[str, tuple[str, np.ndarray]], int]:
                                   f"in a data section of {size - start} bytes")
         arr = np.frombuffer(buf, dtype=dt, count=count, offset=start + lo).reshape(shape)
         out[name] = (code, arr)
-    return out, size
+    return out
 
 
 def _widen(code: str, stored: np.ndarray) -> np.ndarray:
@@ -143,10 +144,14 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
-def load_checkpoint(path: str | Path, config: GraniteConfig | None = None) -> Checkpoint:
+def load_checkpoint(path: str | Path, config: GraniteConfig | None = None, *,
+                    widen: bool = True) -> Checkpoint:
     """Read config.json (unless ``config`` is given) and every tensor, checked against
     ``expected_shapes``. A tied checkpoint that also stores ``lm_head.weight`` has it
-    dropped (transformers ties it to the embedding the same way)."""
+    dropped (transformers ties it to the embedding the same way).
+
+    widen=False returns the stored bits instead of float32: bfloat16 as uint16, float16
+    as float16, float32 as float32, all read-only views of the file (no copy)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} is not a directory")
@@ -160,7 +165,7 @@ def load_checkpoint(path: str | Path, config: GraniteConfig | None = None) -> Ch
 
     stored: dict[str, tuple[str, np.ndarray]] = {}
     for f in files:
-        tensors, _ = _map_file(f)
+        tensors = _map_file(f)
         for name, value in tensors.items():
             if name in stored:
                 raise CheckpointError(f"tensor {name!r} appears in more than one file ({f.name})")
@@ -194,6 +199,9 @@ def load_checkpoint(path: str | Path, config: GraniteConfig | None = None) -> Ch
             raise CheckpointError(f"{path}: tensor {name!r} has shape {list(got)}, "
                                   f"config expects {list(shape)}")
 
-    tensors = {name: _widen(*stored[name]) for name in expected}
+    if widen:
+        tensors = {name: _widen(*stored[name]) for name in expected}
+    else:
+        tensors = {name: stored[name][1] for name in expected}
     dtypes = {name: stored[name][0] for name in expected}
     return Checkpoint(config=config, tensors=tensors, path=path, stored_dtypes=dtypes)

@@ -82,12 +82,7 @@ class IncrementalDetokenizer:
         full_text = self._decode(self.ids[self.prefix_offset:])
         if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT)):
             return ""  # nothing new yet, or the last character is not complete
-        if not full_text.startswith(prefix_text):
-            # The new tokens changed how the window's start decodes; emit only what
-            # lies beyond the text already emitted.
-            delta = full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
-        else:
-            delta = full_text[len(prefix_text):]
+        delta = full_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return delta

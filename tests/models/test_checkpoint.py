@@ -189,3 +189,11 @@ def test_expected_shapes_cover_every_layer(small_granite_dir):
     shapes = expected_shapes(cfg)
     assert len(shapes) == 1 + 9 * cfg.num_hidden_layers + 1
     assert shapes["model.layers.1.self_attn.o_proj.weight"] == (128, 128)
+
+
+def test_widen_false_returns_stored_bf16_bits(tmp_path):
+    path = write_granite_checkpoint(tmp_path, dtype="bfloat16")
+    raw = load_checkpoint(path, widen=False).tensors["model.layers.0.self_attn.q_proj.weight"]
+    wide = load_checkpoint(path).tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert raw.dtype == np.uint16 and not raw.flags.owndata
+    np.testing.assert_array_equal((raw.astype(np.uint32) << 16).view(np.float32), wide)

@@ -131,3 +131,21 @@ def test_to_dict_read_by_transformers(tmp_path):
     assert hf.rope_parameters["rope_theta"] == 1e7
     assert (hf.embedding_multiplier, hf.residual_multiplier) == (12.0, 0.22)
     assert hf.num_key_value_heads == 2 and hf.tie_word_embeddings
+
+
+def test_granite_33_8b_config_as_published():
+    """The fields of ibm-granite/granite-3.3-8b-instruct's config.json (4.x form)."""
+    d = {"architectures": ["GraniteForCausalLM"], "model_type": "granite",
+         "attention_bias": False, "attention_dropout": 0.0, "attention_multiplier": 0.0078125,
+         "bos_token_id": 0, "embedding_multiplier": 12.0, "eos_token_id": 0,
+         "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+         "intermediate_size": 12800, "logits_scaling": 16.0, "max_position_embeddings": 131072,
+         "mlp_bias": False, "num_attention_heads": 32, "num_hidden_layers": 40,
+         "num_key_value_heads": 8, "pad_token_id": 0, "residual_multiplier": 0.22,
+         "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000000.0,
+         "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+         "vocab_size": 49159}
+    c = GraniteConfig.from_dict(d)
+    assert (c.head_dim, c.q_size, c.kv_size) == (128, 4096, 1024)
+    assert c.attention_multiplier == 1 / 128 and c.rope_theta == 1e7
+    assert c.eos_token_id == [0] and c.torch_dtype == "bfloat16"
