@@ -20,6 +20,7 @@ makes the residual branches dominate and the greedy output varied.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import struct
@@ -36,6 +37,7 @@ from models.config import GraniteConfig
 ASSETS = Path(__file__).resolve().parent / "assets" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 FORMAT_VERSION = 2   # bump when a profile's bytes change: it names the cache directory
+log = logging.getLogger(__name__)
 CHUNK_ELEMENTS = 1 << 24  # generate large tensors 16M values at a time
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -135,6 +137,7 @@ def ensure_profile(profile: Profile, root: Path | None = None) -> Path:
     if (dest / "config.json").is_file():
         return dest
     root.mkdir(parents=True, exist_ok=True)
+    log.info("writing model profile %s into %s (first use)", profile.name, dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{profile.name}.tmp-", dir=root))
     try:
         write_profile(profile, tmp)
