@@ -136,3 +136,14 @@ def test_special_tokens_kept_when_asked(tok):
     d = IncrementalDetokenizer(tok, skip_special_tokens=False)
     text = d.add(tok.encode("done") + [0]) + d.flush()
     assert text == "done<|end_of_text|>"
+
+
+def test_training_script_reproduces_committed_files():
+    import importlib.util
+
+    script = ASSETS.parents[2] / "scripts" / "train_tokenizer.py"
+    spec = importlib.util.spec_from_file_location("train_tokenizer", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name, text in mod.tokenizer_files(mod.train()).items():
+        assert (ASSETS / name).read_text() == text, name
