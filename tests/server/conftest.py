@@ -119,3 +119,41 @@ def real_server():
         server.built = built
         yield server
     built.engine.shutdown()
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Then"
+
+
+@pytest.fixture(scope="session")
+def client(real_server):
+    import httpx
+
+    with httpx.Client(base_url=real_server.url, timeout=600) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def greedy(client):
+    """The greedy completion of PROMPT (12 tokens, logprobs=1): the reference other tests cut."""
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(set(body["choices"][0]["logprobs"]["tokens"])) > 6, "granite-tiny's greedy output should vary"
+    return body
+
+
+def sse_events(response) -> list:
+    """The JSON payloads of an SSE response, then the literal '[DONE]'."""
+    import json
+
+    out = []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: ") :]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out

@@ -1,0 +1,97 @@
+"""Client disconnects free KV blocks; a failing step fails only its requests; on the real stack."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import PROMPT, sse_events
+
+MARK = 7777  # a prompt holding this token id is the one the injected fault hits
+
+
+def wait_until(predicate, what: str, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def free_blocks_metric(client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("spyre_kv_blocks_free{"):
+            return float(line.rpartition(" ")[2])
+    raise AssertionError("spyre_kv_blocks_free not exported")
+
+
+def idle(engine) -> bool:
+    return engine.num_requests == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_streaming_client_that_disconnects_frees_its_blocks(client, real_server):
+    engine = real_server.built.engine
+    total = engine.blocks.num_blocks
+    assert free_blocks_metric(client) == total
+    body = {"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        assert free_blocks_metric(client) < total  # the request holds blocks while it runs
+    wait_until(lambda: idle(engine), "the aborted stream's blocks to be freed")
+    assert free_blocks_metric(client) == total
+    assert engine.stats.finished.get("abort", 0) >= 1
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_blocks(real_server):
+    engine = real_server.built.engine
+    aborted = engine.stats.finished.get("abort", 0)
+    with httpx.Client(base_url=real_server.url, timeout=httpx.Timeout(600, read=3.0)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True})
+    wait_until(lambda: engine.stats.finished.get("abort", 0) > aborted, "the request to be aborted")
+    wait_until(lambda: idle(engine), "the blocks to be freed")
+
+
+@pytest.fixture
+def faulty_runner(real_server, monkeypatch):
+    """Make launches fail for sequences whose prompt holds MARK, from a given position on."""
+    runner = real_server.built.runner
+    launch = runner.launch
+    marked: dict[int, int] = {}  # seq_id -> prompt length
+    state = {"from_decode": 0}
+
+    def failing_launch(work, *args, **kwargs):
+        for w in work:
+            if MARK in w.token_ids and w.start_pos == 0:
+                marked[w.seq_id] = len(w.token_ids)
+            if w.seq_id in marked and w.start_pos >= marked[w.seq_id] + state["from_decode"]:
+                raise RuntimeError(f"injected fault at position {w.start_pos}")
+        return launch(work, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "launch", failing_launch)
+    return state
+
+
+def test_a_failing_step_is_a_500_and_the_server_keeps_serving(client, faulty_runner, greedy):
+    r = client.post("/v1/completions", json={"prompt": [MARK, 1, 2], "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 500
+    assert "injected fault at position 3" in r.json()["error"]["message"]
+    ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                              "ignore_eos": True})
+    assert ok.status_code == 200
+    assert greedy["choices"][0]["text"].startswith(ok.json()["choices"][0]["text"])
+
+
+def test_a_step_failing_mid_stream_sends_an_error_chunk_then_done(client, faulty_runner, real_server):
+    faulty_runner["from_decode"] = 2
+    body = {"prompt": [MARK, 1, 2], "max_tokens": 8, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert "injected fault at position 5" in events[-2]["error"]["message"]
+    assert any("choices" in e for e in events[:-2])  # tokens came before the error
+    wait_until(lambda: idle(real_server.built.engine), "the failed request's blocks to be freed")
+    assert client.get("/health").status_code == 200

@@ -1,0 +1,138 @@
+"""Bad input gets its status and an OpenAI-shaped error with the numbers; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server.api import ServerConfig, create_app
+from server.engine import Engine
+from tests.server.conftest import PROMPT, ServerThread
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status
+    return err
+
+
+def post(client, **body):
+    body.setdefault("prompt", "Hello")
+    body.setdefault("max_tokens", 1)
+    return client.post("/v1/completions", json=body)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("temperature", -1.0, "temperature must be in [0, 2], got -1.0"),
+        ("top_p", 0.0, "top_p must be in (0, 1], got 0.0"),
+        ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
+        ("top_k", 2.5, "got 2.5"),
+        ("logprobs", 6, "logprobs must be between 0 and 5, got 6"),
+        ("max_tokens", -1, "max_tokens must be >= 0, got -1"),
+        ("min_p", 2.0, "min_p must be in [0, 1], got 2.0"),
+        ("presence_penalty", 3.0, "presence_penalty must be in [-2, 2], got 3.0"),
+    ],
+)
+def test_an_invalid_sampling_value_is_a_400_naming_the_field_and_value(client, field, value, needle):
+    err = error_of(post(client, **{field: value}), 400)
+    assert err["param"] == field
+    assert needle in err["message"]
+
+
+def test_n_over_the_limit_is_a_400_with_the_limit(client):
+    err = error_of(post(client, n=5), 400)
+    assert err["param"] == "n" and "n must be at most 4, got 5" in err["message"]
+
+
+def test_a_prompt_too_long_for_the_context_is_a_400_with_the_numbers(client):
+    err = error_of(post(client, prompt=[5] * 1000, max_tokens=100), 400)
+    assert "maximum context length is 1024 tokens" in err["message"]
+    assert "1100 tokens (1000 in the prompt, 100 for the completion)" in err["message"]
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_400(client):
+    err = error_of(post(client, prompt=[1, 99999]), 400)
+    assert "token id 99999 is outside the vocabulary (0..8191)" in err["message"]
+
+
+def test_an_unknown_model_is_a_404(client):
+    err = error_of(post(client, model="gpt-17"), 404)
+    assert "gpt-17" in err["message"] and err["param"] == "model"
+
+
+def test_a_body_over_the_size_limit_is_a_413(client):
+    err = error_of(post(client, prompt="a " * 600_000), 413)
+    assert "over the limit of 1048576 bytes" in err["message"]
+
+
+def test_a_body_that_is_not_json_is_a_400(client):
+    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert "not valid JSON" in error_of(r, 400)["message"]
+
+
+def test_a_missing_prompt_is_a_400(client):
+    err = error_of(client.post("/v1/completions", json={"max_tokens": 1}), 400)
+    assert err["param"] == "prompt"
+
+
+def test_chat_with_top_logprobs_but_no_logprobs_is_a_400(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                  "top_logprobs": 2})
+    assert error_of(r, 400)["param"] == "top_logprobs"
+
+
+def test_the_server_keeps_serving_after_bad_requests(client, greedy):
+    for _ in range(3):
+        error_of(post(client, temperature=-5), 400)
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                             "ignore_eos": True})
+    assert r.status_code == 200
+    assert greedy["choices"][0]["text"].startswith(r.json()["choices"][0]["text"])
+
+
+@pytest.fixture(scope="module")
+def side_app(real_server):
+    """A second app over the same engine, with other server settings."""
+    built = real_server.built
+    servers = []
+
+    def make(engine=None, **config):
+        app = create_app(engine or built.engine, built.model.tokenizer, ServerConfig(model_name="granite-tiny", **config))
+        server = ServerThread(app).__enter__()
+        servers.append(server)
+        return httpx.Client(base_url=server.url, timeout=600)
+
+    yield make
+    for s in servers:
+        s.__exit__(None, None, None)
+
+
+def test_a_wrong_api_key_is_a_401_and_health_stays_open(side_app):
+    c = side_app(api_key="sesame")
+    error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                    headers={"Authorization": "Bearer wrong"}), 401)
+    error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}), 401)
+    error_of(c.get("/v1/models"), 401)
+    assert c.get("/health").status_code == 200
+    ok = c.get("/v1/models", headers={"Authorization": "Bearer sesame"})
+    assert ok.status_code == 200
+
+
+def test_a_full_waiting_queue_is_a_503_with_retry_after(side_app):
+    c = side_app(max_waiting=0)
+    r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    err = error_of(r, 503)
+    assert r.headers["retry-after"] == "1"
+    assert "the limit is 0 (--max-waiting)" in err["message"]
+
+
+def test_health_is_503_when_the_engine_loop_is_not_running(side_app, real_server):
+    built = real_server.built
+    stopped = Engine(built.runner, built.model.tokenizer, max_num_seqs=4, max_num_batched_tokens=64)
+    c = side_app(engine=stopped)
+    assert "engine loop is not running" in error_of(c.get("/health"), 503)["message"]
+    error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}), 503)
