@@ -1,0 +1,322 @@
+"""Model benchmark: this runtime against transformers and against the eager baseline, and
+against the machine's own limits, all measured in one run on the same checkpoint.
+
+    .venv/bin/python benchmarks/model.py [--model granite-tiny|granite-8b-layers] [--quick]
+
+Figures (printed as a table, written to benchmarks/results/model.json under the model name):
+  - prefill of a 512-token prompt (tokens/s): program path, eager baseline, transformers forward;
+  - batch-1 decode (ms per token): program path (device-fed tokens, step N+1 launched before
+    step N is read, as the engine runs it), eager baseline, transformers generate (KV cache);
+  - batch-32 decode (tokens/s): the same three;
+  - machine limits: memory read bandwidth and GEMM peak (GFLOP/s, best of this model's layer
+    GEMMs at M = 512 and a square 2048 GEMM); batch-1 decode against weight bytes / bandwidth,
+    prefill and batch-32 decode GFLOP/s against the GEMM peak.
+Threads: 2 for Numba, BLAS and torch alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+THREADS = "2"
+for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(var, THREADS)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.device import bench_bandwidth, best_of  # noqa: E402
+from device import Card  # noqa: E402
+from device.kernels.gemm import gemm  # noqa: E402
+from models import ModelRunner, SamplingParams, SeqWork, load_model  # noqa: E402
+from models.eager import EagerModel  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "model.json"
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK = 64
+PREFILL = 512
+DECODE_PROMPT = 64
+
+
+def median_time(fn, reps):
+    fn()                                                   # warm
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---- the program path ------------------------------------------------------------------
+
+def runtime_prefill(runner, prompt):
+    blocks = list(range(-(-len(prompt) // BLOCK)))
+
+    def run():
+        runner.launch([SeqWork(0, prompt, 0, blocks, True, GREEDY)]).result()
+    return run
+
+
+def runtime_decode(runner, prompts, steps):
+    """Prefill every prompt, then `steps` decode steps of all of them with device-fed tokens,
+    step N+1 launched before step N's result is read. Returns seconds of the decode part."""
+    n = len(prompts)
+    per_seq = -(-(len(prompts[0]) + steps + 1) // BLOCK)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
+    budget = runner.max_num_batched_tokens // len(prompts[0])
+    for a in range(0, n, budget):
+        runner.launch([SeqWork(i, prompts[i], 0, tables[i], True, GREEDY)
+                       for i in range(a, min(n, a + budget))]).result()
+    # the last prefill launch sampled only its own group: one host-fed step for everyone
+    start = len(prompts[0])
+    runner.launch([SeqWork(i, [1], start, tables[i], True, GREEDY) for i in range(n)]).result()
+    t0 = time.perf_counter()
+    pending = None
+    for k in range(steps):
+        h = runner.launch([SeqWork(i, [-1], start + 1 + k, tables[i], True, GREEDY,
+                                   num_generated=k + 1, from_device=True) for i in range(n)])
+        if pending is not None:
+            pending.result()
+        pending = h
+    pending.result()
+    return time.perf_counter() - t0
+
+
+# ---- the eager baseline ----------------------------------------------------------------
+
+def eager_decode(eager, prompts, steps):
+    n = len(prompts)
+    per_seq = -(-(len(prompts[0]) + steps + 1) // BLOCK)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
+    toks = eager.step([SeqWork(i, prompts[i], 0, tables[i], True, GREEDY) for i in range(n)])
+    start = len(prompts[0])
+    t0 = time.perf_counter()
+    for k in range(steps):
+        toks = eager.step([SeqWork(i, [int(toks[i])], start + k, tables[i], True, GREEDY)
+                           for i in range(n)])
+    return time.perf_counter() - t0
+
+
+# ---- transformers ----------------------------------------------------------------------
+
+def hf_decode(ref, prompts, steps):
+    """Seconds of `steps` decode steps in generate (KV cache): generate(steps + 1) minus
+    generate(1), which is the prefill and the first token."""
+    import torch
+
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def gen(n):
+        with torch.no_grad():
+            ref.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+    gen(2)
+    t1 = median_time(lambda: gen(1), 2)
+    tn = median_time(lambda: gen(steps + 1), 1)
+    return max(tn - t1, 1e-9)
+
+
+# ---- machine limits --------------------------------------------------------------------
+
+def gemm_peak(card, cfg):
+    """Best GFLOP/s of the device GEMM at this model's layer shapes (M = 512) and 2048^3."""
+    H, I, QKV = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size  # noqa: E741
+    shapes = {(512, H, QKV), (512, cfg.q_size, H), (512, H, 2 * I), (512, I, H), (2048, 2048, 2048)}
+    rng = np.random.default_rng(0)
+    best = {}
+    for m, k, n in sorted(shapes):
+        ts = [card.empty(s, np.float32) for s in ((m, k), (k, n), (m, n))]
+        a, b, out = (t.numpy() for t in ts)
+        a[:] = rng.standard_normal(a.shape, dtype=np.float32)
+        b[:] = rng.standard_normal(b.shape, dtype=np.float32) * 0.02
+        s = best_of(lambda a=a, b=b, out=out: gemm(out, a, b), min_reps=3, budget=1.0)
+        best[f"{m}x{k}x{n}"] = 2.0 * m * k * n / s / 1e9
+        for t in ts:
+            card.free(t)
+    return max(best.values()), best
+
+
+def step_flops(cfg, tokens, logit_rows, context):
+    """FLOPs of one step: the GEMMs of `tokens` rows, the LM head of `logit_rows`, and
+    attention of each row over `context` keys (a list, one per row)."""
+    H, I, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers  # noqa: E741
+    per_token = L * (H * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * H + H * 2 * I + I * H)
+    attn = sum(4 * L * cfg.q_size * c for c in context)
+    return 2.0 * tokens * per_token + 2.0 * logit_rows * H * V + attn
+
+
+def decode_weight_bytes(model):
+    """Bytes one decode step must read: every layer's weights, the final norm, the LM head."""
+    w = model.weights
+    layer = sum(t.nbytes for lw in w.layers for t in (lw.in_norm, lw.qkv, lw.o, lw.post_norm,
+                                                       lw.gate_up, lw.down))
+    return layer + w.norm.nbytes + w.lm_head.nbytes
+
+
+# ---- the run ---------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="granite-tiny")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(int(THREADS))
+    reps = 1 if args.quick else 3
+    steps1 = 16 if args.quick else 48
+    steps32 = 8 if args.quick else 24
+
+    from models.profiles import resolve_model
+
+    path = resolve_model(args.model)
+    ckpt_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    fp32_bytes = ckpt_bytes * (2 if "8b" in args.model else 1)
+    card = Card(int(fp32_bytes * 1.3) + (3 << 30))
+    t0 = time.perf_counter()
+    model = load_model(args.model, card)
+    load_s = time.perf_counter() - t0
+    cfg = model.config
+    runner = ModelRunner(model, card, max_num_seqs=32, max_num_batched_tokens=PREFILL,
+                         block_size=BLOCK, num_kv_blocks=160, seed=0)
+    t0 = time.perf_counter()
+    runner.warmup(progress=True)
+    warm_s = time.perf_counter() - t0
+    compiles_after_warmup = card.counters.snapshot()["compiles"]
+
+    vocab = min(cfg.vocab_size, 8192)
+    rng = np.random.default_rng(0)
+    prompt512 = rng.integers(1, vocab, PREFILL).tolist()
+    prompts32 = [rng.integers(1, vocab, DECODE_PROMPT).tolist() for _ in range(32)]
+    r = {"model": args.model, "config": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
+                                         "heads": cfg.num_attention_heads,
+                                         "kv_heads": cfg.num_key_value_heads,
+                                         "intermediate": cfg.intermediate_size,
+                                         "vocab": cfg.vocab_size, "tied": cfg.tie_word_embeddings},
+         "machine": {"cpus": os.cpu_count(), "threads": int(THREADS),
+                     "platform": platform.platform()},
+         "load_seconds": load_s, "warmup_seconds": warm_s, "programs": len(runner.programs)}
+    print(f"{args.model}: loaded in {load_s:.1f} s, {len(runner.programs)} programs warmed up "
+          f"in {warm_s:.1f} s", flush=True)
+
+    # machine limits
+    bw = bench_bandwidth(512 << 20)
+    peak, peak_shapes = gemm_peak(card, cfg)
+    r["limits"] = {"bandwidth_gbs": bw["machine_gbs"], "gemm_peak_gflops": peak,
+                   "gemm_gflops_by_shape": peak_shapes}
+    print(f"  bandwidth {bw['machine_gbs']:.1f} GB/s, GEMM peak {peak:.1f} GFLOP/s", flush=True)
+
+    # program path
+    prefill_s = median_time(runtime_prefill(runner, prompt512), reps)
+    print(f"  runtime prefill {PREFILL / prefill_s:.0f} tok/s", flush=True)
+    dec1_s = runtime_decode(runner, prompts32[:1], steps1) / steps1
+    print(f"  runtime batch-1 decode {dec1_s * 1e3:.2f} ms/token", flush=True)
+    dec32_s = runtime_decode(runner, prompts32, steps32) / steps32
+    print(f"  runtime batch-32 decode {32 / dec32_s:.0f} tok/s", flush=True)
+    compiles_after_run = card.counters.snapshot()["compiles"]
+    runner.close()
+
+    # eager baseline
+    eager = EagerModel(model, card, block_size=BLOCK, num_kv_blocks=160)
+    blocks = list(range(PREFILL // BLOCK))
+    e_prefill_s = median_time(lambda: eager.step([SeqWork(0, prompt512, 0, blocks, True,
+                                                           GREEDY)]), reps)
+    print(f"  eager prefill {PREFILL / e_prefill_s:.0f} tok/s", flush=True)
+    e_dec1_s = eager_decode(eager, prompts32[:1], steps1) / steps1
+    print(f"  eager batch-1 decode {e_dec1_s * 1e3:.2f} ms/token", flush=True)
+    e_dec32_s = eager_decode(eager, prompts32, steps32) / steps32
+    print(f"  eager batch-32 decode {32 / e_dec32_s:.0f} tok/s", flush=True)
+    eager.close()
+
+    # transformers, fp32, same checkpoint
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt512])
+
+    def hf_prefill():
+        with torch.no_grad():
+            ref(ids, use_cache=False)
+    h_prefill_s = median_time(hf_prefill, reps)
+    print(f"  transformers prefill {PREFILL / h_prefill_s:.0f} tok/s", flush=True)
+    h_dec1_s = hf_decode(ref, prompts32[:1], steps1) / steps1
+    print(f"  transformers batch-1 decode {h_dec1_s * 1e3:.2f} ms/token", flush=True)
+    h_dec32_s = hf_decode(ref, prompts32, steps32) / steps32
+    print(f"  transformers batch-32 decode {32 / h_dec32_s:.0f} tok/s", flush=True)
+
+    wbytes = decode_weight_bytes(model)
+    floor_s = wbytes / (bw["machine_gbs"] * 1e9)
+    prefill_gflops = step_flops(cfg, PREFILL, 1, list(range(1, PREFILL + 1))) / prefill_s / 1e9
+    ctx32 = [DECODE_PROMPT + 1 + steps32 // 2] * 32
+    dec32_gflops = step_flops(cfg, 32, 32, ctx32) / dec32_s / 1e9
+    r["prefill_512"] = {"runtime_tok_s": PREFILL / prefill_s, "eager_tok_s": PREFILL / e_prefill_s,
+                        "transformers_tok_s": PREFILL / h_prefill_s,
+                        "runtime_gflops": prefill_gflops,
+                        "runtime_over_transformers": h_prefill_s / prefill_s,
+                        "runtime_over_eager": e_prefill_s / prefill_s,
+                        "fraction_of_gemm_peak": prefill_gflops / peak}
+    r["decode_batch1"] = {"runtime_ms_per_token": dec1_s * 1e3, "eager_ms_per_token": e_dec1_s * 1e3,
+                          "transformers_ms_per_token": h_dec1_s * 1e3,
+                          "weight_bytes": wbytes, "bandwidth_floor_ms": floor_s * 1e3,
+                          "runtime_over_floor": dec1_s / floor_s,
+                          "runtime_over_transformers": h_dec1_s / dec1_s,
+                          "runtime_over_eager": e_dec1_s / dec1_s}
+    r["decode_batch32"] = {"runtime_tok_s": 32 / dec32_s, "eager_tok_s": 32 / e_dec32_s,
+                           "transformers_tok_s": 32 / h_dec32_s, "runtime_gflops": dec32_gflops,
+                           "fraction_of_gemm_peak": dec32_gflops / peak,
+                           "runtime_over_transformers": h_dec32_s / dec32_s,
+                           "runtime_over_eager": e_dec32_s / dec32_s}
+    r["compiles"] = {"after_warmup": compiles_after_warmup, "after_run": compiles_after_run}
+    r["targets"] = {
+        "decode_b1_within_1.3x_floor": dec1_s / floor_s <= 1.3,
+        "prefill_80pct_gemm_peak": prefill_gflops / peak >= 0.8,
+        "decode_b32_50pct_gemm_peak": dec32_gflops / peak >= 0.5,
+        "prefill_1.7x_eager": e_prefill_s / prefill_s >= 1.7,
+        "decode_2.4x_eager": e_dec1_s / dec1_s >= 2.4,
+    }
+    print_table(r)
+    all_results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    all_results[args.model] = r
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(all_results, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+def print_table(r):
+    p, d1, d32, lim = r["prefill_512"], r["decode_batch1"], r["decode_batch32"], r["limits"]
+    print()
+    print(f"{r['model']}  (threads {r['machine']['threads']}, bandwidth {lim['bandwidth_gbs']:.1f} GB/s,"
+          f" GEMM peak {lim['gemm_peak_gflops']:.1f} GFLOP/s)")
+    print(f"{'':28s}{'runtime':>12s}{'eager':>12s}{'transformers':>14s}")
+    print(f"{'prefill 512 (tok/s)':28s}{p['runtime_tok_s']:12.0f}{p['eager_tok_s']:12.0f}"
+          f"{p['transformers_tok_s']:14.0f}")
+    print(f"{'decode b=1 (ms/token)':28s}{d1['runtime_ms_per_token']:12.2f}"
+          f"{d1['eager_ms_per_token']:12.2f}{d1['transformers_ms_per_token']:14.2f}")
+    print(f"{'decode b=32 (tok/s)':28s}{d32['runtime_tok_s']:12.0f}{d32['eager_tok_s']:12.0f}"
+          f"{d32['transformers_tok_s']:14.0f}")
+    print(f"program vs eager: prefill {p['runtime_over_eager']:.2f}x, decode b=1 "
+          f"{d1['runtime_over_eager']:.2f}x, decode b=32 {d32['runtime_over_eager']:.2f}x")
+    print(f"vs transformers: prefill {p['runtime_over_transformers']:.2f}x, decode b=1 "
+          f"{d1['runtime_over_transformers']:.2f}x, decode b=32 {d32['runtime_over_transformers']:.2f}x")
+    print(f"limits: decode b=1 {d1['runtime_ms_per_token']:.2f} ms vs floor "
+          f"{d1['bandwidth_floor_ms']:.2f} ms ({d1['runtime_over_floor']:.2f}x); prefill "
+          f"{p['runtime_gflops']:.1f} GFLOP/s = {100 * p['fraction_of_gemm_peak']:.0f}% of peak; "
+          f"decode b=32 {d32['runtime_gflops']:.1f} GFLOP/s = {100 * d32['fraction_of_gemm_peak']:.0f}%")
+    print("targets:", ", ".join(f"{k} {'MET' if v else 'missed'}" for k, v in r["targets"].items()))
+    print(f"compiles after warm-up: {r['compiles']['after_warmup']} -> after the run: "
+          f"{r['compiles']['after_run']}")
+
+
+if __name__ == "__main__":
+    main()
