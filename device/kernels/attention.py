@@ -12,6 +12,7 @@ from device.kernels.fastexp import exp_nonpos
 
 # Start value of running maxima. Finite, because fastmath assumes no infinities.
 _NEG_BIG = np.float32(-1.0e30)
+_ROW_TILE = 16  # query rows of one sequence per work item
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -97,61 +98,82 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
     hq = q.shape[1]
     group = hq // hkv
     s_n = context_lens.shape[0]
-    n_rows = query_start[s_n]
-    seq_of_row = np.empty(n_rows, np.int32)
+    # Work items: (tile of up to _ROW_TILE query rows of one sequence, KV head).
+    # The tile's rows and the `group` query heads sharing the KV head are
+    # processed together, so each K/V row is read once per tile, not per row.
+    n_tiles = 0
     for s in range(s_n):
-        for r in range(query_start[s], query_start[s + 1]):
-            seq_of_row[r] = s
+        n_tiles += (query_start[s + 1] - query_start[s] + _ROW_TILE - 1) // _ROW_TILE
+    tile_seq = np.empty(n_tiles, np.int32)
+    tile_row0 = np.empty(n_tiles, np.int32)
+    n_tiles = 0
+    for s in range(s_n):
+        for r0 in range(query_start[s], query_start[s + 1], _ROW_TILE):
+            tile_seq[n_tiles] = s
+            tile_row0[n_tiles] = r0
+            n_tiles += 1
     sc = np.float32(scale)
-    # One work item per (query row, KV head): the `group` query heads that
-    # share a KV head are processed together, so each K/V row is read once.
-    for item in prange(n_rows * hkv):
-        r = item // hkv
+    for item in prange(n_tiles * hkv):
+        tile = item // hkv
         kvh = item % hkv
         h0 = kvh * group
-        s = seq_of_row[r]
-        q_len = query_start[s + 1] - query_start[s]
-        pos = context_lens[s] - q_len + (r - query_start[s])
-        n_keys = pos + 1
-        scores = np.empty((group, bs), np.float32)
+        s = tile_seq[tile]
+        r0 = tile_row0[tile]
+        nr = min(_ROW_TILE, query_start[s + 1] - r0)
+        nqv = nr * group  # query vectors of the item: (row - r0) * group + g
+        pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
+        n_keys = pos0 + nr  # keys the last row sees
+        scores = np.empty((nqv, bs), np.float32)
+        acc = np.zeros((nqv, d), np.float32)
+        m = np.full(nqv, _NEG_BIG, np.float32)
+        denom = np.zeros(nqv, np.float32)
         bits = np.empty(bs, np.int32)
-        acc = np.zeros((group, d), np.float32)
-        m = np.full(group, _NEG_BIG, np.float32)
-        denom = np.zeros(group, np.float32)
-        qv = q[r, h0:h0 + group]  # [group, D]
+        qt = np.empty((nqv, d), np.float32)  # the tile's query vectors, contiguous, scaled
+        for j in range(nr):
+            for g in range(group):
+                for i in range(d):
+                    qt[j * group + g, i] = q[r0 + j, h0 + g, i] * sc
         for b in range((n_keys + bs - 1) // bs):
             blk = block_tables[s, b]
             cnt = min(bs, n_keys - b * bs)
             for o in range(cnt):
                 kv = k_cache[blk, o, kvh]
-                for g in range(group):
+                # causal mask: query vectors before q0 belong to rows before this key
+                q0 = max(0, b * bs + o - pos0) * group
+                for qi in range(q0):
+                    scores[qi, o] = _NEG_BIG
+                for qi in range(q0, nqv):
                     dot = np.float32(0.0)
                     for i in range(d):
-                        dot += qv[g, i] * kv[i]
-                    scores[g, o] = dot * sc
-            for g in range(group):
+                        dot += qt[qi, i] * kv[i]
+                    scores[qi, o] = dot
+            for qi in range(nqv):
+                sg = scores[qi, :cnt]
                 bmax = _NEG_BIG
                 for o in range(cnt):
-                    bmax = max(bmax, scores[g, o])
-                m_new = max(m[g], bmax)
-                corr = np.float32(np.exp(m[g] - m_new))
-                denom[g] *= corr
+                    bmax = max(bmax, sg[o])
+                # row qi // group sees position 0 in block 0, so m is finite from then on
+                m_new = max(m[qi], bmax)
+                corr = np.float32(np.exp(m[qi] - m_new))
+                denom[qi] *= corr
                 for i in range(d):
-                    acc[g, i] *= corr
-                sg = scores[g, :cnt]
+                    acc[qi, i] *= corr
                 for o in range(cnt):
                     sg[o] -= m_new
-                exp_nonpos(sg, bits[:cnt])
+                exp_nonpos(sg, bits[:cnt])  # masked entries: -1e30 - m -> 0
                 for o in range(cnt):
-                    denom[g] += sg[o]
-                m[g] = m_new
+                    denom[qi] += sg[o]
+                m[qi] = m_new
             for o in range(cnt):
                 vv = v_cache[blk, o, kvh]
-                for g in range(group):
-                    p = scores[g, o]
+                for qi in range(nqv):
+                    w = scores[qi, o]
+                    if w == 0.0:
+                        continue
                     for i in range(d):
-                        acc[g, i] += p * vv[i]
-        for g in range(group):
-            inv = np.float32(1.0) / denom[g]
-            for i in range(d):
-                out[r, h0 + g, i] = acc[g, i] * inv
+                        acc[qi, i] += w * vv[i]
+        for j in range(nr):
+            for g in range(group):
+                inv = np.float32(1.0) / denom[j * group + g]
+                for i in range(d):
+                    out[r0 + j, h0 + g, i] = acc[j * group + g, i] * inv
