@@ -80,6 +80,11 @@ def test_mixed_batch_decode_and_chunked_prefill():
     _run_and_compare([1, 7, 10, 1], [40, 30, 10, 3], hq=8, hkv=2, bs=8, seed=3)
 
 
+def test_chunk_spanning_several_row_tiles_after_unaligned_prefix():
+    # 37 rows (tiles of 16, 16, 5) starting at position 63, blocks of 8
+    _run_and_compare([37, 20], [100, 20], hq=4, hkv=1, bs=8, seed=4)
+
+
 def test_padding_rows_past_query_start_are_untouched():
     q, kc, vc, bt, qs, cl = _case([3], [5], 2, 1, 4)
     q = np.concatenate([q, np.ones((2, 2, D), np.float32)])
