@@ -18,3 +18,11 @@ def test_swiglu_matches_torch_silu_times_up(t, i):
 def test_swiglu_rejects_out_of_wrong_width():
     with pytest.raises(ValueError, match="swiglu"):
         swiglu(np.empty((2, 3), np.float32), np.zeros((2, 8), np.float32))
+
+
+def test_swiglu_saturates_without_overflow_at_extreme_gates():
+    gu = np.array([[-200.0, -30.0, 0.0, 30.0, 200.0, 2.0, 2.0, 2.0, 2.0, 2.0]], np.float32)
+    out = np.empty((1, 5), np.float32)
+    swiglu(out, gu)
+    np.testing.assert_allclose(out[0], [0.0, -30.0 * 2 * np.exp(-30.0), 0.0, 60.0, 400.0],
+                               rtol=1e-5, atol=1e-30)
