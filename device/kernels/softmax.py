@@ -1,7 +1,12 @@
-"""Softmax and log-softmax over the rows of a [M, N] matrix, float32."""
+"""Softmax and log-softmax over the rows of a [M, N] matrix, float32.
+
+Exponentials by `exp_nonpos` (vectorized, 3e-7 relative); -inf entries give 0.
+"""
 
 import numpy as np
 from numba import njit, prange
+
+from device.kernels.fastexp import exp_nonpos
 
 # Reassociated sums (vectorized), but infinities and NaN keep their meaning.
 _REORDER = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -13,21 +18,29 @@ def _check(out, x):
         raise ValueError("softmax: out shape differs from x shape (rows, cols)", x.shape[0], x.shape[1])
 
 
+@njit(nogil=True, cache=True, fastmath=_REORDER)
+def _exp_shifted(e, x, bits):
+    """e[N] = exp(x[N] - max(x)); returns max(x). bits int32[N] scratch."""
+    mx = x[0]
+    for j in range(1, x.shape[0]):
+        mx = max(mx, x[j])
+    for j in range(x.shape[0]):
+        e[j] = x[j] - mx
+    exp_nonpos(e, bits)
+    return mx
+
+
 @njit(nogil=True, cache=True, parallel=True, fastmath=_REORDER)
 def softmax(out, x):
-    """out[M, N] = exp(x - max) / sum(exp(x - max)), per row."""
+    """out[M, N] = exp(x - max) / sum(exp(x - max)), per row (out may be x)."""
     _check(out, x)
     m, n = x.shape
     for i in prange(m):
-        mx = x[i, 0]
-        for j in range(1, n):
-            if x[i, j] > mx:
-                mx = x[i, j]
+        bits = np.empty(n, np.int32)
+        _exp_shifted(out[i], x[i], bits)
         s = np.float32(0.0)
         for j in range(n):
-            e = np.exp(x[i, j] - mx)
-            out[i, j] = e
-            s += e
+            s += out[i, j]
         r = np.float32(1.0) / s
         for j in range(n):
             out[i, j] *= r
@@ -35,17 +48,16 @@ def softmax(out, x):
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=_REORDER)
 def log_softmax(out, x):
-    """out[M, N] = x - max - log(sum(exp(x - max))), per row."""
+    """out[M, N] = x - max - log(sum(exp(x - max))), per row (out may be x)."""
     _check(out, x)
     m, n = x.shape
     for i in prange(m):
-        mx = x[i, 0]
-        for j in range(1, n):
-            if x[i, j] > mx:
-                mx = x[i, j]
+        e = np.empty(n, np.float32)
+        bits = np.empty(n, np.int32)
+        mx = _exp_shifted(e, x[i], bits)
         s = np.float32(0.0)
         for j in range(n):
-            s += np.exp(x[i, j] - mx)
+            s += e[j]
         lse = mx + np.log(s)
         for j in range(n):
             out[i, j] = x[i, j] - lse

@@ -33,3 +33,19 @@ def test_softmax_handles_large_logits_without_overflow():
     out = np.empty_like(x)
     softmax(out, x)
     np.testing.assert_allclose(out, torch.softmax(torch.from_numpy(x), -1).numpy(), rtol=1e-6)
+
+
+def test_softmax_gives_zero_to_minus_inf_entries():
+    x = np.array([[0.0, -np.inf, 1.0]], np.float32)
+    out = np.empty_like(x)
+    softmax(out, x)
+    assert out[0, 1] == 0.0
+    np.testing.assert_allclose(out[0, [0, 2]], [1 / (1 + np.e), np.e / (1 + np.e)], rtol=1e-6)
+
+
+def test_log_softmax_in_place_matches_out_of_place():
+    x = _x(3, 50)
+    ref = np.empty_like(x)
+    log_softmax(ref, x)
+    log_softmax(x, x)
+    np.testing.assert_array_equal(x, ref)
