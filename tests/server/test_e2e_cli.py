@@ -1,0 +1,110 @@
+"""The spyre-serve command: help, environment configuration, start-up log, SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.cli import Settings, parse_args
+
+BIN = Path(sys.executable).parent / "spyre-serve"
+ROOT = Path(__file__).resolve().parents[2]
+# the dev venv's editable install may predate the packages' __init__.py files (it then maps
+# them as namespace packages); putting the checkout first on the path makes the script use it
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+FLAGS = ["--model", "--host", "--port", "--served-model-name", "--max-num-seqs", "--max-num-batched-tokens",
+         "--block-size", "--device-memory", "--api-key", "--max-waiting", "--num-kv-blocks", "--max-model-len",
+         "--drain-timeout", "--max-n", "--max-body-bytes", "--warmup"]
+
+
+def test_help_documents_every_flag_and_its_environment_variable():
+    top = subprocess.run([BIN, "--help"], capture_output=True, text=True, check=True, env=ENV).stdout
+    assert "serve" in top
+    out = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True, check=True, env=ENV).stdout
+    for flag in FLAGS:
+        assert flag in out, flag
+        assert "SPYRE_SERVE_" + flag[2:].replace("-", "_").upper() in out, flag
+
+
+def test_flags_come_from_the_environment_and_the_command_line_wins(monkeypatch):
+    monkeypatch.setenv("SPYRE_SERVE_PORT", "9123")
+    monkeypatch.setenv("SPYRE_SERVE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("SPYRE_SERVE_DEVICE_MEMORY", "2G")
+    monkeypatch.setenv("SPYRE_SERVE_API_KEY", "k")
+    monkeypatch.setenv("SPYRE_SERVE_WARMUP", "false")
+    s = parse_args(["serve", "--max-num-seqs", "9"])
+    assert (s.port, s.max_num_seqs, s.device_memory, s.api_key, s.warmup) == (9123, 9, 2 << 30, "k", False)
+    assert Settings().model == "granite-tiny"
+
+
+def test_a_bad_size_is_refused_with_the_value(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--device-memory", "lots"])
+    assert "not a size: 'lots'" in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
+    port = free_port()
+    env = {**ENV, "SPYRE_SERVE_PORT": str(port), "SPYRE_SERVE_MAX_NUM_SEQS": "2",
+           "SPYRE_SERVE_MAX_NUM_BATCHED_TOKENS": "4", "SPYRE_SERVE_BLOCK_SIZE": "16",
+           "SPYRE_SERVE_NUM_KV_BLOCKS": "16", "SPYRE_SERVE_MAX_MODEL_LEN": "256",
+           "SPYRE_SERVE_DEVICE_MEMORY": "512M", "SPYRE_SERVE_DRAIN_TIMEOUT": "300"}
+    proc = subprocess.Popen([BIN, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            deadline = time.monotonic() + 600
+            while True:
+                assert proc.poll() is None, "".join(log)
+                assert time.monotonic() < deadline, "server did not start"
+                try:
+                    if c.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            events: list = []
+            body = {"prompt": "Hello there", "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = (line for line in r.iter_lines() if line)
+                events.append(next(lines))
+                proc.send_signal(signal.SIGTERM)
+                while c.get("/health").status_code == 200:
+                    time.sleep(0.05)
+                refused = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                events.extend(lines)
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert refused.headers["retry-after"] == "1"
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(5)
+    text = "".join(log)
+    assert "model granite-tiny" in text
+    assert "memory plan" in text and "weights" in text and "KV cache 16 blocks" not in text
+    assert "16 blocks of 16 tokens" in text and "scratch" in text
+    assert "compiling and preparing 5 step programs" in text and "warming up step programs" in text
+    assert f"http://127.0.0.1:{port}" in text
