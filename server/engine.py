@@ -152,6 +152,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the loop died
         self.accepting = True  # false while draining for shutdown
+        self._counts = (0, 0)  # (running, waiting) requests, published by the engine thread
 
     # ---- public, any thread ---------------------------------------------------
 
@@ -167,14 +168,20 @@ class Engine:
 
     @property
     def num_waiting_requests(self) -> int:
+        """Requests not admitted yet: in the inbox or with a sequence in the waiting queue."""
         with self._lock:
             queued = sum(1 for kind, _ in self._inbox if kind == "add")
-        ids = {s.request_id for s in list(self.scheduler.waiting)}
-        return queued + len(ids)
+        return queued + self._counts[1]
 
     @property
     def num_running_requests(self) -> int:
-        return len({s.request_id for s in list(self.scheduler.running)})
+        return self._counts[0]
+
+    def _publish_counts(self) -> None:
+        """Engine thread: request counts other threads read (they never touch the queues)."""
+        running = {s.request_id for s in self.scheduler.running}
+        waiting = {s.request_id for s in self.scheduler.waiting} - running
+        self._counts = (len(running), len(waiting))
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Refuse up front what can never run: raise ``RequestRejected`` with the numbers."""
@@ -245,6 +252,7 @@ class Engine:
                 if inflight is not None:
                     self._collect(inflight)
                 inflight = step
+                self._publish_counts()
                 if inflight is None:
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -253,10 +261,12 @@ class Engine:
                 self.stats.busy_device_seconds += self._device_seconds() - c0
             if inflight is not None:
                 self._collect(inflight)
+            self._fail_all("the engine was shut down")
         except BaseException as exc:  # the loop must never die silently
             self.error = exc
             log.exception("engine loop died")
             self._fail_all(f"the engine stopped: {type(exc).__name__}: {exc}")
+        self._counts = (0, 0)
 
     def _device_seconds(self) -> float:
         if self.card is None:

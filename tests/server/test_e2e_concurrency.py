@@ -11,7 +11,7 @@ WORDS = ("the cat sat on a mat while seven birds sang about rivers and old stone
          "the quiet harbour where boats rest until morning light returns again").split()
 
 # eight (prompt, max_tokens) cases; the 64 requests cycle through them, so each is checked 8 times
-CASES = [(" ".join(WORDS[: 2 + 3 * i]), 3 + (i * 5) % 8) for i in range(8)]
+CASES = [(" ".join(WORDS[: 2 + 3 * i]), 2 + (i * 3) % 5) for i in range(8)]
 
 
 async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[str, str]:

@@ -11,13 +11,13 @@ from server.cli import build
 from tests.server.conftest import ServerThread, real_settings
 
 PROMPTS = ["Once upon a time in a", "The river ran past the old mill and", "Seven small birds"]
-MAX_TOKENS = 20
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def small_cache_server():
-    # 16-token blocks, 8 of them: one request needs up to 3, six at once need about 15
-    built = build(real_settings(num_kv_blocks=8, max_model_len=128, max_num_seqs=8), progress=False)
+    # 16-token blocks, 6 of them: one request needs 2, six at once need 12
+    built = build(real_settings(num_kv_blocks=6, max_model_len=96, max_num_seqs=8), progress=False)
     with ServerThread(built.app) as server:
         server.built = built
         yield server
