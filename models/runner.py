@@ -16,6 +16,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
 from device import Card, DeviceTensor, Program, Slot
@@ -31,6 +32,10 @@ from models.step_program import (
 from models.weights import build_layer_table
 
 MAX_LOGPROBS = KMAX
+# Buckets of fewer token rows than this run the step's Numba kernels on one core: their
+# parallel regions cost more than they save on a few rows, and on a busy machine each
+# region can wait a whole time slice for a descheduled worker. GEMMs keep every BLAS thread.
+SERIAL_BELOW = 64
 
 
 @dataclass(slots=True)
@@ -205,6 +210,7 @@ class ModelRunner:
         self.stream = card.new_stream("compute")
         self.programs: dict[tuple[int, int], Program] = {}
         self._launches = 0
+        self._threads = numba.get_num_threads()  # what the compute stream's thread uses now
         self._last_rows: dict[int, int] = {}       # seq_id -> sample row in the previous launch
         self._pending_plp: dict[int, np.ndarray] = {}  # seq_id -> last prompt row's log-softmax
         self._static = {
@@ -439,6 +445,10 @@ class ModelRunner:
         bindings = {"T": t, "S": s, "R": r, "NS": ns, "MB": mb, "K": k, "NPEN": npen,
                     "prev_out_i32": self.out_i32[parity ^ 1], "out_i32": out_i32_dev,
                     "out_f32": out_f32_dev}
+        want = 1 if t < SERIAL_BELOW else numba.config.NUMBA_NUM_THREADS
+        if want != self._threads:                # per-thread setting: set it on the stream's thread
+            stream.enqueue(numba.set_num_threads, want, compute=False, label="set_num_threads")
+            self._threads = want
         handle = self._program(t, s).launch(stream, bindings, readback=readback)
         self._launches += 1
         self._last_rows = new_rows

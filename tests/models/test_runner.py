@@ -128,3 +128,15 @@ def test_kv_blocks_come_from_the_memory_left(model_dir):
     assert r.kv.nbytes <= 0.5 * (left + r.kv.nbytes) + 1
     r.close()
     card.close()
+
+
+def test_eager_baseline_computes_the_same_greedy_tokens(runner):
+    from models.eager import EagerModel
+
+    eager = EagerModel(runner.model, runner.card, block_size=BLOCK, num_kv_blocks=8)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+    work = [prefill(i, p, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+    want = runner.launch(work).result().token_ids
+    got = eager.step(work)
+    eager.close()
+    assert got.tolist() == want.tolist()
