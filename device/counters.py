@@ -40,6 +40,13 @@ class Counters:
             v["bytes_patched"] += bytes_patched
             v["launch_host_seconds"] += host_seconds
 
+    def add_plan(self, h2d_bytes: int, d2h_bytes: int, compute_seconds: float) -> None:
+        with self._lock:
+            v = self._values
+            v["h2d_bytes"] += h2d_bytes
+            v["d2h_bytes"] += d2h_bytes
+            v["compute_seconds"] += compute_seconds
+
     def __getitem__(self, name: str):
         return self._values[name]
 

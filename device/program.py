@@ -52,6 +52,8 @@ class Slot:
 
 
 # ---- job plan steps -------------------------------------------------------------
+# Each step's run(card, tally) does its work and adds to tally = [h2d bytes, d2h bytes,
+# compute seconds]; the plan reports the tally to the card's counters once.
 
 
 @dataclass(slots=True)
@@ -61,7 +63,7 @@ class HostCompute:
     fn: Callable
     args: tuple = ()
 
-    def run(self, card: Card) -> None:
+    def run(self, card: Card, tally: list) -> None:
         self.fn(*self.args)
 
 
@@ -72,9 +74,9 @@ class H2D:
     dst: np.ndarray
     src: np.ndarray
 
-    def run(self, card: Card) -> None:
+    def run(self, card: Card, tally: list) -> None:
         self.dst[:] = self.src
-        card.counters.add("h2d_bytes", self.src.nbytes)
+        tally[0] += self.src.nbytes
 
 
 @dataclass(slots=True)
@@ -84,12 +86,11 @@ class Compute:
     fn: Callable
     args: tuple = ()
 
-    def run(self, card: Card) -> None:
+    def run(self, card: Card, tally: list) -> None:
         with card.compute_lock:
             t0 = time.perf_counter()
             self.fn(*self.args)
-            dt = time.perf_counter() - t0
-        card.counters.add("compute_seconds", dt)
+            tally[2] += time.perf_counter() - t0
 
 
 @dataclass(slots=True)
@@ -99,9 +100,9 @@ class D2H:
     dst: np.ndarray
     src: DeviceTensor
 
-    def run(self, card: Card) -> None:
+    def run(self, card: Card, tally: list) -> None:
         np.copyto(self.dst, self.src.numpy().reshape(self.dst.shape))
-        card.counters.add("d2h_bytes", self.dst.nbytes)
+        tally[1] += self.dst.nbytes
 
 
 @dataclass(slots=True)
@@ -110,15 +111,19 @@ class JobPlan:
     steps: list = field(default_factory=list)
 
     def run(self, card: Card) -> None:
-        for step in self.steps:
-            step.run(card)
+        tally = [0, 0, 0.0]
+        try:
+            for step in self.steps:
+                step.run(card, tally)
+        finally:
+            card.counters.add_plan(*tally)
 
 
-def _run_plan(plan: JobPlan, card: Card, event: Event, gen: int) -> None:
+def _run_plan(plan: JobPlan, card: Card, event: Event) -> None:
     try:
         plan.run(card)
     finally:
-        event._fire(gen)  # the handle's event fires even if a step raised
+        event._time_ns = time.perf_counter_ns()  # the launch's event completes with this command
 
 
 def _write_blob(blob: np.ndarray, values: list) -> None:
@@ -255,9 +260,8 @@ class Program:
         for host, dev in readback:
             steps.append(self._readback_step(host, dev))
         event = Event()
-        gen = event._reserve()
-        seq = stream._submit(_run_plan, (JobPlan(self.name, steps), self.card, event, gen), False, self.name)
-        event._set_recorded(stream, seq, gen)
+        seq = stream._submit(_run_plan, (JobPlan(self.name, steps), self.card, event), False, self.name)
+        event._stream, event._seq = stream, seq
         self.card.counters.add_launch(8 * len(values), time.perf_counter() - t0)
         return LaunchHandle(self, event)
 

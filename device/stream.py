@@ -1,7 +1,7 @@
 """Stream: an ordered FIFO queue of commands run by one worker thread.
 
 Enqueueing returns at once (it blocks only when `depth` commands are already
-waiting: backpressure). Commands run in the order enqueued. A command that
+waiting behind the running one: backpressure). Commands run in the order enqueued. A command that
 raises does not stop the stream: the exception is kept and re-raised on the
 host, chained (`raise ... from original`), by the next `synchronize()` or
 event wait that covers the command.
@@ -54,7 +54,7 @@ class Stream:
         self.card = card
         self.name = name
         self.depth = depth
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by _submit (depth)
         self._submit_lock = threading.Lock()  # seq order == queue order across host threads
         self._done = threading.Condition()  # guards _completed and _failures
         self._submitted = 0
@@ -96,10 +96,10 @@ class Stream:
         return event
 
     def wait_event(self, event: Event) -> None:
-        """Later commands on this stream wait until `event` (as recorded now) has fired."""
-        gen = event._generation()
-        if gen:
-            self._submit(event._block_until, (gen,), False, "wait_event")
+        """Later commands on this stream wait until `event` (as recorded now) has completed."""
+        other, seq = event._stream, event._seq
+        if other is not None and other is not self:  # on its own stream, FIFO order already holds
+            self._submit(other._wait_for, (seq,), False, "wait_event")
 
     # host side --------------------------------------------------------------
     def synchronize(self) -> None:
@@ -119,7 +119,7 @@ class Stream:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
+        self._queue.put((0, _STOP, (), False, "stop"))
         self._thread.join()
 
     # internals ----------------------------------------------------------------
@@ -127,12 +127,18 @@ class Stream:
         if self._closed:
             raise DeviceError(f"stream '{self.name}' is closed")
         with self._submit_lock:
+            if self._submitted - self._completed > self.depth:  # depth waiting + 1 running: wait
+                with self._done:
+                    while self._submitted - self._completed > self.depth:
+                        self._done.wait()
             self._submitted += 1
             seq = self._submitted
-            self._queue.put((seq, fn, args, compute, label))  # blocks when full: backpressure
+            self._queue.put((seq, fn, args, compute, label))
         return seq
 
     def _wait_for(self, seq: int) -> None:
+        if self._completed >= seq:
+            return
         if threading.current_thread() is self._thread:
             raise DeviceError(f"a command on stream '{self.name}' waited on its own stream (deadlock)")
         with self._done:
@@ -141,6 +147,8 @@ class Stream:
 
     def _raise_failures(self, upto: int) -> None:
         """Raise (and forget) the failures of commands numbered <= `upto`."""
+        if not self._failures:
+            return
         with self._done:
             if not self._failures or self._failures[0].seq > upto:
                 return
@@ -152,10 +160,9 @@ class Stream:
     def _work(self) -> None:
         lock = self.card.compute_lock
         while True:
-            item = self._queue.get()
-            if item is _STOP:
+            seq, fn, args, compute, label = self._queue.get()
+            if fn is _STOP:
                 return
-            seq, fn, args, compute, label = item
             failure = None
             try:
                 if compute:

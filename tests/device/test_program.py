@@ -203,7 +203,7 @@ def test_job_plan_runs_its_steps_in_order(card):
         def __init__(self, tag):
             self.tag = tag
 
-        def run(self, c):
+        def run(self, c, tally):
             seen.append(self.tag)
 
     JobPlan("p", [Step("host"), Step("h2d"), Step("compute"), Step("d2h")]).run(card)
