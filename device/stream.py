@@ -13,6 +13,7 @@ one set of cores); copies, event records and waits do not.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +46,7 @@ class _Failure:
 
 
 _STOP = object()
+_NEVER = sys.maxsize
 
 
 class Stream:
@@ -59,6 +61,7 @@ class Stream:
         self._done = threading.Condition()  # guards _completed and _failures
         self._submitted = 0
         self._completed = 0
+        self._wake_at = _NEVER  # lowest seq a waiter is blocked on
         self._failures: list[_Failure] = []
         self._closed = False
         self._thread = threading.Thread(target=self._work, name=f"stream-{name}", daemon=True)
@@ -128,21 +131,25 @@ class Stream:
             raise DeviceError(f"stream '{self.name}' is closed")
         with self._submit_lock:
             if self._submitted - self._completed > self.depth:  # depth waiting + 1 running: wait
-                with self._done:
-                    while self._submitted - self._completed > self.depth:
-                        self._done.wait()
+                self._wait_for(self._submitted - self.depth)
             self._submitted += 1
             seq = self._submitted
             self._queue.put((seq, fn, args, compute, label))
         return seq
 
     def _wait_for(self, seq: int) -> None:
+        """Block until command `seq` has run. The worker wakes waiters only when the
+        lowest target is reached (`_wake_at`), so a waiter costs nothing per command."""
         if self._completed >= seq:
             return
         if threading.current_thread() is self._thread:
             raise DeviceError(f"a command on stream '{self.name}' waited on its own stream (deadlock)")
         with self._done:
-            while self._completed < seq:
+            while True:
+                if seq < self._wake_at:
+                    self._wake_at = seq  # set before the check below: the worker reads it after
+                if self._completed >= seq:  # updating _completed, so one of us sees the other
+                    return
                 self._done.wait()
 
     def _raise_failures(self, upto: int) -> None:
@@ -173,11 +180,14 @@ class Stream:
             except BaseException as exc:  # noqa: BLE001 - kept for the host, re-raised there
                 failure = _Failure(seq, label, exc)
                 self.card.counters.add("failed_commands")
-            with self._done:
-                if failure is not None:
-                    self._failures.append(failure)
-                self._completed = seq
-                self._done.notify_all()
+            if failure is not None:
+                with self._done:
+                    self._failures.append(failure)  # visible before the command counts as done
+            self._completed = seq
+            if seq >= self._wake_at:
+                with self._done:
+                    self._wake_at = _NEVER  # woken waiters that still wait set it again
+                    self._done.notify_all()
 
 
 def _check_same(t: DeviceTensor, host: np.ndarray, what: str) -> None:

@@ -183,3 +183,24 @@ def test_closed_stream_refuses_commands(card):
     s.close()
     with pytest.raises(DeviceError, match="closed"):
         s.enqueue(int)
+
+
+def test_concurrent_waiters_on_one_stream_are_all_woken(card):
+    s = card.new_stream("s", depth=4)  # small depth: submitters also wait (backpressure)
+    errors = []
+
+    def client():
+        try:
+            for _ in range(300):
+                s.enqueue(int, compute=False)
+                s.record_event().synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a waiter was never woken"
+    assert errors == []
