@@ -65,11 +65,14 @@ def reference(prompt: list[int], max_tokens: int, eos_every: int = 0, ignore_eos
 
 
 class _Handle:
-    def __init__(self, out: StepOutput | None, error: Exception | None) -> None:
+    def __init__(self, out: StepOutput | None, error: Exception | None, events: list, index: int) -> None:
         self._out = out
         self._error = error
+        self._events = events
+        self._index = index
 
     def result(self) -> StepOutput:
+        self._events.append(("result", self._index))
         if self._error is not None:
             raise self._error
         return self._out
@@ -86,6 +89,7 @@ class FakeRunner:
     fail_when_token: int | None = None  # a step containing this prompt token fails
     launches: list = field(default_factory=list)  # the work of every launch
     violations: list = field(default_factory=list)
+    events: list = field(default_factory=list)  # ("launch", i) and ("result", i) in call order
 
     def __post_init__(self) -> None:
         self.kv = np.full((self.num_kv_blocks, self.block_size), -2, dtype=np.int64)
@@ -96,6 +100,7 @@ class FakeRunner:
             self.violations.append(message)
 
     def launch(self, work):
+        self.events.append(("launch", len(self.launches)))
         self.launches.append(work)
         total = sum(len(w.token_ids) for w in work)
         self._check(total <= self.max_num_batched_tokens, f"{total} tokens in one step")
@@ -146,4 +151,4 @@ class FakeRunner:
             top_logprobs=np.full((s, k), -1.0, dtype=np.float32),
             prompt_logprobs=plps,
         )
-        return _Handle(None if error else out, error)
+        return _Handle(None if error else out, error, self.events, len(self.launches) - 1)

@@ -108,6 +108,25 @@ def test_decodes_read_the_previous_sample_on_the_device(make_engine):
     assert runner.violations == []
 
 
+def test_step_n_plus_1_is_launched_before_step_n_is_read_back(make_engine):
+    engine, runner = make_engine()
+    submit(engine, "overlap", params(max_tokens=6, ignore_eos=True)).wait()
+    events = runner.events
+    for k in range(len(runner.launches) - 1):
+        assert events.index(("launch", k + 1)) < events.index(("result", k))
+
+
+def test_shutdown_fails_the_requests_still_running(make_engine):
+    engine, _ = make_engine(FakeRunner(max_model_len=100_000, num_kv_blocks=30_000))
+    c = submit(engine, "long", params(max_tokens=90_000, ignore_eos=True))
+    while not c.updates:
+        threading.Event().wait(0.001)
+    engine.shutdown()
+    c.wait()
+    assert c.last.finish_reason == "error" and "shut down" in c.last.error
+    assert not engine.alive
+
+
 def test_penalties_count_the_output_tokens_known_on_the_host(make_engine):
     engine, runner = make_engine()
     p = params(max_tokens=8, ignore_eos=True, sampling={"presence_penalty": 0.5})
