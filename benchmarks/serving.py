@@ -1,0 +1,289 @@
+"""Serving benchmark: spyre-serve against `transformers serve --continuous-batching`.
+
+One run, same machine, same checkpoint (the embedded granite-tiny, written to
+disk in Hugging Face format), same text prompts of about --prompt-tokens
+tokens, streaming /v1/completions at temperature 0 with --output-tokens
+max_tokens. transformers' server has no ``ignore_eos``, so both get the same
+prompts and output length and tokens are counted as they arrive; the random
+granite-tiny rarely emits its EOS. For each concurrency level the script
+reports output tokens/s, TTFT and TPOT (p50, p99), and for spyre-serve the
+device busy fraction over the level (card compute seconds / wall seconds,
+from /metrics).
+
+    python benchmarks/serving.py                     # 1, 8, 32, 128 concurrent
+    python benchmarks/serving.py --concurrency 1 8 --output-tokens 32 --skip-transformers
+
+Writes a Markdown table to stdout and JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+@dataclass(slots=True)
+class Level:
+    server: str
+    concurrency: int
+    requests: int
+    failed: int
+    duration_s: float
+    output_tokens: int
+    output_tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    device_busy: float | None = None
+    errors: list = field(default_factory=list)
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_prompts(n: int, tokens: int) -> list[str]:
+    """n different text prompts of about ``tokens`` tokens each, cut from the shipped prose corpus."""
+    from models import resolve_model
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model("granite-tiny"))
+    text = (ROOT / "models" / "assets" / "corpus" / "prose.txt").read_text()
+    ids = tok.encode(text, add_special_tokens=False)
+    step = max(1, (len(ids) - tokens) // max(1, n))
+    return [tok.decode(ids[i * step : i * step + tokens]) for i in range(n)]
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                return Result(False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Result(False, error=str(chunk["error"])[:200])
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text"):
+                        tokens += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        return Result(False, error=f"{type(exc).__name__}: {exc}")
+    if ttft is None:
+        return Result(False, error="no tokens")
+    return Result(True, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens)
+
+
+async def run_level(base: str, model: str, prompts: list[str], concurrency: int, output_tokens: int,
+                    extra: dict, timeout: float) -> tuple[list[Result], float]:
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=base, timeout=timeout, limits=limits) as client:
+
+        async def limited(p: str) -> Result:
+            async with sem:
+                body = {"model": model, "prompt": p, "max_tokens": output_tokens, "temperature": 0.0,
+                        "stream": True, **extra}
+                return await one(client, "/v1/completions", body)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[limited(p) for p in prompts])
+        return list(results), time.perf_counter() - t0
+
+
+def summarize(server: str, concurrency: int, results: list[Result], duration: float,
+              busy: float | None) -> Level:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.tokens for r in ok)
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    return Level(
+        server=server, concurrency=concurrency, requests=len(results), failed=len(results) - len(ok),
+        duration_s=round(duration, 2), output_tokens=tokens, output_tok_s=round(tokens / duration, 2),
+        ttft_p50_ms=round(1000 * pct([r.ttft for r in ok], 50), 1),
+        ttft_p99_ms=round(1000 * pct([r.ttft for r in ok], 99), 1),
+        tpot_p50_ms=round(1000 * pct(tpots, 50), 1), tpot_p99_ms=round(1000 * pct(tpots, 99), 1),
+        device_busy=None if busy is None else round(busy, 3),
+        errors=sorted({r.error for r in results if not r.ok})[:3],
+    )
+
+
+def compute_seconds(base: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    m = re.search(r"^spyre_device_compute_seconds_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else float("nan")
+
+
+def wait_ready(proc: subprocess.Popen, url: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {seconds:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def bench_server(name: str, cmd: list[str], env: dict, ready_path: str, port: int, model: str, args,
+                 prompts: list[str], extra: dict, busy_metric: bool) -> list[Level]:
+    log = open(Path(args.log_dir) / f"{name}.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    levels = []
+    try:
+        wait_ready(proc, base + ready_path, args.start_timeout)
+        # warm-up: one short request so first-call costs are not in the table
+        asyncio.run(run_level(base, model, prompts[:2], 2, 8, extra, args.request_timeout))
+        for c in args.concurrency:
+            n = max(c, args.min_requests)
+            before = compute_seconds(base) if busy_metric else None
+            results, duration = asyncio.run(
+                run_level(base, model, prompts[:n], c, args.output_tokens, extra, args.request_timeout))
+            busy = (compute_seconds(base) - before) / duration if busy_metric else None
+            level = summarize(name, c, results, duration, busy)
+            print(f"  {name} c={c}: {level.output_tok_s} tok/s, TTFT p50 {level.ttft_p50_ms} ms, "
+                  f"TPOT p50 {level.tpot_p50_ms} ms, failed {level.failed}", file=sys.stderr, flush=True)
+            levels.append(level)
+    finally:
+        stop(proc)
+        log.close()
+    return levels
+
+
+def table(levels: list[Level]) -> str:
+    rows = ["| server | concurrency | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
+            "| TPOT p99 ms | device busy |", "|---|---|---|---|---|---|---|---|---|"]
+    for v in levels:
+        busy = "" if v.device_busy is None else f"{100 * v.device_busy:.0f}%"
+        rows.append(f"| {v.server} | {v.concurrency} | {v.requests - v.failed}/{v.requests} | {v.output_tok_s} "
+                    f"| {v.ttft_p50_ms} | {v.ttft_p99_ms} | {v.tpot_p50_ms} | {v.tpot_p99_ms} | {busy} |")
+    return "\n".join(rows)
+
+
+def ratios(levels: list[Level]) -> str:
+    ours = {v.concurrency: v for v in levels if v.server == "spyre-serve"}
+    theirs = {v.concurrency: v for v in levels if v.server == "transformers"}
+    lines = []
+    for c in sorted(set(ours) & set(theirs)):
+        a, b = ours[c], theirs[c]
+        tput = a.output_tok_s / b.output_tok_s if b.output_tok_s else float("inf")
+        ttft = a.ttft_p99_ms / b.ttft_p99_ms if b.ttft_p99_ms else float("nan")
+        lines.append(f"- concurrency {c}: output tokens/s {tput:.2f}x transformers'; TTFT p99 {ttft:.2f}x theirs")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--min-requests", type=int, default=4, help="requests per level at least (else = concurrency)")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="spyre-serve --max-num-seqs")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-spyre", action="store_true")
+    ap.add_argument("--start-timeout", type=float, default=1800.0)
+    ap.add_argument("--request-timeout", type=float, default=3600.0)
+    ap.add_argument("--log-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving.json"))
+    args = ap.parse_args(argv)
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+
+    from models import resolve_model
+
+    checkpoint = str(resolve_model("granite-tiny"))
+    prompts = make_prompts(max(max(args.concurrency), args.min_requests), args.prompt_tokens)
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    levels: list[Level] = []
+    if not args.skip_spyre:
+        port = free_port()
+        cmd = [str(bin_dir / "spyre-serve"), "serve", "--model", checkpoint, "--served-model-name", "granite-tiny",
+               "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "100000"]
+        levels += bench_server("spyre-serve", cmd, env, "/health", port, "granite-tiny", args, prompts,
+                               {"ignore_eos": True}, busy_metric=True)
+    if not args.skip_transformers:
+        port = free_port()
+        cmd = [str(bin_dir / "transformers"), "serve", "--continuous-batching", "--device", "cpu",
+               "--host", "127.0.0.1", "--port", str(port), checkpoint]
+        levels += bench_server("transformers", cmd, env, "/v1/models", port, checkpoint, args, prompts, {},
+                               busy_metric=False)
+
+    command = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = {
+        "command": command.strip(),
+        "checkpoint": checkpoint,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "cpu_count": os.cpu_count(),
+        "levels": [asdict(v) for v in levels],
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"`{report['command']}` on {os.cpu_count()} cores, granite-tiny, prompts of ~{args.prompt_tokens} "
+          f"tokens, {args.output_tokens} output tokens\n")
+    print(table(levels))
+    r = ratios(levels)
+    if r:
+        print("\n" + r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
