@@ -88,3 +88,8 @@ def test_max_duration_cuts_a_run_short_and_says_so(server, tmp_path):
     assert p["not_sent"] > 0
     assert p["metrics"]["completed"] + p["metrics"]["failed"] + p["not_sent"] == 40
     assert any("max-duration" in e for e in p["errors"])
+
+
+def test_server_exposes_the_gauge_the_autoscaler_scales_on(server):
+    # deploy/k8s/hpa.yaml scales on vllm:num_requests_waiting (through prometheus-adapter)
+    assert "vllm:num_requests_waiting" in {k.split("{")[0] for k in metrics(server.url)}

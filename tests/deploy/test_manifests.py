@@ -1,0 +1,167 @@
+"""deploy/k8s, deploy/compose.yaml and deploy/prometheus: valid, and consistent with the server.
+
+Schemas: kubernetes-validate (Kubernetes' OpenAPI schemas, strict) and check-jsonschema's
+bundled compose-spec. Each validator is also shown a broken copy, so a validator that
+passes everything fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from server.cli import Settings
+from tests.deploy.dockerfile import parse
+from tests.deploy.procs import REPO, VENV_BIN
+
+K8S = REPO / "deploy" / "k8s"
+COMPOSE = REPO / "deploy" / "compose.yaml"
+PROMETHEUS = REPO / "deploy" / "prometheus" / "prometheus.yml"
+NGINX_DIR = REPO / "deploy" / "nginx"
+K8S_FILES = sorted(K8S.glob("*.yaml"))
+IMAGE_PORT = int(parse(REPO / "Dockerfile")[-1].args("EXPOSE")[0])
+
+
+def _tool(name: str) -> str:
+    return shutil.which(name) or str(VENV_BIN / name)
+
+
+def _k8s_validate(path, version: str) -> subprocess.CompletedProcess:
+    return subprocess.run([_tool("kubernetes-validate"), "--strict", "-k", version, str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _k8s(kind: str) -> dict:
+    docs = [d for f in K8S_FILES for d in yaml.safe_load_all(f.read_text()) if d]
+    (doc,) = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+def _container() -> dict:
+    (c,) = _k8s("Deployment")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def _drain_timeout() -> float:
+    env = {e["name"]: e.get("value") for e in _container()["env"]}
+    return float(env.get("SPYRE_SERVE_DRAIN_TIMEOUT") or Settings().drain_timeout)
+
+
+@pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
+@pytest.mark.parametrize("path", K8S_FILES, ids=lambda p: p.name)
+def test_k8s_manifest_is_valid(path, version):
+    r = _k8s_validate(path, version)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_k8s_validator_rejects_an_unknown_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((K8S / "deployment.yaml").read_text().replace(
+        "terminationGracePeriodSeconds", "terminationGracePeriod"))
+    assert _k8s_validate(bad, "1.37.0").returncode != 0
+
+
+def test_probes_ask_health_on_the_served_port():
+    c = _container()
+    (port,) = c["ports"]
+    assert port["containerPort"] == IMAGE_PORT
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = c[probe]["httpGet"]
+        assert get["path"] == "/health" and get["port"] in (port["name"], IMAGE_PORT), probe
+
+
+def test_grace_period_covers_prestop_and_the_drain():
+    spec = _k8s("Deployment")["spec"]["template"]["spec"]
+    cmd = _container()["lifecycle"]["preStop"]["exec"]["command"]
+    assert cmd[0] == "sleep"
+    assert spec["terminationGracePeriodSeconds"] > float(cmd[1]) + _drain_timeout()
+
+
+def test_liveness_outlasts_the_drain():
+    # /health answers 503 while the server drains; liveness must not kill it meanwhile
+    live = _container()["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] > _drain_timeout()
+
+
+def test_pod_runs_as_the_image_user():
+    user = parse(REPO / "Dockerfile")[-1].args("USER")[0]
+    sc = _k8s("Deployment")["spec"]["template"]["spec"]["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert f"{sc['runAsUser']}:{sc['runAsGroup']}" == user
+
+
+def test_service_and_pdb_select_the_deployment_pods():
+    labels = _k8s("Deployment")["spec"]["template"]["metadata"]["labels"]
+    service = _k8s("Service")["spec"]
+    assert service["selector"].items() <= labels.items()
+    assert service["ports"][0]["targetPort"] in ("http", IMAGE_PORT)
+    assert _k8s("PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_hpa_scales_on_the_metric_the_adapter_rule_serves():
+    hpa = _k8s("HorizontalPodAutoscaler")["spec"]
+    assert hpa["scaleTargetRef"]["name"] == _k8s("Deployment")["metadata"]["name"]
+    (metric,) = hpa["metrics"]
+    rules = yaml.safe_load(_k8s("ConfigMap")["data"]["config.yaml"])["rules"]
+    (rule,) = [r for r in rules if r["name"]["as"] == metric["pods"]["metric"]["name"]]
+    assert rule["seriesQuery"].startswith("vllm:num_requests_waiting{")
+    assert re.fullmatch(rule["name"]["matches"], "vllm:num_requests_waiting")
+
+
+def _compose_validate(path) -> subprocess.CompletedProcess:
+    return subprocess.run([_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
+                           str(path)], capture_output=True, text=True, timeout=120)
+
+
+def test_compose_file_is_valid():
+    r = _compose_validate(COMPOSE)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_compose_validator_rejects_an_unknown_key(tmp_path):
+    bad = tmp_path / "compose.yaml"
+    bad.write_text(COMPOSE.read_text().replace("stop_grace_period", "stop_grace_perod"))
+    assert _compose_validate(bad).returncode != 0
+
+
+def _services() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def test_compose_nginx_mounts_the_tested_config_and_every_file_it_includes():
+    mounts = {}
+    for v in _services()["nginx"]["volumes"]:
+        src, dst = v.split(":")[:2]
+        mounts[dst] = (COMPOSE.parent / src).resolve()
+    assert mounts["/etc/nginx/nginx.conf"] == (NGINX_DIR / "nginx.conf").resolve()
+    includes = re.findall(r"^\s*include\s+([^;]+);", (NGINX_DIR / "nginx.conf").read_text(), re.M)
+    assert includes
+    for name in includes:
+        assert mounts[f"/etc/nginx/{name}"].is_file(), name
+
+
+def test_compose_nginx_upstream_is_the_replicated_service():
+    services = _services()
+    upstreams = re.findall(r"^\s*server\s+([^\s;]+)", (NGINX_DIR / "upstreams.conf").read_text(),
+                           re.M)
+    assert upstreams == [f"spyre:{IMAGE_PORT}"]
+    assert "spyre" in services and "replicas" in services["spyre"]["deploy"]
+
+
+def test_compose_stop_grace_period_covers_the_drain():
+    grace = _services()["spyre"]["stop_grace_period"]
+    assert grace.endswith("s") and float(grace[:-1]) > _drain_timeout()
+
+
+def test_prometheus_scrapes_every_replica_of_the_service():
+    (job,) = yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == ["spyre"] and sd["type"] == "A" and sd["port"] == IMAGE_PORT
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    mount = _services()["prometheus"]["volumes"][0].split(":")
+    assert (COMPOSE.parent / mount[0]).resolve() == PROMETHEUS.resolve()
+    assert mount[1] == "/etc/prometheus/prometheus.yml"
