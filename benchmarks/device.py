@@ -13,6 +13,11 @@ to benchmarks/results/device.json:
    Python with the bindings turned into arena views on every step.
 
     .venv/bin/python benchmarks/device.py [--quick]
+
+Run it as a script only: its njit entries are cached by Numba under the module
+name `__main__`, and loading that cache into the file imported under another
+name crashed (seen once, with importlib); `import device` inside it must find the
+package, which is why the repository root goes first on sys.path.
 """
 
 from __future__ import annotations
