@@ -242,15 +242,18 @@ class ModelRunner:
         return prog
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile (or load from the disk cache) and prepare every bucket, and run each once
-        on a batch of padding, so that serving never compiles."""
+        """Compile (or load from Numba's disk cache) and prepare every bucket's program, and
+        run each token bucket once on a batch of padding (pages in the workspace, starts the
+        thread pools), so that serving never compiles. Every bucket shares one compiled entry."""
         from tqdm import tqdm
 
         shapes = self.bucket_shapes()
-        bar = tqdm(shapes, desc="warming up step programs", unit="program", disable=not progress)
+        bar = tqdm(shapes, desc="preparing step programs", unit="program", disable=not progress)
         for t, s in bar:
             bar.set_postfix_str(f"tokens {t} seqs {s}")
-            self._launch_padding(t, s).result()
+            self._program(t, s)
+            if s == max(x for x in self.s_buckets if x <= t):   # once per token bucket
+                self._launch_padding(t, s).result()
 
     def _launch_padding(self, t: int, s: int) -> StepHandle:
         """A launch of bucket (t, s) with no real rows: exercises the program, touches no KV block."""
