@@ -224,6 +224,11 @@ class ModelRunner:
             "in_i32": self.in_i32, "in_f32": self.in_f32, "in_i64": self.in_i64,
         }
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Device bytes of the step workspace, I/O buffers and layer table (KV cache not included)."""
+        return sum(t.nbytes for t in self._allocated)
+
     # ---- programs -------------------------------------------------------------------
     def bucket_shapes(self) -> list[tuple[int, int]]:
         """Every (tokens, sequences) bucket: sequences never exceed tokens."""
