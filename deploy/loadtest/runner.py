@@ -65,6 +65,8 @@ async def _one(client, target: Target, p: Prompt, t0: float) -> RequestResult:
     except TimeoutError:
         return RequestResult(success=False, start=st - t0,
                              error=f"timed out after {target.request_timeout:g} s")
+    except Exception as e:     # an answer the client did not expect fails that request only
+        return RequestResult(success=False, start=st - t0, error=f"{type(e).__name__}: {e}")
 
 
 async def run_point(target: Target, prompts: list[Prompt], concurrency: int,

@@ -93,3 +93,14 @@ def test_max_duration_cuts_a_run_short_and_says_so(server, tmp_path):
 def test_server_exposes_the_gauge_the_autoscaler_scales_on(server):
     # deploy/k8s/hpa.yaml scales on vllm:num_requests_waiting (through prometheus-adapter)
     assert "vllm:num_requests_waiting" in {k.split("{")[0] for k in metrics(server.url)}
+
+
+def test_refused_requests_count_as_failed_with_the_server_message(server, tmp_path):
+    out = tmp_path / "r.json"
+    proc = loadtest("--base-url", server.url, "--model", "no-such-model", "--num-prompts", "2",
+                    "--concurrency", "2", "--input-len", "8", "--output-len", "2",
+                    "--num-warmups", "0", "--result-file", str(out))
+    assert proc.returncode == 1
+    p = json.loads(out.read_text())["points"][0]
+    assert (p["metrics"]["completed"], p["metrics"]["failed"]) == (0, 2)
+    assert p["errors"] and all(e.startswith("HTTP 404") for e in p["errors"])
