@@ -54,9 +54,10 @@ USER 10001:10001
 WORKDIR /home/spyre
 
 # Warm the program cache at build time: compile every kernel and the step program into
-# NUMBA_CACHE_DIR (they do not depend on the model's sizes), so a container serves seconds after
-# it starts. A host whose CPU differs from the build machine's recompiles once, into the same dir.
-RUN python -c "from server.cli import build, parse_args; build(parse_args(['serve', '--model', 'granite-tiny']), progress=False).engine.shutdown()"
+# NUMBA_CACHE_DIR. They depend neither on the model's sizes nor on the batch limits, so the
+# smallest configuration compiles all of them, and a container then serves seconds after it
+# starts. A host whose CPU differs from the build machine's recompiles once, into the same dir.
+RUN python -c "from server.cli import build, parse_args; build(parse_args(['serve', '--model', 'granite-tiny', '--max-num-seqs', '1', '--max-num-batched-tokens', '8', '--device-memory', '1G']), progress=False).engine.shutdown()"
 
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \

@@ -125,6 +125,7 @@ def image():
                                cwd=base / "home", capture_output=True, text=True, timeout=900,
                                **_as_user())
             assert r.returncode == 0, f"RUN {shell_cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        img.warm_cache = _compiled(img)
         port = free_port()
         img.url = f"http://127.0.0.1:{port}"
         with open(img.log, "w") as log:
@@ -148,15 +149,32 @@ def test_image_has_no_torch(image):
     assert r.stdout.strip() == "True"
 
 
+def _compiled(img: Image) -> set[str]:
+    """The compiled entries (numba's *.nbc files) in the image's program cache."""
+    numba_dir = Path(img.env(0)["NUMBA_CACHE_DIR"])
+    return {str(p.relative_to(numba_dir)) for p in numba_dir.rglob("*.nbc")}
+
+
 def test_build_time_warmup_filled_the_program_cache(image):
-    numba_dir = Path(image.env(0)["NUMBA_CACHE_DIR"])
-    assert list(numba_dir.rglob("*.nbc")), f"no compiled program under {numba_dir}"
+    assert image.warm_cache, "the warm-up RUN compiled nothing into NUMBA_CACHE_DIR"
+
+
+def test_serving_compiles_nothing_the_warmup_did_not(image):
+    for body in ({"prompt": "Hi", "max_tokens": 3, "logprobs": 2},
+                 {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(image.url + path, json={"model": _served_name(image), **body}, timeout=120)
+        assert r.status_code == 200, r.text
+    assert _compiled(image) == image.warm_cache
+
+
+def _served_name(image) -> str:
+    return httpx.get(image.url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def test_cmd_serves_a_completion_as_non_root_from_a_read_only_model(image):
-    name = httpx.get(image.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     r = httpx.post(image.url + "/v1/completions",
-                   json={"model": name, "prompt": "Hello", "max_tokens": 5, "ignore_eos": True},
+                   json={"model": _served_name(image), "prompt": "Hello", "max_tokens": 5, "ignore_eos": True},
                    timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 5
