@@ -20,7 +20,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 NGINX_CONF = REPO / "deploy" / "nginx" / "nginx.conf"
-START_TIMEOUT = 300.0   # first start compiles the programs (cached on disk afterwards)
+START_TIMEOUT = 480.0   # a first start compiles the programs (cached on disk afterwards)
 
 
 def free_port() -> int:

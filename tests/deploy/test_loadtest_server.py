@@ -104,3 +104,14 @@ def test_refused_requests_count_as_failed_with_the_server_message(server, tmp_pa
     p = json.loads(out.read_text())["points"][0]
     assert (p["metrics"]["completed"], p["metrics"]["failed"]) == (0, 2)
     assert p["errors"] and all(e.startswith("HTTP 404") for e in p["errors"])
+
+
+def test_bursty_request_rate_completes_every_request(server, tmp_path):
+    out = tmp_path / "r.json"
+    proc = loadtest("--base-url", server.url, "--num-prompts", "4", "--concurrency", "4",
+                    "--request-rate", "20", "--burstiness", "0.5", "--input-len", "8",
+                    "--output-len", "2", "--num-warmups", "0", "--result-file", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    p = json.loads(out.read_text())["points"][0]
+    assert (p["request_rate"], p["burstiness"], p["metrics"]["completed"]) == (20.0, 0.5, 4)
+    assert "Request rate configured (RPS):           20.00" in proc.stdout

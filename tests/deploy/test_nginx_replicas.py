@@ -81,8 +81,9 @@ def test_sigterm_drains_accepted_requests_while_new_ones_go_to_the_other(replica
     drained = [r for r in posts if r["upstreams"][-1] == addr_a
                and r["msec"] - r["request_time"] < t_sig < r["msec"]]
     assert drained, "no request was running on replica A across its SIGTERM"
-    # new requests (arriving after the signal) were all served by B
-    later = [r for r in posts if r["msec"] - r["request_time"] > t_sig + 0.01]
+    # new requests were all served by B: those reaching nginx after the signal (and the
+    # quarter second the server may take to run its signal handler; nginx logs in ms)
+    later = [r for r in posts if r["msec"] - r["request_time"] > t_sig + 0.25]
     assert later, "the load test sent nothing after the SIGTERM"
     assert {r["upstreams"][-1] for r in later} == {addr_b}
     assert httpx.get(front.url + "/health", timeout=10).status_code == 200
