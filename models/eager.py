@@ -22,7 +22,7 @@ from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
 from device.kernels.sampling import sample
 from models.kv_cache import KVCache
-from models.runner import SERIAL_BELOW, SeqWork
+from models.runner import SERIAL_BELOW, SeqWork, set_step_threads
 from models.step_program import _gather_rows, _split_qkv
 
 
@@ -76,7 +76,7 @@ class EagerModel:
                 rows.append(qs[-1] - 1)
         T, R = len(tokens), len(rows)
         # the same core policy as the program path (models.runner.SERIAL_BELOW)
-        launch(numba.set_num_threads, 1 if T < SERIAL_BELOW else numba.config.NUMBA_NUM_THREADS,
+        launch(set_step_threads, 1 if T < SERIAL_BELOW else numba.config.NUMBA_NUM_THREADS,
                compute=False)
         tok = self._to_device(np.asarray(tokens, np.int32))
         pos = self._to_device(np.asarray(positions, np.int32))

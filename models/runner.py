@@ -32,10 +32,41 @@ from models.step_program import (
 from models.weights import build_layer_table
 
 MAX_LOGPROBS = KMAX
-# Buckets of fewer token rows than this run the step's Numba kernels on one core: their
-# parallel regions cost more than they save on a few rows, and on a busy machine each
-# region can wait a whole time slice for a descheduled worker. GEMMs keep every BLAS thread.
+# Buckets of fewer token rows than this run the whole step on one core (Numba kernels and
+# BLAS): on a few rows a parallel region or a BLAS fork/join costs more than it saves, and on
+# a busy machine each one can wait a whole time slice for a descheduled worker thread.
 SERIAL_BELOW = 64
+
+
+def _find_blas_local_threads():
+    """OpenBLAS's per-thread thread count setter (scipy's bundled OpenBLAS, which Numba's
+    np.dot calls), or None when it is not there."""
+    import ctypes
+    import glob
+    import os
+
+    import scipy
+
+    libs = os.path.join(os.path.dirname(os.path.dirname(scipy.__file__)), "scipy.libs")
+    for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas*.so*"))):
+        try:
+            fn = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+_blas_local_threads = _find_blas_local_threads()
+
+
+def set_step_threads(n: int) -> None:
+    """Threads the calling thread's Numba kernels and BLAS calls use (both per-thread)."""
+    numba.set_num_threads(n)
+    if _blas_local_threads is not None:
+        _blas_local_threads(n)
 
 
 @dataclass(slots=True)
@@ -455,7 +486,7 @@ class ModelRunner:
                     "out_f32": out_f32_dev}
         want = 1 if t < SERIAL_BELOW else numba.config.NUMBA_NUM_THREADS
         if want != self._threads:                # per-thread setting: set it on the stream's thread
-            stream.enqueue(numba.set_num_threads, want, compute=False, label="set_num_threads")
+            stream.enqueue(set_step_threads, want, compute=False, label="set_step_threads")
             self._threads = want
         handle = self._program(t, s).launch(stream, bindings, readback=readback)
         self._launches += 1
