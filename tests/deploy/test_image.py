@@ -28,9 +28,24 @@ from tests.deploy.procs import REPO, VENV_BIN, free_port, stop, wait_healthy
 DOCKERFILE = REPO / "Dockerfile"
 NOBODY = 65534
 CONTAINER_PATHS = {"/var/cache/spyre-serve": "cache", "/model": "model"}
-IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.nbi", "*.nbc")
 
 pytestmark = pytest.mark.slow
+
+
+def context_files() -> list[str]:
+    """The files `docker build .` sends: the repository less .dockerignore (docker-py's rules)."""
+    from docker.utils.build import exclude_paths
+
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    return sorted(p for p in exclude_paths(str(REPO), patterns) if (REPO / p).is_file())
+
+
+def docker_context(dest: Path) -> Path:
+    for name in context_files():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, dest / name)
+    return dest
 
 
 def _python311() -> str:
@@ -61,20 +76,23 @@ class Image:
         self.log = base / "server.log"
 
     def build_wheel(self) -> Path:
-        ctx = self.base / "context"
+        """The wheel stage: its COPY lines, from the context Docker would send, into /src."""
+        context = docker_context(self.base / "docker-context")
+        src = self.base / "src"
         for sources, dest in self.build_stage.copies():     # Docker's COPY rules
             into_dir = dest.endswith("/") or dest in (".", "./") or len(sources) > 1
-            for src in sources:
-                s = REPO / src
+            for name in sources:
+                s = context / name
+                assert s.exists(), f"COPY {name}: not in the build context (.dockerignore?)"
                 if s.is_dir():          # a directory's contents go into dest
-                    shutil.copytree(s, ctx / dest, ignore=IGNORE, dirs_exist_ok=True)
+                    shutil.copytree(s, src / dest, dirs_exist_ok=True)
                 else:
-                    target = ctx / dest / s.name if into_dir else ctx / dest
+                    target = src / dest / s.name if into_dir else src / dest
                     target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(s, target)
         wheels = self.base / "wheels"
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                        "--no-build-isolation", "--wheel-dir", str(wheels), str(ctx)],
+                        "--no-build-isolation", "--wheel-dir", str(wheels), str(src)],
                        check=True, cwd=self.base, capture_output=True, text=True)
         (wheel,) = wheels.glob("spyre_serve-*.whl")
         return wheel
@@ -208,3 +226,10 @@ def test_image_user_is_numeric_and_not_root():
     (user,) = parse(DOCKERFILE)[-1].args("USER")
     uid = user.split(":")[0]
     assert uid.isdigit() and int(uid) != 0
+
+
+def test_build_context_holds_only_what_the_image_copies():
+    copied = [src.rstrip("/") for sources, _ in parse(DOCKERFILE)[0].copies() for src in sources]
+    for name in context_files():
+        assert name in ("Dockerfile", ".dockerignore") or any(
+            name == c or name.startswith(c + "/") for c in copied), name
