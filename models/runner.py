@@ -325,6 +325,10 @@ class ModelRunner:
         if len(w.block_table) < need:
             raise ValueError(f"seq {w.seq_id}: block table has {len(w.block_table)} blocks, "
                              f"{end} tokens need {need} of {self.block_size}")
+        used = w.block_table[:need]
+        if min(used) < 0 or max(used) >= self.num_kv_blocks:
+            raise ValueError(f"seq {w.seq_id}: block ids must be in 0..{self.num_kv_blocks - 1}, "
+                             f"got {min(used)}..{max(used)}")
         if w.from_device:
             if n != 1 or w.token_ids[0] != -1:
                 raise ValueError(f"seq {w.seq_id}: a from_device decode has token_ids [-1], "

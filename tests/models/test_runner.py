@@ -140,3 +140,8 @@ def test_eager_baseline_computes_the_same_greedy_tokens(runner):
     got = eager.step(work)
     eager.close()
     assert got.tolist() == want.tolist()
+
+
+def test_block_id_outside_the_cache_is_refused(runner):
+    with pytest.raises(ValueError, match=r"block ids must be in 0..15, got 3..16"):
+        runner.launch([prefill(0, list(range(20)), [3, 16])])
