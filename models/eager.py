@@ -9,7 +9,6 @@ is what the server uses.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from device import Card, DeviceTensor
@@ -22,7 +21,7 @@ from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
 from device.kernels.sampling import sample
 from models.kv_cache import KVCache
-from models.runner import SERIAL_BELOW, SeqWork, set_step_threads
+from models.runner import SeqWork, layer_weight_bytes, set_step_threads, step_threads
 from models.step_program import _gather_rows, _split_qkv
 
 
@@ -75,9 +74,8 @@ class EagerModel:
             if x.sample:
                 rows.append(qs[-1] - 1)
         T, R = len(tokens), len(rows)
-        # the same core policy as the program path (models.runner.SERIAL_BELOW)
-        launch(set_step_threads, 1 if T < SERIAL_BELOW else numba.config.NUMBA_NUM_THREADS,
-               compute=False)
+        # the same core policy as the program path (models.runner.step_threads)
+        launch(set_step_threads, *step_threads(T, layer_weight_bytes(w)), compute=False)
         tok = self._to_device(np.asarray(tokens, np.int32))
         pos = self._to_device(np.asarray(positions, np.int32))
         slot = self._to_device(np.asarray(slots, np.int32))

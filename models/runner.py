@@ -36,6 +36,9 @@ MAX_LOGPROBS = KMAX
 # BLAS): on a few rows a parallel region or a BLAS fork/join costs more than it saves, and on
 # a busy machine each one can wait a whole time slice for a descheduled worker thread.
 SERIAL_BELOW = 64
+# ... except BLAS on large layers: a layer of at least this many weight bytes is read by every
+# BLAS thread even in a one-token step (a GEMV that long amortises its fork/join).
+BLAS_PARALLEL_LAYER_BYTES = 64 << 20
 
 
 def _find_blas_local_threads():
@@ -62,11 +65,26 @@ def _find_blas_local_threads():
 _blas_local_threads = _find_blas_local_threads()
 
 
-def set_step_threads(n: int) -> None:
-    """Threads the calling thread's Numba kernels and BLAS calls use (both per-thread)."""
+def layer_weight_bytes(weights) -> int:
+    """Bytes of one layer's projection weights."""
+    lw = weights.layers[0]
+    return sum(x.nbytes for x in (lw.qkv, lw.o, lw.gate_up, lw.down))
+
+
+def step_threads(t: int, layer_bytes: int) -> tuple[int, int]:
+    """(Numba threads, BLAS threads) for a step of t token rows (see SERIAL_BELOW)."""
+    full = numba.config.NUMBA_NUM_THREADS
+    if t >= SERIAL_BELOW:
+        return full, full
+    return 1, (full if layer_bytes >= BLAS_PARALLEL_LAYER_BYTES else 1)
+
+
+def set_step_threads(n: int, blas: int | None = None) -> None:
+    """Threads the calling thread's Numba kernels (n) and BLAS calls (blas, default n) use;
+    both settings are per calling thread."""
     numba.set_num_threads(n)
     if _blas_local_threads is not None:
-        _blas_local_threads(n)
+        _blas_local_threads(n if blas is None else blas)
 
 
 @dataclass(slots=True)
@@ -241,7 +259,8 @@ class ModelRunner:
         self.stream = card.new_stream("compute")
         self.programs: dict[tuple[int, int], Program] = {}
         self._launches = 0
-        self._threads = numba.get_num_threads()  # what the compute stream's thread uses now
+        self._threads = (numba.get_num_threads(),) * 2   # (Numba, BLAS) of the compute stream
+        self._layer_bytes = layer_weight_bytes(self.weights)
         self._last_rows: dict[int, int] = {}       # seq_id -> sample row in the previous launch
         self._pending_plp: dict[int, np.ndarray] = {}  # seq_id -> last prompt row's log-softmax
         self._static = {
@@ -254,6 +273,10 @@ class ModelRunner:
             "consts": self.weights.consts, "layers": self.layer_table, "work": self.work,
             "in_i32": self.in_i32, "in_f32": self.in_f32, "in_i64": self.in_i64,
         }
+
+    def step_threads(self, t: int) -> tuple[int, int]:
+        """(Numba threads, BLAS threads) for a step of bucket size t."""
+        return step_threads(t, self._layer_bytes)
 
     @property
     def scratch_bytes(self) -> int:
@@ -488,9 +511,9 @@ class ModelRunner:
         bindings = {"T": t, "S": s, "R": r, "NS": ns, "MB": mb, "K": k, "NPEN": npen,
                     "prev_out_i32": self.out_i32[parity ^ 1], "out_i32": out_i32_dev,
                     "out_f32": out_f32_dev}
-        want = 1 if t < SERIAL_BELOW else numba.config.NUMBA_NUM_THREADS
+        want = self.step_threads(t)
         if want != self._threads:                # per-thread setting: set it on the stream's thread
-            stream.enqueue(set_step_threads, want, compute=False, label="set_step_threads")
+            stream.enqueue(set_step_threads, *want, compute=False, label="set_step_threads")
             self._threads = want
         handle = self._program(t, s).launch(stream, bindings, readback=readback)
         self._launches += 1
