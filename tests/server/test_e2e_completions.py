@@ -159,3 +159,21 @@ def test_a_streamed_echo_with_logprobs_sends_the_prompt_first(client):
     assert first["text"].startswith("Hello there")
     assert first["logprobs"]["token_logprobs"][0] is None
     assert "usage" not in events[-2]
+
+
+def test_a_stream_with_n_choices_sends_each_choice_to_its_finish(client):
+    body = {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 1.0, "seed": 3, "n": 2,
+            "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    texts = {0: "", 1: ""}
+    finished = set()
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finished.add(choice["index"])
+    assert finished == {0, 1}
+    whole = complete(client, **{**body, "stream": False})
+    assert [c["text"] for c in whole["choices"]] == [texts[0], texts[1]]
