@@ -5,7 +5,7 @@
         --result-file run.json --plot run.png
 
 Exit status: 0 when every request of every point completed, 1 otherwise,
-2 for bad arguments.
+2 for bad arguments or a server that cannot be asked for its model.
 """
 
 from __future__ import annotations
@@ -84,12 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def first_model(target: Target) -> str:
-    r = httpx.get(target.base_url.rstrip("/") + "/v1/models", headers=target.headers(),
-                  timeout=30)
-    r.raise_for_status()
+    url = target.base_url.rstrip("/") + "/v1/models"
+    r = httpx.get(url, headers=target.headers(), timeout=30)
+    if r.status_code != 200:
+        raise ValueError(f"GET {url}: HTTP {r.status_code}: {r.text[:200]} "
+                         "(pass --model, or --api-key if the server wants one)")
     data = r.json().get("data") or []
     if not data:
-        raise SystemExit(f"{target.base_url}/v1/models lists no model; pass --model")
+        raise ValueError(f"GET {url} lists no model; pass --model")
     return data[0]["id"]
 
 
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     validate(ap, args)
     try:
         out = asyncio.run(run(args))
-    except ValueError as e:
+    except (ValueError, OSError, httpx.HTTPError) as e:
         print(f"spyre-loadtest: {e}", file=sys.stderr)
         return 2
     if args.result_file:

@@ -68,13 +68,13 @@ def server_args(port: int) -> list[str]:
 
 
 class Replica:
-    def __init__(self, tmp: Path, name: str, args: list[str] | None = None,
-                 env: dict | None = None, **popen):
+    def __init__(self, tmp: Path, name: str, extra: list[str] = (), env: dict | None = None,
+                 **popen):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"{name}.log"
         self._log = open(self.log, "w")
-        self.proc = subprocess.Popen(args or server_args(self.port), stdout=self._log,
+        self.proc = subprocess.Popen([*server_args(self.port), *extra], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, cwd=REPO, **popen)
 
     def wait(self):

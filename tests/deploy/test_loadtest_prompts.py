@@ -11,6 +11,7 @@ from deploy.loadtest.datasets import (
     random_prompts,
     sharegpt_prompts,
 )
+from tests.deploy.procs import REPO
 
 
 def test_random_prompts_have_the_exact_length_inside_the_id_range():
@@ -92,3 +93,25 @@ def test_held_back_text_counts_as_a_token_but_a_closing_chunk_does_not():
 def test_role_and_usage_chunks_are_not_tokens():
     assert _token_text({"choices": [{"delta": {"role": "assistant"}}]}, chat=True) is None
     assert _token_text({"choices": [], "usage": {"completion_tokens": 3}}, chat=False) is None
+
+
+def test_sharegpt_reply_length_is_counted_in_tokens_with_a_tokenizer(tmp_path):
+    from deploy.loadtest.datasets import load_tokenizer
+
+    tok = load_tokenizer(REPO / "models" / "assets" / "tokenizer")
+    reply = "The quick brown fox jumps over the lazy dog."
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Q"},
+                                                {"from": "gpt", "value": reply}]}]))
+    (p,) = sharegpt_prompts(f, 1, output_len=None, chat=True, tokenizer=tok)
+    assert p.output_len == len(tok.encode(reply, add_special_tokens=False).ids)
+    assert p.messages == [{"role": "user", "content": "Q"}]
+
+
+def test_random_chat_prompts_are_decoded_text():
+    from deploy.loadtest.datasets import load_tokenizer
+
+    tok = load_tokenizer(REPO / "models" / "assets" / "tokenizer")
+    (p,) = random_prompts(1, 12, 4, (100, 200), seed=1, tokenizer=tok, chat=True)
+    text = p.messages[0]["content"]
+    assert isinstance(text, str) and text and p.prompt is None
