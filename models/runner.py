@@ -570,6 +570,11 @@ class ModelRunner:
             tid, tlp = np.zeros((len(idx), 0), np.int32), np.zeros((len(idx), 0), np.float32)
         return lp, tid, tlp
 
+    def forget(self, seq_id: int) -> None:
+        """Drop what the runner keeps for a sequence between steps (a stashed prompt-logprob
+        row of an unfinished prefill); call it when a sequence ends or is aborted."""
+        self._pending_plp.pop(seq_id, None)
+
     # ---- lifetime -------------------------------------------------------------------
     def close(self) -> None:
         """Wait for the stream, then give the programs, buffers and KV cache back to the card."""
