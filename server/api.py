@@ -274,16 +274,20 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics=None) ->
     async def collect(request: Request, sub: Submission) -> None:
         """Wait for every choice; abort if the client goes away first."""
         getter: asyncio.Future | None = None
+        poll = config.disconnect_poll_seconds
+        next_check = time.monotonic() + poll
         try:
             while not sub.done:
                 if getter is None:
                     getter = asyncio.ensure_future(sub.next())
-                done, _ = await asyncio.wait({getter}, timeout=config.disconnect_poll_seconds)
+                done, _ = await asyncio.wait({getter}, timeout=max(0.0, next_check - time.monotonic()))
                 if getter in done:
                     getter.result()
                     getter = None
-                elif await request.is_disconnected():
-                    return
+                if time.monotonic() >= next_check:  # updates may arrive faster than the poll
+                    if await request.is_disconnected():
+                        return
+                    next_check = time.monotonic() + poll
         finally:
             if getter is not None:
                 getter.cancel()

@@ -34,7 +34,7 @@ def test_a_streaming_client_that_disconnects_frees_its_blocks(client, real_serve
     engine = real_server.built.engine
     total = engine.blocks.num_blocks
     assert free_blocks_metric(client) == total
-    body = {"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line).startswith("data: ")
@@ -47,9 +47,10 @@ def test_a_streaming_client_that_disconnects_frees_its_blocks(client, real_serve
 def test_a_non_streaming_client_that_disconnects_frees_its_blocks(real_server):
     engine = real_server.built.engine
     aborted = engine.stats.finished.get("abort", 0)
-    with httpx.Client(base_url=real_server.url, timeout=httpx.Timeout(600, read=3.0)) as c:
+    # 1000 tokens take several seconds even on an idle machine; the client gives up after 1
+    with httpx.Client(base_url=real_server.url, timeout=httpx.Timeout(600, read=1.0)) as c:
         with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True})
+            c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True})
     wait_until(lambda: engine.stats.finished.get("abort", 0) > aborted, "the request to be aborted")
     wait_until(lambda: idle(engine), "the blocks to be freed")
 

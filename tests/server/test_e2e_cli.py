@@ -106,5 +106,5 @@ def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
     assert "model granite-tiny" in text
     assert "memory plan" in text and "weights" in text and "KV cache 16 blocks" not in text
     assert "16 blocks of 16 tokens" in text and "scratch" in text
-    assert "compiling and preparing 5 step programs" in text and "warming up step programs" in text
+    assert "compiling and preparing 5 step programs" in text and "5/5" in text  # the progress bar
     assert f"http://127.0.0.1:{port}" in text
