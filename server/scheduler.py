@@ -63,6 +63,7 @@ class Scheduler:
         self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
         self._admitted = 0
         self.num_preemptions = 0
+        self._preempted_now: set[int] = set()  # preempted in this schedule(): not readmitted in it
 
     # ---- queues -------------------------------------------------------------
 
@@ -103,6 +104,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self._preempted_now.add(seq.seq_id)
         self.waiting.appendleft(seq)
 
     # ---- what a sequence needs ----------------------------------------------
@@ -129,6 +131,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         done: set[int] = set()
+        self._preempted_now.clear()
         bs = self.blocks.block_size
 
         def victim_for(seq: Sequence) -> Sequence | None:
@@ -174,8 +177,8 @@ class Scheduler:
         # admit waiting sequences, first come first served
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.seq_id in done or not self._ready(seq) or seq.num_pending:
-                break
+            if seq.seq_id in self._preempted_now or not self._ready(seq) or seq.num_pending:
+                break  # FCFS: the head waits, nobody overtakes it
             target, sample = self._target(seq)
             remaining = target - seq.num_computed
             if remaining <= 0:
