@@ -128,6 +128,8 @@ class SeqWork:                    # one sequence's share of a step
     from_device: bool = False     # decode token is the one this seq sampled in the previous launch
     prompt_logprobs: bool = False # return logprobs of this chunk's prompt tokens (echo)
     penalty_token_ids: list[int] | None = None  # tokens counted by the penalties
+    banned_token_ids: list[int] | None = None   # tokens this step's sample may not pick (the
+                                                # server's min_tokens: EOS and stop tokens)
 
 
 @dataclass
@@ -225,6 +227,7 @@ class ModelRunner:
         want_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         self.mbmax = -(-want_len // block_size)    # block-table width
         self.npen_max = self.smax * want_len
+        self.nban_max = self.smax * cfg.vocab_size  # banned ids are unique per row
         self._seed = random.randrange(1 << 62) if seed is None else int(seed)
 
         H, V, I = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size  # noqa: E741
@@ -241,7 +244,7 @@ class ModelRunner:
             # Planned memory: workspace and I/O first, then the KV cache from what is left.
             self.work = alloc((workspace_floats(*dims),), np.float32, zero=True)
             self.in_i32 = alloc((in_i32_size(self.tmax, self.smax, self.rmax, self.mbmax,
-                                             self.npen_max),), np.int32)
+                                             self.npen_max, self.nban_max),), np.int32)
             self.in_f32 = alloc((6 * self.smax,), np.float32)
             self.in_i64 = alloc((2 * self.smax,), np.int64)
             self.out_i32 = [alloc((self.smax * (1 + KMAX),), np.int32, zero=True) for _ in range(2)]
@@ -363,6 +366,11 @@ class ModelRunner:
                                  f"previous launch")
         if w.sample:
             w.sampling.check()
+            if w.banned_token_ids:
+                lo, hi = min(w.banned_token_ids), max(w.banned_token_ids)
+                if lo < 0 or hi >= self.config.vocab_size:
+                    raise ValueError(f"seq {w.seq_id}: banned token id {lo if lo < 0 else hi} is "
+                                     f"outside the vocabulary ({self.config.vocab_size})")
         return n
 
     def _seed_of(self, w: SeqWork) -> int:
@@ -392,10 +400,13 @@ class ModelRunner:
         npen = sum(len(p[0]) for p in pen_lists)
         if npen > self.npen_max:
             raise ValueError(f"launch: {npen} penalty tokens exceed the buffer of {self.npen_max}")
+        ban_lists = [np.unique(np.asarray(w.banned_token_ids, np.int32)) if w.banned_token_ids
+                     else np.zeros(0, np.int32) for w in samplers]
+        nban = sum(len(b) for b in ban_lists)           # <= nban_max: unique ids < V per row
         k = max([w.sampling.logprobs for w in work] + [0])
 
         # ---- int32 inputs, one host buffer in the device layout
-        buf = np.zeros(in_i32_size(t, s, r, mb, npen), np.int32)
+        buf = np.zeros(in_i32_size(t, s, r, mb, npen, nban), np.int32)
         o = 0
         tokens = buf[o:o + t]
         o += t
@@ -422,6 +433,10 @@ class ModelRunner:
         pen_ids = buf[o:o + npen]
         o += npen
         pen_counts = buf[o:o + npen]
+        o += npen
+        ban_start = buf[o:o + s + 1]
+        o += s + 1
+        ban_ids = buf[o:o + nban]
 
         slots[:] = trash_slot
         src_rows[:] = -1
@@ -440,6 +455,7 @@ class ModelRunner:
         new_rows: dict[int, int] = {}
         n_sample = 0
         pen_pos = 0
+        ban_pos = 0
         for i, w in enumerate(work):
             n = len(w.token_ids)
             end = w.start_pos + n
@@ -474,12 +490,17 @@ class ModelRunner:
                 pen_ids[pen_pos:pen_pos + len(ids)] = ids
                 pen_counts[pen_pos:pen_pos + len(ids)] = cnts
                 pen_pos += len(ids)
+                ban = ban_lists[j]
+                ban_start[j] = ban_pos
+                ban_ids[ban_pos:ban_pos + len(ban)] = ban
+                ban_pos += len(ban)
                 if w.from_device and active:
                     pen_extra[j] = row - 1        # the device counts the token it reads
                 new_rows[w.seq_id] = j
                 n_sample += 1
         query_start[len(work):] = row
         pen_start[n_sample:] = pen_pos
+        ban_start[n_sample:] = ban_pos
         if return_rows:
             logit_rows[s:s + t] = np.arange(t, dtype=np.int32)
         if npen and (pen_ids.min() < 0 or pen_ids.max() >= self.config.vocab_size):
@@ -511,7 +532,7 @@ class ModelRunner:
                 logits = np.empty((r, V), np.float32)
                 readback.append((logits, self._ws_view("logits", r * V)))
         bindings = {"T": t, "S": s, "R": r, "NS": ns, "MB": mb, "K": k, "NPEN": npen,
-                    "prev_out_i32": self.out_i32[parity ^ 1], "out_i32": out_i32_dev,
+                    "NBAN": nban, "prev_out_i32": self.out_i32[parity ^ 1], "out_i32": out_i32_dev,
                     "out_f32": out_f32_dev}
         want = self.step_threads(t)
         if want != self._threads:                # per-thread setting: set it on the stream's thread

@@ -12,14 +12,14 @@ A step (T token rows, S sequences, R logit rows, NS of them sampling):
     per layer: rmsnorm, qkv = h @ Wqkv, split, rope(q, k), write_kv, paged attention,
                x += res * (attn @ Wo), rmsnorm, gu = h @ Wgu, swiglu, x += res * (act @ Wdown)
     hsel[R, H] = rmsnorm(x[logit_rows]);   logits[R, V] = hsel @ lm_head / logits_scaling
-    sample rows 0..NS-1 (penalties, temperature, top-k/p, min-p, seeded draw) with the
+    sample rows 0..NS-1 (penalties, bans, temperature, top-k/p, min-p, seeded draw) with the
     sampled id, its raw logprob and the top-K raw logprobs; rows NS.. only when asked
     (R > S: every token row, for prompt logprobs) get a log-softmax.
 
 Host-side layouts (all offsets in elements, computed identically by `InputLayout`):
     in_i32: tokens[T] positions[T] slots[T] src_rows[T] query_start[S+1] context_lens[S]
             block_tables[S, MB] logit_rows[R] top_k[S] pen_start[S+1] pen_extra[S]
-            pen_ids[NPEN] pen_counts[NPEN]
+            pen_ids[NPEN] pen_counts[NPEN] ban_start[S+1] ban_ids[NBAN]
     in_f32: temperature[S] top_p[S] min_p[S] presence[S] frequency[S] repetition[S]
     in_i64: seeds[S] counters[S]
     out_i32: sampled[NS] at 0, top_ids[NS, K] at S;  out_f32: logprob[NS] at 0, top_lp[NS, K] at S
@@ -62,7 +62,7 @@ KMAX = 5  # most top logprobs per sampled token (OpenAI's limit for completions)
 SLOTS = [
     # step shapes
     ("T", "dim"), ("S", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
-    ("NPEN", "dim"),
+    ("NPEN", "dim"), ("NBAN", "dim"),
     # workspace capacity and model shapes
     ("TMAX", "dim"), ("RMAX", "dim"), ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"),
     ("I", "dim"), ("V", "dim"), ("L", "dim"), ("NBT", "dim"), ("BS", "dim"), ("TIED", "dim"),
@@ -74,7 +74,7 @@ SLOTS = [
     ("prev_out_i32", "address"), ("out_i32", "address"), ("out_f32", "address"),
 ]
 _IX = {name: i for i, (name, _) in enumerate(SLOTS)}
-(S_T, S_S, S_R, S_NS, S_MB, S_K, S_NPEN, S_TMAX, S_RMAX, S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L,
+(S_T, S_S, S_R, S_NS, S_MB, S_K, S_NPEN, S_NBAN, S_TMAX, S_RMAX, S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L,
  S_NBT, S_BS, S_TIED, A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS, A_WORK,
  A_IN_I32, A_IN_F32, A_IN_I64, A_PREV_OUT, A_OUT_I32, A_OUT_F32) = range(len(SLOTS))
 
@@ -99,8 +99,8 @@ def workspace_floats(*dims) -> int:
     return workspace_offsets(*dims)["end"]
 
 
-def in_i32_size(t: int, s: int, r: int, mb: int, npen: int) -> int:
-    return 4 * t + (s + 1) + s + s * mb + r + s + (s + 1) + s + 2 * npen
+def in_i32_size(t: int, s: int, r: int, mb: int, npen: int, nban: int) -> int:
+    return 4 * t + (s + 1) + s + s * mb + r + s + (s + 1) + s + 2 * npen + (s + 1) + nban
 
 
 @njit(nogil=True, cache=True)
@@ -160,6 +160,7 @@ def step_entry(f32, i32, i64, u16, table):
     MB = table[S_MB]
     K = table[S_K]
     NPEN = table[S_NPEN]
+    NBAN = table[S_NBAN]
     TMAX = table[S_TMAX]
     RMAX = table[S_RMAX]
     H = table[S_H]
@@ -209,6 +210,10 @@ def step_entry(f32, i32, i64, u16, table):
     pen_ids = i32_at(i32, p, NPEN)                                # [NPEN] unique per row
     p += 4 * NPEN
     pen_counts = i32_at(i32, p, NPEN)                             # [NPEN]
+    p += 4 * NPEN
+    ban_start = i32_at(i32, p, S + 1)                             # [S+1]
+    p += 4 * (S + 1)
+    ban_ids = i32_at(i32, p, NBAN)                                # [NBAN] not to sample (min_tokens)
 
     q = table[A_IN_F32]
     temperature = f32_at(f32, q, S)
@@ -313,7 +318,7 @@ def step_entry(f32, i32, i64, u16, table):
     if R > S:
         log_softmax(lsm, logits)          # every token row asked for (prompt logprobs, debug)
 
-    # ---- sampling rows 0..NS-1: penalties, temperature, filters, a draw; raw logprobs, top-K
+    # ---- sampling rows 0..NS-1: penalties, bans, temperature, filters, a draw; raw logprobs, top-K
     o32 = table[A_OUT_I32]
     of32 = table[A_OUT_F32]
     sampled = i32_at(i32, o32, NS)
@@ -325,4 +330,5 @@ def step_entry(f32, i32, i64, u16, table):
                          pen_extra[:NS], tokens)
         sample(sampled, logprob, top_ids, top_lp, logits[:NS], temperature[:NS], top_k[:NS],
                top_p[:NS], min_p[:NS], seeds[:NS], counters[:NS], presence[:NS],
-               frequency[:NS], repetition[:NS], pen_off, pen_ids2, pen_cnt2)
+               frequency[:NS], repetition[:NS], pen_off, pen_ids2, pen_cnt2, ban_start[:NS + 1],
+               ban_ids)

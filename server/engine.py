@@ -133,6 +133,7 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
+        self.vocab_size = getattr(getattr(runner, "config", None), "vocab_size", None)
         self.block_size = runner.block_size
         self.num_kv_blocks = runner.num_kv_blocks
         self.max_model_len = runner.max_model_len
@@ -307,8 +308,18 @@ class Engine:
                 self.observer.on_scheduled(now - req.arrival, c.seq.num_prompt)
         return _Step(chunks, handle, now)
 
-    @staticmethod
-    def _work(c: ScheduledChunk) -> SeqWork:
+    def _banned_tokens(self, p: GenerationParams) -> list[int]:
+        """Tokens that would stop the sequence (EOS unless ignore_eos, and stop_token_ids):
+        vLLM's min_tokens keeps them from being sampled, not just from stopping. Ids outside
+        the vocabulary are never sampled anyway and are left out."""
+        ids = list(p.stop_token_ids)
+        if not p.ignore_eos and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        if self.vocab_size is not None:
+            ids = [t for t in ids if 0 <= t < self.vocab_size]
+        return sorted(set(ids))
+
+    def _work(self, c: ScheduledChunk) -> SeqWork:
         seq = c.seq
         p = seq.params
         if c.from_device:
@@ -327,6 +338,9 @@ class Engine:
             from_device=c.from_device,
             prompt_logprobs=c.prompt_logprobs,
             penalty_token_ids=_penalty_tokens(seq) if c.sample and p.uses_penalties else None,
+            # the token sampled here is output token number num_generated (from 0)
+            banned_token_ids=(self._banned_tokens(p) or None)
+            if c.sample and c.num_generated < p.min_tokens else None,
         )
 
     def _collect(self, step: _Step) -> None:

@@ -3,7 +3,8 @@
     sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs,
            logits, temperature, top_k, top_p, min_p, seeds, counters,
            presence_penalty, frequency_penalty, repetition_penalty,
-           penalty_offsets, penalty_ids, penalty_counts)
+           penalty_offsets, penalty_ids, penalty_counts,
+           ban_offsets=None, ban_ids=None)
 
 Outputs (first):
     out_ids            int32[S]      sampled token of each row
@@ -26,10 +27,16 @@ Inputs:
     penalty_offsets    int32[S+1]    row s owns penalty_ids[offsets[s]:offsets[s+1]]
     penalty_ids        int32[N]      tokens seen in the prompt or the output, unique per row
     penalty_counts     int32[N]      occurrences of each in the output (0: prompt only)
+    ban_offsets        int32[S+1]    optional (both or neither): row s may not sample
+    ban_ids            int32[M]      ban_ids[ban_offsets[s]:ban_offsets[s+1]] (vLLM's
+                                     min_tokens: EOS and stop tokens); duplicates allowed
 
 Order per row, as vLLM v1: penalties (repetition, then frequency and
-presence); temperature; min_p (drop tokens whose probability is below
-min_p times the top one's); top_k (keep the k most likely); top_p (keep the
+presence); the ban (those logits are set to -inf, in fact the lowest float32,
+so neither greedy nor a draw can pick them; if a row bans every token of the
+vocabulary its ban is ignored and it samples the unbanned distribution,
+rather than failing the whole batch); temperature; min_p (drop tokens whose
+probability is below min_p times the top one's); top_k (keep the k most likely); top_p (keep the
 smallest set of most likely tokens whose mass reaches top_p of what is left);
 then one draw from what remains, renormalized. Ties at a top_k boundary are
 broken arbitrarily but deterministically. Tokens whose probability is below
@@ -57,6 +64,11 @@ _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _LOG_UNDERFLOW = np.float32(-87.0)  # exp_nonpos gives 0 below this
+# A banned logit. The lowest finite float32 rather than -inf, because the top-k prefilter
+# takes chunk maxima with fastmath (which assumes no infinities); it acts as -inf: never
+# the argmax of a row with an unbanned token, and below the underflow cut after the
+# subtraction of the row's maximum, so never drawn.
+_BANNED = np.float32(-3.4028234663852886e38)
 
 
 @njit(nogil=True, cache=True)
@@ -203,11 +215,8 @@ def _top_raw(out_ids, out_lp, row, lse):
 
 
 @njit(nogil=True, cache=True)
-def _sample_row(row, temperature, top_k, top_p, min_p, seed, counter,
-                presence, frequency, repetition, pen_ids, pen_counts, z, w, idx, bits):
-    """One row: returns the sampled token id. row float32[V] raw logits;
-    z, w float32[V], idx, bits int32[V] scratch."""
-    v_n = row.shape[0]
+def _penalize(z, row, presence, frequency, repetition, pen_ids, pen_counts):
+    """z[:] = row with the penalties applied to the listed tokens."""
     z[:] = row
     for j in range(pen_ids.shape[0]):
         t = pen_ids[j]
@@ -218,12 +227,33 @@ def _sample_row(row, temperature, top_k, top_p, min_p, seed, counter,
         if c > 0:
             x -= frequency * np.float32(c) + presence
         z[t] = x
+
+
+@njit(nogil=True, cache=True)
+def _argmax(z):
+    """(index, value) of the first largest element of float32[n]."""
     zmax = z[0]
     arg = 0
-    for i in range(1, v_n):
+    for i in range(1, z.shape[0]):
         if z[i] > zmax:
             zmax = z[i]
             arg = i
+    return arg, zmax
+
+
+@njit(nogil=True, cache=True)
+def _sample_row(row, temperature, top_k, top_p, min_p, seed, counter,
+                presence, frequency, repetition, pen_ids, pen_counts, ban, z, w, idx, bits):
+    """One row: returns the sampled token id. row float32[V] raw logits; ban int32[m]
+    tokens not to sample; z, w float32[V], idx, bits int32[V] scratch."""
+    v_n = row.shape[0]
+    _penalize(z, row, presence, frequency, repetition, pen_ids, pen_counts)
+    for j in range(ban.shape[0]):
+        z[ban[j]] = _BANNED
+    arg, zmax = _argmax(z)
+    if ban.shape[0] > 0 and zmax <= _BANNED:   # every token banned: sample without the ban
+        _penalize(z, row, presence, frequency, repetition, pen_ids, pen_counts)
+        arg, zmax = _argmax(z)
     if temperature <= 0.0 or top_k == 1:
         return arg
     inv_t = np.float32(1.0) / temperature
@@ -288,7 +318,7 @@ def _sample_row(row, temperature, top_k, top_p, min_p, seed, counter,
 @njit(nogil=True, cache=True)
 def _check(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
            top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
-           repetition_penalty, penalty_offsets, penalty_ids, penalty_counts):
+           repetition_penalty, penalty_offsets, penalty_ids, penalty_counts, ban_offsets, ban_ids):
     s_n, v_n = logits.shape
     for n in (out_ids.shape[0], out_logprobs.shape[0], out_top_ids.shape[0],
               out_top_logprobs.shape[0], temperature.shape[0], top_k.shape[0], top_p.shape[0],
@@ -317,16 +347,42 @@ def _check(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, tempera
     for j in range(penalty_offsets[s_n]):
         if penalty_ids[j] < 0 or penalty_ids[j] >= v_n:
             raise IndexError("sample: penalty token id out of range (id, vocab)", penalty_ids[j], v_n)
+    if ban_offsets.shape[0] != s_n + 1 or ban_offsets[0] != 0 or ban_offsets[s_n] > ban_ids.shape[0]:
+        raise ValueError("sample: want ban_offsets [S+1] from 0 to at most len(ban_ids) (S, len)",
+                         s_n, ban_ids.shape[0])
+    for s in range(s_n):
+        if ban_offsets[s + 1] < ban_offsets[s]:
+            raise ValueError("sample: ban_offsets decrease at row", s)
+    for j in range(ban_offsets[s_n]):
+        if ban_ids[j] < 0 or ban_ids[j] >= v_n:
+            raise IndexError("sample: banned token id out of range (id, vocab)", ban_ids[j], v_n)
+
+
+@njit(nogil=True, cache=True)
+def sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
+           top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+           repetition_penalty, penalty_offsets, penalty_ids, penalty_counts,
+           ban_offsets=None, ban_ids=None):
+    """Sample one token per row of logits; see the module docstring."""
+    if ban_offsets is None:
+        _sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
+                top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+                repetition_penalty, penalty_offsets, penalty_ids, penalty_counts,
+                np.zeros(logits.shape[0] + 1, np.int32), np.zeros(0, np.int32))
+    else:
+        _sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
+                top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+                repetition_penalty, penalty_offsets, penalty_ids, penalty_counts,
+                ban_offsets, ban_ids)
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
-           top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
-           repetition_penalty, penalty_offsets, penalty_ids, penalty_counts):
-    """Sample one token per row of logits; see the module docstring."""
+def _sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
+            top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+            repetition_penalty, penalty_offsets, penalty_ids, penalty_counts, ban_offsets, ban_ids):
     _check(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
            top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
-           repetition_penalty, penalty_offsets, penalty_ids, penalty_counts)
+           repetition_penalty, penalty_offsets, penalty_ids, penalty_counts, ban_offsets, ban_ids)
     s_n, v_n = logits.shape
     for s in prange(s_n):
         row = logits[s]
@@ -340,6 +396,7 @@ def sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, tempera
         p1 = penalty_offsets[s + 1]
         tok = _sample_row(row, temperature[s], top_k[s], top_p[s], min_p[s], seeds[s], counters[s],
                           presence_penalty[s], frequency_penalty[s], repetition_penalty[s],
-                          penalty_ids[p0:p1], penalty_counts[p0:p1], z, w, idx, bits)
+                          penalty_ids[p0:p1], penalty_counts[p0:p1],
+                          ban_ids[ban_offsets[s]:ban_offsets[s + 1]], z, w, idx, bits)
         out_ids[s] = tok
         out_logprobs[s] = row[tok] - lse

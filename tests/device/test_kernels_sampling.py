@@ -8,10 +8,11 @@ V = 1000
 
 
 def _call(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, counter=None, k=0,
-          presence=0.0, frequency=0.0, repetition=1.0, penalties=None):
+          presence=0.0, frequency=0.0, repetition=1.0, penalties=None, bans=None):
     """Run `sample` with per-row parameters given as scalars or lists.
 
-    penalties: per row a dict {token_id: output_count} (count 0 = prompt only)."""
+    penalties: per row a dict {token_id: output_count} (count 0 = prompt only).
+    bans: per row a list of token ids it may not sample (None: the arguments are omitted)."""
     s, v = logits.shape
 
     def col(x, dt):
@@ -27,10 +28,16 @@ def _call(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, counte
     top_ids = np.full((s, k), -5, np.int32)
     top_lp = np.full((s, k), np.nan, np.float32)
     counter = np.arange(s) if counter is None else counter
-    sample(ids, lp, top_ids, top_lp, logits, col(temperature, np.float32), col(top_k, np.int32),
-           col(top_p, np.float32), col(min_p, np.float32), col(seed, np.uint64),
-           col(counter, np.int64), col(presence, np.float32), col(frequency, np.float32),
-           col(repetition, np.float32), offsets, pen_ids, pen_counts)
+    args = (ids, lp, top_ids, top_lp, logits, col(temperature, np.float32), col(top_k, np.int32),
+            col(top_p, np.float32), col(min_p, np.float32), col(seed, np.uint64),
+            col(counter, np.int64), col(presence, np.float32), col(frequency, np.float32),
+            col(repetition, np.float32), offsets, pen_ids, pen_counts)
+    if bans is None:
+        sample(*args)
+    else:
+        ban_offsets = np.zeros(s + 1, np.int32)
+        ban_offsets[1:] = np.cumsum([len(b) for b in bans])
+        sample(*args, ban_offsets, np.array([t for b in bans for t in b], np.int32))
     return ids, lp, top_ids, top_lp
 
 
@@ -311,3 +318,132 @@ def test_minus_inf_logits_are_never_drawn_and_have_minus_inf_logprob():
     np.testing.assert_allclose(lp, _log_softmax(row[None])[0, ids], rtol=1e-5)
     assert top_ids[0].tolist() == [2, 4, 0, 1, 3]
     assert np.all(np.isneginf(top_lp[:, 3:]))
+
+
+# --- bans (min_tokens: EOS and stop tokens may not be sampled yet) ----------
+
+def _banned(row, ban):
+    """The row with the banned tokens at -inf (the reference)."""
+    z = row.astype(np.float64).copy()
+    z[list(ban)] = -np.inf
+    return z
+
+
+def test_a_banned_argmax_is_never_chosen_by_greedy():
+    rng = np.random.default_rng(20)
+    logits = _logits(40, v=60, seed=21, spread=1.0)
+    bans = []
+    for s in range(40):
+        order = np.argsort(-logits[s])
+        ban = [int(t) for t in order[:rng.integers(1, 4)]]           # the top 1..3
+        ban += [int(t) for t in rng.choice(60, size=3)] + [ban[0]]  # others, a duplicate
+        bans.append(ban)
+    ids, lp, _, _ = _call(logits, temperature=0.0, bans=bans)
+    ref = [int(np.argmax(_banned(logits[s], bans[s]))) for s in range(40)]
+    assert ids.tolist() == ref
+    assert not any(ids[s] in bans[s] for s in range(40))
+    # the logprob stays the one of the raw distribution
+    np.testing.assert_allclose(lp, _log_softmax(logits)[np.arange(40), ids], rtol=1e-5, atol=1e-5)
+
+
+def test_the_ban_applies_after_the_penalties():
+    row = np.array([[1.0, 0.9, 0.8, -3.0]], np.float32)
+    # the penalty moves the top to token 1, the ban then removes it: token 2
+    ids, _, _, _ = _call(row, temperature=0.0, frequency=1.0, penalties=[{0: 1}], bans=[[1]])
+    assert ids[0] == 2
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.3},
+                                {"top_k": 4, "top_p": 0.8, "temperature": 0.7}])
+def test_banned_tokens_are_never_drawn_and_the_rest_keeps_its_support(kw):
+    row = _logits(1, seed=22, spread=0.8)[0][:30].copy()
+    order = np.argsort(-row)
+    ban = [int(order[0]), int(order[2])]
+    z = _banned(row, ban)
+    t = kw.get("temperature", 1.0)
+    if "top_k" in kw:
+        z = np.where(np.isin(np.arange(30), np.argsort(-z)[:kw["top_k"]]), z, -np.inf)
+    if "min_p" in kw:
+        ref = _support_min_p(z, kw["min_p"], temperature=t)
+    elif "top_p" in kw:
+        ref = _support_top_p(z, kw["top_p"], temperature=t)
+    else:
+        ref = set(np.nonzero(np.isfinite(z))[0].tolist())
+    got = _draws(row, bans=[ban] * N_DRAWS, **kw)
+    assert not got & set(ban)
+    assert got == ref
+
+
+def test_a_ban_keeps_the_raw_top_logprobs():
+    logits = _logits(3, seed=23)
+    top = logits.argmax(1)
+    _, _, top_ids, top_lp = _call(logits, temperature=0.0, k=2, bans=[[int(t)] for t in top])
+    assert top_ids[:, 0].tolist() == top.tolist()
+    np.testing.assert_allclose(top_lp[:, 0], _log_softmax(logits)[np.arange(3), top], rtol=1e-5)
+
+
+def test_draws_with_a_ban_match_the_renormalized_softmax():
+    row = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5], np.float32)
+    n = 40000
+    ids, _, _, _ = _call(_repeat(row, n), seed=43, counter=np.arange(n), bans=[[0, 7]] * n)
+    observed = np.bincount(ids, minlength=row.size)
+    expected = np.exp(_banned(row, [0, 7]) - row.max())
+    expected = expected / expected.sum() * n
+    assert observed[0] == observed[7] == 0
+    _, pvalue = stats.chisquare(observed[1:7], expected[1:7])
+    assert pvalue > 1e-3
+
+
+def test_a_row_banning_every_token_samples_without_its_ban():
+    logits = _logits(2, v=4, seed=24)
+    ids, _, _, _ = _call(logits, temperature=0.0, bans=[[0, 1, 2, 3, 3], [int(logits[1].argmax())]])
+    assert ids[0] == logits[0].argmax()
+    assert ids[1] == np.argmax(_banned(logits[1], [logits[1].argmax()]))
+
+
+def test_a_ban_on_one_row_leaves_the_others_alone():
+    logits = _logits(5, seed=25)
+    free, _, _, _ = _call(logits, top_p=0.9)
+    bans = [[], [int(free[1])], [], [], []]
+    ids, _, _, _ = _call(logits, top_p=0.9, bans=bans)
+    assert ids[1] != free[1]
+    assert ids[[0, 2, 3, 4]].tolist() == free[[0, 2, 3, 4]].tolist()
+    empty, _, _, _ = _call(logits, top_p=0.9, bans=[[]] * 5)
+    assert empty.tolist() == free.tolist()
+
+
+def test_rejects_a_banned_token_out_of_vocab():
+    with pytest.raises(IndexError, match="banned token id"):
+        _call(_logits(1, v=10), bans=[[10]])
+
+
+def test_rejects_ban_offsets_of_the_wrong_length():
+    logits = _logits(2, v=10)
+    args = (np.empty(2, np.int32), np.empty(2, np.float32), np.empty((2, 0), np.int32),
+            np.empty((2, 0), np.float32), logits, np.ones(2, np.float32), np.zeros(2, np.int32),
+            np.ones(2, np.float32), np.zeros(2, np.float32), np.zeros(2, np.uint64),
+            np.zeros(2, np.int64), np.zeros(2, np.float32), np.zeros(2, np.float32),
+            np.ones(2, np.float32), np.zeros(3, np.int32), np.zeros(0, np.int32),
+            np.zeros(0, np.int32))
+    with pytest.raises(ValueError, match="ban_offsets"):
+        sample(*args, np.zeros(2, np.int32), np.zeros(0, np.int32))
+
+
+def test_sample_with_a_ban_is_callable_from_njit_code():
+    from numba import njit
+
+    @njit
+    def step(ids, lp, tid, tlp, logits, t, k, p, mp, seeds, ctr, pr, fr, rp, off, pid, pc, bo, bi):
+        sample(ids, lp, tid, tlp, logits, t, k, p, mp, seeds, ctr, pr, fr, rp, off, pid, pc,
+               bo, bi)
+
+    logits = _logits(3)
+    ids = np.empty(3, np.int32)
+    zf, of = np.zeros(3, np.float32), np.ones(3, np.float32)
+    top = logits.argmax(1).astype(np.int32)
+    step(ids, np.empty(3, np.float32), np.empty((3, 0), np.int32), np.empty((3, 0), np.float32),
+         logits, zf, np.zeros(3, np.int32), of, zf, np.zeros(3, np.uint64), np.zeros(3, np.int64),
+         zf, zf, of, np.zeros(4, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
+         np.arange(4, dtype=np.int32), top)
+    ref = [int(np.argmax(_banned(logits[s], [top[s]]))) for s in range(3)]
+    assert ids.tolist() == ref

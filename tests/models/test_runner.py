@@ -145,3 +145,43 @@ def test_eager_baseline_computes_the_same_greedy_tokens(runner):
 def test_block_id_outside_the_cache_is_refused(runner):
     with pytest.raises(ValueError, match=r"block ids must be in 0..15, got 3..16"):
         runner.launch([prefill(0, list(range(20)), [3, 16])])
+
+
+def banned(w: SeqWork, ids) -> SeqWork:
+    w.banned_token_ids = [int(t) for t in ids]
+    return w
+
+
+def test_a_banned_top_token_makes_greedy_pick_the_second(runner):
+    prompt = [3, 1, 4, 1, 5]
+    out = runner.launch([prefill(0, prompt, [0])], return_logits=True).result()
+    row = out.logits[0][-1].astype(np.float64)
+    order = np.argsort(-row)
+    assert row[order[0]] - row[order[1]] > 1e-4 and row[order[1]] - row[order[2]] > 1e-4
+    assert out.token_ids[0] == order[0]
+    work = [banned(prefill(1, prompt, [1]), [order[0]]),
+            prefill(2, prompt, [2]),
+            banned(prefill(3, prompt, [3]), [order[0], order[1], order[0]])]
+    got = runner.launch(work).result()
+    assert got.token_ids.tolist() == [order[1], order[0], order[2]]
+    # the logprob is still the one of the raw distribution
+    lsm = row - row.max() - np.log(np.exp(row - row.max()).sum())
+    np.testing.assert_allclose(got.logprobs, lsm[[order[1], order[0], order[2]]], rtol=1e-4, atol=1e-5)
+
+
+def test_a_ban_applies_to_a_device_fed_decode(runner):
+    prompt = [7, 8, 9]
+    first = runner.launch([prefill(0, prompt, [0])]).result().token_ids[0]
+    h = runner.launch([SeqWork(0, [int(first)], 3, [0], True, GREEDY)], return_logits=True)
+    free = h.result()
+    row = free.logits[0][0]
+    order = np.argsort(-row)
+    # the same decode, launched ahead with the token read on the device and the top one banned
+    runner.launch([prefill(1, prompt, [1])])
+    w = banned(SeqWork(1, [-1], 3, [1], True, GREEDY, from_device=True), [order[0]])
+    assert runner.launch([w]).result().token_ids[0] == order[1]
+
+
+def test_a_banned_token_outside_the_vocabulary_is_refused(runner):
+    with pytest.raises(ValueError, match="seq 0: banned token id 256 is outside the vocabulary"):
+        runner.launch([banned(prefill(0, [1, 2], [0]), [0, 256])])

@@ -12,6 +12,7 @@ only right after a sampling launch, block table coverage).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -51,15 +52,20 @@ def next_token(context: list[int], eos_every: int = 0) -> int:
     return 1 + h % (VOCAB - 1)
 
 
-def reference(prompt: list[int], max_tokens: int, eos_every: int = 0, ignore_eos=False) -> list[int]:
-    """What greedy generation of ``prompt`` alone gives."""
+def reference(prompt: list[int], max_tokens: int, eos_every: int = 0, ignore_eos=False,
+              min_tokens: int = 0, stop_token_ids=()) -> list[int]:
+    """What greedy generation of ``prompt`` alone gives. Before ``min_tokens`` tokens the
+    stop tokens (EOS unless ignore_eos, stop_token_ids) are banned: the next unbanned id."""
+    stops = set(stop_token_ids) | (set() if ignore_eos else {EOS})
     ctx = list(prompt)
     out = []
     for _ in range(max_tokens):
         t = next_token(ctx, eos_every)
+        while len(out) < min_tokens and t in stops:
+            t = (t + 1) % VOCAB
         out.append(t)
         ctx.append(t)
-        if t == EOS and not ignore_eos:
+        if t in stops:
             break
     return out
 
@@ -90,6 +96,7 @@ class FakeRunner:
     launches: list = field(default_factory=list)  # the work of every launch
     violations: list = field(default_factory=list)
     events: list = field(default_factory=list)  # ("launch", i) and ("result", i) in call order
+    config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(vocab_size=VOCAB))
 
     def __post_init__(self) -> None:
         self.kv = np.full((self.num_kv_blocks, self.block_size), -2, dtype=np.int64)
@@ -136,6 +143,10 @@ class FakeRunner:
                 )
             if w.sample:
                 t = next_token(context, self.eos_every)
+                ban = set(w.banned_token_ids or ())
+                self._check(all(0 <= b < VOCAB for b in ban), f"seq {w.seq_id} bans {sorted(ban)}")
+                while t in ban and len(ban) < VOCAB:  # as the device: the next best unbanned
+                    t = (t + 1) % VOCAB
                 seq_ids.append(w.seq_id)
                 tokens.append(t)
                 lps.append(-0.25 - 0.01 * t)

@@ -195,8 +195,47 @@ def test_min_tokens_keeps_generating_past_an_early_eos(make_engine):
     engine, _ = make_engine(runner)
     ref = reference(TOK.encode("find an eos"), 40, eos_every=5, ignore_eos=True)
     first = ref.index(EOS)
-    c = submit(engine, "find an eos", params(max_tokens=40, min_tokens=first + 2)).wait()
-    assert len(c.token_ids) >= first + 2
+    n = first + 2
+    c = submit(engine, "find an eos", params(max_tokens=40, min_tokens=n)).wait()
+    assert len(c.token_ids) >= n
+    assert EOS not in c.token_ids[:n]          # banned, not merely ignored as a stop
+    assert c.token_ids == reference(TOK.encode("find an eos"), 40, eos_every=5, min_tokens=n)
+    if EOS in c.token_ids:
+        assert c.token_ids[-1] == EOS and c.last.finish_reason == "stop"
+    else:
+        assert len(c.token_ids) == 40 and c.last.finish_reason == "length"
+    assert not runner.violations
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_then_and_no_longer(make_engine):
+    runner = FakeRunner(eos_every=5)
+    engine, _ = make_engine(runner)
+    prompt = TOK.encode("find an eos")
+    ref = reference(prompt, 40, eos_every=5, ignore_eos=True)
+    stop_id = ref[1]
+    c = submit(engine, "find an eos", params(max_tokens=12, min_tokens=6,
+                                               stop_token_ids=[stop_id, 99])).wait()
+    assert c.token_ids == reference(prompt, 12, eos_every=5, min_tokens=6, stop_token_ids=[stop_id])
+    assert not set(c.token_ids[:6]) & {EOS, stop_id}
+    samples = [w for work in runner.launches for w in work if w.sample]
+    assert len(samples) >= len(c.token_ids)
+    for w in samples:
+        # 99 is outside the fake's vocabulary: never sampled, so not banned either
+        want = sorted({EOS, stop_id}) if w.num_generated < 6 else None
+        assert w.banned_token_ids == want, (w.num_generated, w.banned_token_ids)
+    assert not runner.violations
+
+
+def test_min_tokens_with_ignore_eos_bans_only_the_stop_token_ids(make_engine):
+    engine, runner = make_engine(FakeRunner(eos_every=5))
+    submit(engine, "find an eos", params(max_tokens=8, min_tokens=4, ignore_eos=True,
+                                         stop_token_ids=[7])).wait()
+    bans = [w.banned_token_ids for work in runner.launches for w in work if w.sample]
+    assert bans[:4] == [[7]] * 4 and all(b is None for b in bans[4:])
+    engine, runner = make_engine(FakeRunner(eos_every=5))
+    c = submit(engine, "find an eos", params(max_tokens=8, min_tokens=4, ignore_eos=True)).wait()
+    assert all(w.banned_token_ids is None for work in runner.launches for w in work)
+    assert len(c.token_ids) == 8 and c.last.finish_reason == "length"
 
 
 def test_a_token_sampled_after_the_stop_is_discarded(make_engine):
