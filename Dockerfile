@@ -53,11 +53,12 @@ ENV PYTHONUNBUFFERED=1 \
 USER 10001:10001
 WORKDIR /home/spyre
 
-# Warm the program cache at build time: compile every kernel and the step program into
-# NUMBA_CACHE_DIR. They depend neither on the model's sizes nor on the batch limits, so the
-# smallest configuration compiles all of them, and a container then serves seconds after it
-# starts. A host whose CPU differs from the build machine's recompiles once, into the same dir.
-RUN python -c "from server.cli import build, parse_args; build(parse_args(['serve', '--model', 'granite-tiny', '--max-num-seqs', '1', '--max-num-batched-tokens', '8', '--device-memory', '1G']), progress=False).engine.shutdown()"
+# Warm the program cache at build time: `spyre-serve warmup` compiles every kernel and the step
+# program into NUMBA_CACHE_DIR, prints the programs and the memory plan, and exits. The compiled
+# code depends neither on the model's sizes nor on the batch limits, so the smallest
+# configuration compiles all of it, and a container then serves seconds after it starts. A host
+# whose CPU differs from the build machine's recompiles once, into the same dir.
+RUN spyre-serve warmup --model granite-tiny --max-num-seqs 1 --max-num-batched-tokens 8 --device-memory 1G
 
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \

@@ -288,6 +288,15 @@ class ModelRunner:
         """Device bytes of the step workspace, I/O buffers and layer table (KV cache not included)."""
         return sum(t.nbytes for t in self._allocated)
 
+    @property
+    def memory_plan(self) -> dict[str, int]:
+        """Device bytes the runner planned, by use: 'workspace' (one step's activations, for
+        the largest bucket), 'io' (input and output buffers), 'layer_table', 'kv_cache'.
+        The first three add up to scratch_bytes; the weights belong to the model."""
+        io = [self.in_i32, self.in_f32, self.in_i64, *self.out_i32, *self.out_f32]
+        return {"workspace": self.work.nbytes, "io": sum(t.nbytes for t in io),
+                "layer_table": self.layer_table.nbytes, "kv_cache": self.kv.nbytes}
+
     # ---- programs -------------------------------------------------------------------
     def bucket_shapes(self) -> list[tuple[int, int]]:
         """Every (tokens, sequences) bucket: sequences never exceed tokens."""

@@ -1,11 +1,15 @@
 """``spyre-serve``: the command line.
 
     spyre-serve serve [--model granite-tiny] [--host 127.0.0.1] [--port 8000] ...
+    spyre-serve warmup [--model granite-tiny] [--max-num-seqs 32] ...   (the sizing flags)
 
 Every flag can also come from an environment variable (``--max-num-seqs`` from
 ``SPYRE_SERVE_MAX_NUM_SEQS``, and so on) so a container is configured without
 a command line; a flag given on the command line wins. ``build()`` is what
 ``serve`` runs before listening, and what the end-to-end tests run too.
+``warmup`` loads the model, compiles and prepares every step program (filling
+Numba's on-disk cache, ``NUMBA_CACHE_DIR``), prints them and the memory plan,
+and exits: the Docker image runs it at build time.
 """
 
 from __future__ import annotations
@@ -76,6 +80,10 @@ HELP = {
     "log_level": "debug, info, warning or error",
 }
 
+# The flags `warmup` takes: what decides the programs and the memory plan.
+SIZING = ("model", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+          "max_model_len", "device_memory", "log_level")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -93,34 +101,57 @@ def _parser() -> argparse.ArgumentParser:
         f"{ENV_PREFIX}API_KEY); a flag on the command line wins.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    _add_flags(serve, [f.name for f in fields(Settings)])
+    warmup = sub.add_parser(
+        "warmup",
+        help="compile and prepare every step program into the on-disk cache, then exit",
+        description="Load a model onto the emulated card, compile (or load from Numba's cache, "
+        "NUMBA_CACHE_DIR) and prepare the step program of every (tokens, sequences) bucket, run "
+        "each token bucket once, print the programs and the memory plan, and exit 0. A later "
+        "`serve` on the same machine and cache then starts without compiling (a Docker build "
+        "runs this).",
+        epilog=f"Environment: each flag as {ENV_PREFIX}<FLAG>, as for serve; a flag on the command line wins.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_flags(warmup, list(SIZING))
+    return parser
+
+
+def _add_flags(parser: argparse.ArgumentParser, names: list[str]) -> None:
+    """One flag per Settings field named, its default from the environment if set there."""
     defaults = Settings()
-    for f in fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
-        env = ENV_PREFIX + f.name.upper()
-        default = getattr(defaults, f.name)
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        env = ENV_PREFIX + name.upper()
+        default = getattr(defaults, name)
         env_value = os.environ.get(env)
-        help_text = f"{HELP[f.name]} [env {env}]"
-        if f.name == "warmup":
-            serve.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text,
-                               default=_bool(env_value) if env_value is not None else default)
+        help_text = f"{HELP[name]} [env {env}]"
+        if name == "warmup":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text,
+                                default=_bool(env_value) if env_value is not None else default)
             continue
         kind = {"port": int, "max_num_seqs": int, "max_num_batched_tokens": int, "block_size": int,
                 "num_kv_blocks": int, "max_model_len": int, "max_waiting": int, "max_n": int,
-                "max_body_bytes": parse_bytes, "device_memory": parse_bytes, "drain_timeout": float}.get(f.name, str)
+                "max_body_bytes": parse_bytes, "device_memory": parse_bytes, "drain_timeout": float}.get(name, str)
         value = kind(env_value) if env_value is not None else default
-        serve.add_argument(flag, type=kind, default=value, help=help_text,
-                           metavar=f.name.upper() if f.name != "model" else "DIR|NAME")
-    return parser
+        parser.add_argument(flag, type=kind, default=value, help=help_text,
+                            metavar=name.upper() if name != "model" else "DIR|NAME")
 
 
 def _bool(text: str) -> bool:
     return text.strip().lower() in {"1", "true", "yes", "on"}
 
 
-def parse_args(argv: list[str] | None = None) -> Settings:
+def parse_command(argv: list[str] | None = None) -> tuple[str, Settings]:
+    """("serve" | "warmup", its Settings); flags a command does not take keep their defaults."""
     args = _parser().parse_args(argv)
-    values = {f.name: getattr(args, f.name) for f in fields(Settings)}
-    return Settings(**values)
+    defaults = Settings()
+    values = {f.name: getattr(args, f.name, getattr(defaults, f.name)) for f in fields(Settings)}
+    return args.command, Settings(**values)
+
+
+def parse_args(argv: list[str] | None = None) -> Settings:
+    return parse_command(argv)[1]
 
 
 @dataclass(slots=True)
@@ -140,7 +171,7 @@ def _mb(n: int) -> str:
 def build(s: Settings, progress: bool = True) -> Built:
     """Card, model, runner (warmed up), engine (started), metrics and the app."""
     from device import Card
-    from models import ModelRunner, load_model
+    from models import load_model
     from server.api import ServerConfig, create_app
     from server.engine import Engine
     from server.metrics import Metrics
@@ -152,16 +183,8 @@ def build(s: Settings, progress: bool = True) -> Built:
     log.info("model %s from %s: %d layers, hidden %d, %d heads (%d KV), vocab %d, stored %s",
              model.name, model.path, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
              cfg.num_key_value_heads, cfg.vocab_size, model.stored_dtype)
-    runner = ModelRunner(model, card, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                         block_size=s.block_size, num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len)
-    kv_bytes = runner.kv.nbytes
-    planned = getattr(runner, "_allocated", [])  # workspace, I/O buffers, layer table
-    scratch = sum(t.nbytes for t in planned) - runner.layer_table.nbytes
-    total = card.memory.nbytes
-    log.info("memory plan on a %s card: weights %s, KV cache %s (%d blocks of %d tokens = %d tokens), "
-             "scratch and I/O %s, in use %s",
-             _mb(total), _mb(model.weights.nbytes), _mb(kv_bytes), runner.num_kv_blocks, runner.block_size,
-             runner.num_kv_blocks * runner.block_size, _mb(scratch), _mb(card.allocator.stats().allocated))
+    runner = _runner(s, model, card)
+    log.info("%s", memory_plan_text(card, model, runner))
     if s.warmup:
         shapes = runner.bucket_shapes()
         log.info("compiling and preparing %d step programs (token buckets %s)", len(shapes), runner.t_buckets)
@@ -181,6 +204,69 @@ def build(s: Settings, progress: bool = True) -> Built:
              time.monotonic() - t0, runner.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
              len(runner.programs))
     return Built(app, engine, runner, card, model, metrics)
+
+
+def _runner(s: Settings, model, card):
+    from models import ModelRunner
+
+    return ModelRunner(model, card, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                       block_size=s.block_size, num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len)
+
+
+def memory_plan_text(card, model, runner) -> str:
+    """One line: the card, the weights, the KV cache, the runner's scratch and I/O, what is in use."""
+    plan = runner.memory_plan
+    return (f"memory plan on a {_mb(card.memory.nbytes)} card: weights {_mb(model.weights.nbytes)}, "
+            f"KV cache {_mb(plan['kv_cache'])} ({runner.num_kv_blocks} blocks of {runner.block_size} tokens "
+            f"= {runner.num_kv_blocks * runner.block_size} tokens), scratch and I/O "
+            f"{_mb(plan['workspace'] + plan['io'])} (step workspace {_mb(plan['workspace'])}, "
+            f"I/O buffers {_mb(plan['io'])}), layer table {plan['layer_table']} B, "
+            f"in use {_mb(card.allocator.stats().allocated)}")
+
+
+def warmup(s: Settings, progress: bool = True, out=None) -> int:
+    """`spyre-serve warmup`: load the model, compile and prepare every step program (Numba
+    writes the compiled code to its on-disk cache), print them and the memory plan; 0 when done."""
+    from device import Card
+    from models import load_model
+
+    out = out or sys.stdout
+    logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.monotonic()
+    card = Card(memory_bytes=s.device_memory) if s.device_memory else Card()
+    try:
+        model = load_model(s.model, card)
+        cfg = model.config
+        print(f"model {model.name} from {model.path}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+              f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV), vocab {cfg.vocab_size}, "
+              f"stored {model.stored_dtype}", file=out)
+        runner = _runner(s, model, card)
+        try:
+            print(memory_plan_text(card, model, runner), file=out)
+            shapes = runner.bucket_shapes()
+            print(f"compiling and preparing {len(shapes)} step programs (token buckets {runner.t_buckets}, "
+                  f"sequence buckets {runner.s_buckets}); Numba cache: "
+                  f"{os.environ.get('NUMBA_CACHE_DIR') or 'next to the sources (__pycache__)'}", file=out, flush=True)
+            before = card.counters.snapshot()
+            t1 = time.monotonic()
+            runner.warmup(progress=progress)
+            after = card.counters.snapshot()
+            for (t, n), prog in sorted(runner.programs.items()):
+                print(f"  {prog.name}: tokens {t}, sequences {n}, entry {prog.entry.py_func.__name__}", file=out)
+            compiled = after.get("compiles", 0) - before.get("compiles", 0)
+            loaded = after.get("cache_loads", 0) - before.get("cache_loads", 0)
+            how = ("compiled and written to the cache" if compiled else
+                   "loaded from the cache" if loaded else "already compiled in this process")
+            print(f"{len(runner.programs)} step programs prepared in {time.monotonic() - t1:.1f} s; "
+                  f"their shared entry was {how} (compiles {compiled}, cache loads {loaded}, "
+                  f"prepares {after.get('prepares', 0) - before.get('prepares', 0)}, "
+                  f"padding launches {after.get('launches', 0) - before.get('launches', 0)})", file=out)
+            print(f"warm-up done in {time.monotonic() - t0:.1f} s", file=out, flush=True)
+        finally:
+            runner.close()
+    finally:
+        card.close()
+    return 0
 
 
 def _draining_server(config, engine, drain_timeout: float):
@@ -231,7 +317,9 @@ def serve(s: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    s = parse_args(argv)
+    command, s = parse_command(argv)
+    if command == "warmup":
+        return warmup(s)
     return serve(s)
 
 

@@ -185,3 +185,10 @@ def test_a_ban_applies_to_a_device_fed_decode(runner):
 def test_a_banned_token_outside_the_vocabulary_is_refused(runner):
     with pytest.raises(ValueError, match="seq 0: banned token id 256 is outside the vocabulary"):
         runner.launch([banned(prefill(0, [1, 2], [0]), [0, 256])])
+
+
+def test_the_memory_plan_adds_up_to_scratch_bytes_and_the_kv_cache(runner):
+    plan = runner.memory_plan
+    assert set(plan) == {"workspace", "io", "layer_table", "kv_cache"}
+    assert plan["workspace"] + plan["io"] + plan["layer_table"] == runner.scratch_bytes
+    assert plan["kv_cache"] == runner.kv.nbytes and min(plan.values()) > 0

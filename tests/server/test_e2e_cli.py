@@ -108,3 +108,38 @@ def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
     assert "16 blocks of 16 tokens" in text and "scratch" in text
     assert "compiling and preparing 5 step programs" in text and "5/5" in text  # the progress bar
     assert f"http://127.0.0.1:{port}" in text
+
+
+def test_warmup_takes_the_sizing_flags_only():
+    from server.cli import parse_command
+
+    command, s = parse_command(["warmup", "--model", "granite-tiny", "--max-num-seqs", "3",
+                                "--device-memory", "1G"])
+    assert (command, s.model, s.max_num_seqs, s.device_memory) == ("warmup", "granite-tiny", 3, 1 << 30)
+    assert parse_command(["serve"])[0] == "serve"
+    out = subprocess.run([BIN, "warmup", "--help"], capture_output=True, text=True, check=True, env=ENV).stdout
+    for flag in ("--model", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--num-kv-blocks",
+                 "--max-model-len", "--device-memory"):
+        assert flag in out and "SPYRE_SERVE_" + flag[2:].replace("-", "_").upper() in out, flag
+    r = subprocess.run([BIN, "warmup", "--port", "1"], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and "--port" in r.stderr
+
+
+def test_warmup_compiles_every_step_program_into_the_cache_and_exits_0(tmp_path):
+    cache = tmp_path / "numba"
+    env = {**ENV, "NUMBA_CACHE_DIR": str(cache), "SPYRE_SERVE_MAX_NUM_SEQS": "2"}
+    cmd = [BIN, "warmup", "--model", "granite-tiny", "--max-num-batched-tokens", "4", "--block-size", "16",
+           "--num-kv-blocks", "8", "--device-memory", "256M"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    out = r.stdout
+    assert "model granite-tiny" in out
+    assert "memory plan on a 256.0 MiB card" in out and "8 blocks of 16 tokens" in out and "scratch" in out
+    for t, s in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]:    # every bucket, from the env's 2 seqs
+        assert f"step_t{t}_s{s}: tokens {t}, sequences {s}" in out, out
+    assert "5 step programs prepared" in out and "compiled and written to the cache" in out
+    assert "5/5" in r.stderr                                  # the progress bar
+    assert list(cache.rglob("*step_entry*.nbc")), "nothing compiled into NUMBA_CACHE_DIR"
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "loaded from the cache (compiles 0" in again.stdout
