@@ -14,6 +14,13 @@ import numba
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "threadsafe"  # tbb or omp, whichever is installed
 
+# Worker-thread waiting is left at the runtimes' defaults on purpose. OMP_WAIT_POLICY=PASSIVE
+# (alone, and with OPENBLAS_THREAD_TIMEOUT=4) was measured on granite-tiny, 2 shared cores,
+# in alternating runs: no gain on prefill, batch-1 or batch-32 decode (best batch-1 decode
+# 3.0 ms with the defaults against 3.3-3.7 ms passive), because small steps already run on
+# one thread (models.runner.step_threads) and libgomp throttles its spinning by itself once
+# it has more threads than cores. Set the variables in the environment to try them.
+
 from device.allocator import AllocatorStats, CachingAllocator  # noqa: E402
 from device.card import Card  # noqa: E402
 from device.counters import Counters  # noqa: E402

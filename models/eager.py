@@ -1,17 +1,35 @@
 """The eager baseline: the same model run op by op, as the old stack did.
 
-One stream command per kernel (each a Python call that Numba type-dispatches), every
-intermediate allocated on the card for its op and freed at the end of the step, the host
-looping over layers, and a synchronize after each step. Greedy only. It exists to be
-measured against (benchmarks/model.py), not to serve: the program path (models.runner)
-is what the server uses.
+What one `EagerModel.step(work)` does, in order:
+  - builds the step's host arrays (tokens, positions, slot mapping, query starts, context
+    lengths, block tables, logit rows), allocates a device tensor for each and copies it in
+    (one H2D command each);
+  - for every op of the model (embedding; per layer rmsnorm, QKV GEMM, split, RoPE of q and
+    of k, KV write, paged attention, O GEMM, residual add, rmsnorm, gate/up GEMM, SwiGLU,
+    down GEMM, residual add; then row gather, final rmsnorm, LM head GEMM, logit scaling and
+    greedy sampling): allocates the op's output on the card, builds a new `device.Program`
+    for that one kernel and prepares it (a new operand table region on the card each time;
+    there is no cache of prepared programs), and launches it (its own job plan: write the
+    operand blob, copy it into the region, run the kernel) on the eager stream;
+  - synchronizes the stream once at the end of the step, reads the sampled tokens back, and
+    releases every program and intermediate it made.
+
+The kernels are the ones the step program calls, with the same float32 constants (read on
+the device from the model's constants), so the tokens equal the program path's. Each op's
+entry is compiled by Numba once per process (in the constructor, from Numba's disk cache
+when it has it): a real old stack would also recompile, which is not emulated here, so this
+baseline is if anything faster than the stack it stands for. The host loops over layers and
+ops in Python. Greedy only. It exists to be measured against (benchmarks/model.py), not to
+serve: the program path (models.runner) is what the server uses.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
-from device import Card, DeviceTensor
+from device import Card, DeviceTensor, Program, Slot
+from device.abi import ENTRY_ARGS, f32_at, i32_at, i64_at
 from device.kernels.activation import swiglu
 from device.kernels.attention import paged_attention, write_kv
 from device.kernels.embedding import embedding
@@ -23,14 +41,143 @@ from device.kernels.sampling import sample
 from models.kv_cache import KVCache
 from models.runner import SeqWork, layer_weight_bytes, set_step_threads, step_threads
 from models.step_program import _gather_rows, _split_qkv
+from models.weights import (
+    CONST_ATTN_SCALE,
+    CONST_EMB_MULT,
+    CONST_EPS,
+    CONST_INV_LOGIT_SCALE,
+    CONST_RES_MULT,
+)
+
+# ---- one entry per op, with the device ABI: table slots in the order of the bindings ----
 
 
-def _scale(x, s):
-    x *= np.float32(s)
+@njit(nogil=True, cache=True)
+def op_embedding(f32, i32, i64, u16, t):
+    # out, embed, ids, consts | T, H, V
+    n, h, v = t[4], t[5], t[6]
+    embedding(f32_at(f32, t[0], n * h).reshape(n, h), f32_at(f32, t[1], v * h).reshape(v, h),
+              i32_at(i32, t[2], n), f32_at(f32, t[3], 8)[CONST_EMB_MULT])
+
+
+@njit(nogil=True, cache=True)
+def op_rmsnorm(f32, i32, i64, u16, t):
+    # out, x, w, consts | M, H
+    m, h = t[4], t[5]
+    rmsnorm(f32_at(f32, t[0], m * h).reshape(m, h), f32_at(f32, t[1], m * h).reshape(m, h),
+            f32_at(f32, t[2], h), f32_at(f32, t[3], 8)[CONST_EPS])
+
+
+@njit(nogil=True, cache=True)
+def op_gemm(f32, i32, i64, u16, t):
+    # out, a, b | M, K, N
+    m, k, n = t[3], t[4], t[5]
+    gemm(f32_at(f32, t[0], m * n).reshape(m, n), f32_at(f32, t[1], m * k).reshape(m, k),
+         f32_at(f32, t[2], k * n).reshape(k, n))
+
+
+@njit(nogil=True, cache=True)
+def op_gemm_bt(f32, i32, i64, u16, t):
+    # out, a, bt | M, K, N
+    m, k, n = t[3], t[4], t[5]
+    gemm_bt(f32_at(f32, t[0], m * n).reshape(m, n), f32_at(f32, t[1], m * k).reshape(m, k),
+            f32_at(f32, t[2], n * k).reshape(n, k))
+
+
+@njit(nogil=True, cache=True)
+def op_split_qkv(f32, i32, i64, u16, t):
+    # q, k, v, qkv | T, QD, KD
+    n, qd, kd = t[4], t[5], t[6]
+    _split_qkv(f32_at(f32, t[0], n * qd).reshape(n, qd), f32_at(f32, t[1], n * kd).reshape(n, kd),
+               f32_at(f32, t[2], n * kd).reshape(n, kd),
+               f32_at(f32, t[3], n * (qd + 2 * kd)).reshape(n, qd + 2 * kd), qd, kd)
+
+
+@njit(nogil=True, cache=True)
+def op_rope(f32, i32, i64, u16, t):
+    # x, positions, inv_freq | T, NH, D
+    n, nh, d = t[3], t[4], t[5]
+    rope_inplace(f32_at(f32, t[0], n * nh * d).reshape(n, nh, d), i32_at(i32, t[1], n),
+                 f32_at(f32, t[2], d // 2))
+
+
+@njit(nogil=True, cache=True)
+def op_write_kv(f32, i32, i64, u16, t):
+    # k_cache, v_cache, k, v, slots | NB, BS, HKV, D, T
+    nb, bs, hkv, d, n = t[5], t[6], t[7], t[8], t[9]
+    c = nb * bs * hkv * d
+    write_kv(f32_at(f32, t[0], c).reshape(nb, bs, hkv, d), f32_at(f32, t[1], c).reshape(nb, bs, hkv, d),
+             f32_at(f32, t[2], n * hkv * d).reshape(n, hkv, d),
+             f32_at(f32, t[3], n * hkv * d).reshape(n, hkv, d), i32_at(i32, t[4], n))
+
+
+@njit(nogil=True, cache=True)
+def op_attention(f32, i32, i64, u16, t):
+    # out, q, k_cache, v_cache, block_tables, query_start, context_lens, consts
+    # | T, HQ, HKV, D, NB, BS, S, MB
+    n, hq, hkv, d, nb, bs, s, mb = t[8], t[9], t[10], t[11], t[12], t[13], t[14], t[15]
+    c = nb * bs * hkv * d
+    paged_attention(f32_at(f32, t[0], n * hq * d).reshape(n, hq, d),
+                    f32_at(f32, t[1], n * hq * d).reshape(n, hq, d),
+                    f32_at(f32, t[2], c).reshape(nb, bs, hkv, d),
+                    f32_at(f32, t[3], c).reshape(nb, bs, hkv, d),
+                    i32_at(i32, t[4], s * mb).reshape(s, mb), i32_at(i32, t[5], s + 1),
+                    i32_at(i32, t[6], s), f32_at(f32, t[7], 8)[CONST_ATTN_SCALE])
+
+
+@njit(nogil=True, cache=True)
+def op_residual_add(f32, i32, i64, u16, t):
+    # x, y, consts | N   (x += residual_multiplier * y)
+    n = t[3]
+    residual_add(f32_at(f32, t[0], n), f32_at(f32, t[1], n), f32_at(f32, t[2], 8)[CONST_RES_MULT])
+
+
+@njit(nogil=True, cache=True)
+def op_swiglu(f32, i32, i64, u16, t):
+    # out, gate_up | T, I
+    n, i = t[2], t[3]
+    swiglu(f32_at(f32, t[0], n * i).reshape(n, i), f32_at(f32, t[1], n * 2 * i).reshape(n, 2 * i))
+
+
+@njit(nogil=True, cache=True)
+def op_gather_rows(f32, i32, i64, u16, t):
+    # out, x, rows | R, T, H
+    r, n, h = t[3], t[4], t[5]
+    _gather_rows(f32_at(f32, t[0], r * h).reshape(r, h), f32_at(f32, t[1], n * h).reshape(n, h),
+                 i32_at(i32, t[2], r))
+
+
+@njit(nogil=True, cache=True)
+def op_scale_logits(f32, i32, i64, u16, t):
+    # logits, consts | N   (logits /= logits_scaling, as the step program does)
+    n = t[2]
+    x = f32_at(f32, t[0], n)
+    s = f32_at(f32, t[1], 8)[CONST_INV_LOGIT_SCALE]
+    for i in range(n):
+        x[i] *= s
+
+
+@njit(nogil=True, cache=True)
+def op_sample_greedy(f32, i32, i64, u16, t):
+    # out_ids, out_logprobs, logits, params_f32 [6R], params_i32 [2R+1], params_i64 [2R] | R, V
+    r, v = t[6], t[7]
+    pf, pi, pl = t[3], t[4], t[5]
+    none_f = f32_at(f32, t[1], 0).reshape(r, 0)
+    none_i = i32_at(i32, t[0], 0).reshape(r, 0)
+    sample(i32_at(i32, t[0], r), f32_at(f32, t[1], r), none_i, none_f,
+           f32_at(f32, t[2], r * v).reshape(r, v),
+           f32_at(f32, pf, r), i32_at(i32, pi, r), f32_at(f32, pf + 4 * r, r),
+           f32_at(f32, pf + 8 * r, r), i64_at(i64, pl, r), i64_at(i64, pl + 8 * r, r),
+           f32_at(f32, pf + 12 * r, r), f32_at(f32, pf + 16 * r, r), f32_at(f32, pf + 20 * r, r),
+           i32_at(i32, pi + 4 * r, r + 1), i32_at(i32, pi, 0), i32_at(i32, pi, 0))
+
+
+OPS = (op_embedding, op_rmsnorm, op_gemm, op_gemm_bt, op_split_qkv, op_rope, op_write_kv,
+       op_attention, op_residual_add, op_swiglu, op_gather_rows, op_scale_logits, op_sample_greedy)
 
 
 class EagerModel:
-    """Greedy steps of `model` on `card`, one launch per kernel, with its own KV cache."""
+    """Greedy steps of `model` on `card`, one freshly prepared program per op, with its own KV cache."""
 
     def __init__(self, model, card: Card, block_size: int = 64, num_kv_blocks: int = 64):
         self.config = model.config
@@ -40,21 +187,32 @@ class EagerModel:
         self.kv = KVCache(card, model.config, block_size, num_kv_blocks)
         self.stream = card.new_stream("eager")
         self._live: list[DeviceTensor] = []
+        self._programs: list[Program] = []
+        for op in OPS:          # Numba's in-process code is reused; see the module docstring
+            op.compile(ENTRY_ARGS)
 
-    def _alloc(self, shape, dtype=np.float32) -> np.ndarray:
+    def _alloc(self, shape, dtype=np.float32) -> DeviceTensor:
         t = self.card.empty(shape, dtype)
         self._live.append(t)
-        return t.numpy()
+        return t
 
-    def _to_device(self, host: np.ndarray) -> np.ndarray:
-        t = self.card.empty(host.shape, host.dtype)
-        self._live.append(t)
+    def _to_device(self, host: np.ndarray) -> DeviceTensor:
+        t = self._alloc(host.shape, host.dtype)
         self.stream.copy_h2d(t, host)
-        return t.numpy()
+        return t
+
+    def _op(self, entry, **bindings) -> None:
+        """Build, prepare and launch a program for this one op (bindings in slot order)."""
+        slots = [Slot(n, "address" if isinstance(v, DeviceTensor) else "dim")
+                 for n, v in bindings.items()]
+        prog = Program(self.card, entry.py_func.__name__, entry, slots)
+        prog.prepare()
+        self._programs.append(prog)
+        prog.launch(self.stream, bindings)
 
     def step(self, work: list[SeqWork]) -> np.ndarray:
         """One synchronous step; returns the greedy token of each sampling sequence."""
-        c, w, bs, launch = self.config, self.weights, self.block_size, self.stream.enqueue
+        c, w, bs, op = self.config, self.weights, self.block_size, self._op
         H, HQ, HKV, D, I, V = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,  # noqa: E741
                                c.head_dim, c.intermediate_size, c.vocab_size)
         QD, KD = HQ * D, HKV * D
@@ -73,9 +231,9 @@ class EagerModel:
             tables[i, :len(bt)] = bt
             if x.sample:
                 rows.append(qs[-1] - 1)
-        T, R = len(tokens), len(rows)
+        T, S, R = len(tokens), len(work), len(rows)
         # the same core policy as the program path (models.runner.step_threads)
-        launch(set_step_threads, *step_threads(T, layer_weight_bytes(w)), compute=False)
+        self.stream.enqueue(set_step_threads, *step_threads(T, layer_weight_bytes(w)), compute=False)
         tok = self._to_device(np.asarray(tokens, np.int32))
         pos = self._to_device(np.asarray(positions, np.int32))
         slot = self._to_device(np.asarray(slots, np.int32))
@@ -83,60 +241,63 @@ class EagerModel:
         ctxl = self._to_device(np.asarray(ctx, np.int32))
         btab = self._to_device(tables)
         rws = self._to_device(np.asarray(rows, np.int32))
-        consts = w.consts.numpy()
-        eps, emb_mult, attn_scale, res_mult, inv_ls = (float(v) for v in consts[:5])
+        k = w.consts
+        nb = self.kv.k[0].shape[0]              # blocks in each cache tensor (padding block included)
 
         x = self._alloc((T, H))
-        launch(embedding, x, w.embed.numpy(), tok, emb_mult)
-        inv_freq = w.inv_freq.numpy()
+        op(op_embedding, out=x, embed=w.embed, ids=tok, consts=k, T=T, H=H, V=V)
         for li, lw in enumerate(w.layers):
+            kc, vc = self.kv.k[li], self.kv.v[li]
             h = self._alloc((T, H))
-            launch(rmsnorm, h, x, lw.in_norm.numpy(), eps)
+            op(op_rmsnorm, out=h, x=x, w=lw.in_norm, consts=k, M=T, H=H)
             qkv = self._alloc((T, QD + 2 * KD))
-            launch(gemm, qkv, h, lw.qkv.numpy())
-            q, k, v = self._alloc((T, QD)), self._alloc((T, KD)), self._alloc((T, KD))
-            launch(_split_qkv, q, k, v, qkv, QD, KD)
-            q3, k3, v3 = q.reshape(T, HQ, D), k.reshape(T, HKV, D), v.reshape(T, HKV, D)
-            launch(rope_inplace, q3, pos, inv_freq)
-            launch(rope_inplace, k3, pos, inv_freq)
-            kc = self.kv.k[li].numpy()
-            vc = self.kv.v[li].numpy()
-            launch(write_kv, kc, vc, k3, v3, slot)
-            a = self._alloc((T, HQ, D))
-            launch(paged_attention, a, q3, kc, vc, btab, qstart, ctxl, attn_scale)
+            op(op_gemm, out=qkv, a=h, b=lw.qkv, M=T, K=H, N=QD + 2 * KD)
+            q, kk, v = self._alloc((T, QD)), self._alloc((T, KD)), self._alloc((T, KD))
+            op(op_split_qkv, q=q, k=kk, v=v, qkv=qkv, T=T, QD=QD, KD=KD)
+            op(op_rope, x=q, positions=pos, inv_freq=w.inv_freq, T=T, NH=HQ, D=D)
+            op(op_rope, x=kk, positions=pos, inv_freq=w.inv_freq, T=T, NH=HKV, D=D)
+            op(op_write_kv, k_cache=kc, v_cache=vc, k=kk, v=v, slots=slot, NB=nb, BS=bs, HKV=HKV,
+               D=D, T=T)
+            a = self._alloc((T, QD))
+            op(op_attention, out=a, q=q, k_cache=kc, v_cache=vc, block_tables=btab,
+               query_start=qstart, context_lens=ctxl, consts=k, T=T, HQ=HQ, HKV=HKV, D=D, NB=nb,
+               BS=bs, S=S, MB=mb)
             o = self._alloc((T, H))
-            launch(gemm, o, a.reshape(T, QD), lw.o.numpy())
-            launch(residual_add, x, o, res_mult)
+            op(op_gemm, out=o, a=a, b=lw.o, M=T, K=QD, N=H)
+            op(op_residual_add, x=x, y=o, consts=k, N=T * H)
             h2 = self._alloc((T, H))
-            launch(rmsnorm, h2, x, lw.post_norm.numpy(), eps)
+            op(op_rmsnorm, out=h2, x=x, w=lw.post_norm, consts=k, M=T, H=H)
             gu = self._alloc((T, 2 * I))
-            launch(gemm, gu, h2, lw.gate_up.numpy())
+            op(op_gemm, out=gu, a=h2, b=lw.gate_up, M=T, K=H, N=2 * I)
             act = self._alloc((T, I))
-            launch(swiglu, act, gu)
+            op(op_swiglu, out=act, gate_up=gu, T=T, I=I)
             dn = self._alloc((T, H))
-            launch(gemm, dn, act, lw.down.numpy())
-            launch(residual_add, x, dn, res_mult)
+            op(op_gemm, out=dn, a=act, b=lw.down, M=T, K=I, N=H)
+            op(op_residual_add, x=x, y=dn, consts=k, N=T * H)
         hs = self._alloc((R, H))
-        launch(_gather_rows, hs, x, rws)
+        op(op_gather_rows, out=hs, x=x, rows=rws, R=R, T=T, H=H)
         hn = self._alloc((R, H))
-        launch(rmsnorm, hn, hs, w.norm.numpy(), eps)
+        op(op_rmsnorm, out=hn, x=hs, w=w.norm, consts=k, M=R, H=H)
         logits = self._alloc((R, V))
         if w.tied:
-            launch(gemm_bt, logits, hn, w.lm_head.numpy())
+            op(op_gemm_bt, out=logits, a=hn, bt=w.lm_head, M=R, K=H, N=V)
         else:
-            launch(gemm, logits, hn, w.lm_head.numpy())
-        launch(_scale, logits, inv_ls)
-        out_t = self.card.empty((R,), np.int32)
-        self._live.append(out_t)
-        out = out_t.numpy()
-        f0, i0 = np.zeros(R, np.float32), np.zeros(R, np.int32)
-        launch(sample, out, self._alloc((R,)), self._alloc((R, 0), np.int32), self._alloc((R, 0)),
-               logits, f0, i0, np.ones(R, np.float32), f0, np.zeros(R, np.uint64),
-               np.zeros(R, np.int64), f0, f0, np.ones(R, np.float32), np.zeros(R + 1, np.int32),
-               np.zeros(0, np.int32), np.zeros(0, np.int32))
+            op(op_gemm, out=logits, a=hn, b=w.lm_head, M=R, K=H, N=V)
+        op(op_scale_logits, logits=logits, consts=k, N=R * V)
+        # greedy sampling parameters: temperature 0, top_p 1, min_p 0, no penalties
+        pf = np.zeros(6 * R, np.float32)
+        pf[R:2 * R] = 1.0                       # top_p
+        pf[5 * R:] = 1.0                        # repetition penalty
+        out_ids, out_lp = self._alloc((R,), np.int32), self._alloc((R,))
+        op(op_sample_greedy, out_ids=out_ids, out_logprobs=out_lp, logits=logits,
+           params_f32=self._to_device(pf), params_i32=self._to_device(np.zeros(2 * R + 1, np.int32)),
+           params_i64=self._to_device(np.zeros(2 * R, np.int64)), R=R, V=V)
         result = np.empty(R, np.int32)
-        self.stream.copy_d2h(result, out_t)
+        self.stream.copy_d2h(result, out_ids)
         self.stream.synchronize()
+        for p in self._programs:
+            p.release()
+        self._programs.clear()
         for t in self._live:
             self.card.free(t)
         self._live.clear()
@@ -145,4 +306,3 @@ class EagerModel:
     def close(self) -> None:
         self.stream.synchronize()
         self.kv.free()
-
