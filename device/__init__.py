@@ -6,20 +6,22 @@ in this folder for the call-by-call map to CUDA/torch.
 
 import os
 
-import numba
+# Idle OpenMP workers sleep instead of spinning (unless the user set the policy). A step of
+# 64+ token rows runs Numba kernels (an OpenMP team) and OpenBLAS (its own pool) on 2 threads
+# each; on 2 cores the pool that is not working spins on the core the other one needs.
+# Measured in one process on an idle 2-core machine (granite-tiny, one prefill, ms):
+# 64 tokens 268-484 spinning vs 19 passive; 512 tokens 460-548 vs 145-151. Steps under 64
+# rows (one Numba thread) are unchanged: 32 tokens 11.4 vs 11.5. Set before any OpenMP
+# runtime is loaded: libgomp reads it once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402
 
 # Numba's default "workqueue" threading layer aborts when parallel kernels run from
 # two threads at once; every stream is a thread, so pick a thread-safe layer (omp here)
 # unless the user chose one.
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "threadsafe"  # tbb or omp, whichever is installed
-
-# Worker-thread waiting is left at the runtimes' defaults on purpose. OMP_WAIT_POLICY=PASSIVE
-# (alone, and with OPENBLAS_THREAD_TIMEOUT=4) was measured on granite-tiny, 2 shared cores,
-# in alternating runs: no gain on prefill, batch-1 or batch-32 decode (best batch-1 decode
-# 3.0 ms with the defaults against 3.3-3.7 ms passive), because small steps already run on
-# one thread (models.runner.step_threads) and libgomp throttles its spinning by itself once
-# it has more threads than cores. Set the variables in the environment to try them.
 
 from device.allocator import AllocatorStats, CachingAllocator  # noqa: E402
 from device.card import Card  # noqa: E402
