@@ -416,36 +416,12 @@ class ModelRunner:
 
         # ---- int32 inputs, one host buffer in the device layout
         buf = np.zeros(in_i32_size(t, s, r, mb, npen, nban), np.int32)
-        o = 0
-        tokens = buf[o:o + t]
-        o += t
-        positions = buf[o:o + t]
-        o += t
-        slots = buf[o:o + t]
-        o += t
-        src_rows = buf[o:o + t]
-        o += t
-        query_start = buf[o:o + s + 1]
-        o += s + 1
-        context_lens = buf[o:o + s]
-        o += s
-        block_tables = buf[o:o + s * mb].reshape(s, mb)
-        o += s * mb
-        logit_rows = buf[o:o + r]
-        o += r
-        top_k = buf[o:o + s]
-        o += s
-        pen_start = buf[o:o + s + 1]
-        o += s + 1
-        pen_extra = buf[o:o + s]
-        o += s
-        pen_ids = buf[o:o + npen]
-        o += npen
-        pen_counts = buf[o:o + npen]
-        o += npen
-        ban_start = buf[o:o + s + 1]
-        o += s + 1
-        ban_ids = buf[o:o + nban]
+        # views in the order the step program reads them (see in_i32_size)
+        (tokens, positions, slots, src_rows, query_start, context_lens, block_tables, logit_rows,
+         top_k, pen_start, pen_extra, pen_ids, pen_counts, ban_start, ban_ids) = np.split(
+            buf, np.cumsum([t, t, t, t, s + 1, s, s * mb, r, s, s + 1, s, npen, npen, s + 1])
+        )
+        block_tables = block_tables.reshape(s, mb)
 
         slots[:] = trash_slot
         src_rows[:] = -1
