@@ -107,6 +107,16 @@ class EngineStats:
         return min(1.0, self.busy_device_seconds / self.busy_wall_seconds)
 
 
+def eos_token_ids(config, tokenizer) -> frozenset[int]:
+    """Every id that ends a sequence: the model config's ``eos_token_id`` (a list in
+    ``models.config``; an int or None from other runners) plus the tokenizer's."""
+    ids = getattr(config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(int(t) for t in ids)
+
+
 def _penalty_tokens(seq: Sequence) -> list[int]:
     """Tokens the penalties count, known on the host (the device adds a from_device token).
 
@@ -132,8 +142,9 @@ class Engine:
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
-        self.vocab_size = getattr(getattr(runner, "config", None), "vocab_size", None)
+        config = getattr(runner, "config", None)
+        self.eos_token_ids = eos_token_ids(config, tokenizer)
+        self.vocab_size = getattr(config, "vocab_size", None)
         self.block_size = runner.block_size
         self.num_kv_blocks = runner.num_kv_blocks
         self.max_model_len = runner.max_model_len
@@ -309,12 +320,12 @@ class Engine:
         return _Step(chunks, handle, now)
 
     def _banned_tokens(self, p: GenerationParams) -> list[int]:
-        """Tokens that would stop the sequence (EOS unless ignore_eos, and stop_token_ids):
-        vLLM's min_tokens keeps them from being sampled, not just from stopping. Ids outside
-        the vocabulary are never sampled anyway and are left out."""
+        """Tokens that would stop the sequence (every EOS id unless ignore_eos, and
+        stop_token_ids): vLLM's min_tokens keeps them from being sampled, not just from
+        stopping. Ids outside the vocabulary are never sampled anyway and are left out."""
         ids = list(p.stop_token_ids)
-        if not p.ignore_eos and self.eos_token_id is not None:
-            ids.append(self.eos_token_id)
+        if not p.ignore_eos:
+            ids.extend(self.eos_token_ids)
         if self.vocab_size is not None:
             ids = [t for t in ids if 0 <= t < self.vocab_size]
         return sorted(set(ids))
@@ -415,7 +426,7 @@ class Engine:
             seq.output_logprobs.append(TokenLogprob(token, float(out.logprobs[i]), top))
         # stop checks, in vLLM's order
         allow_stop = seq.num_generated >= p.min_tokens
-        if allow_stop and not p.ignore_eos and token == self.eos_token_id:
+        if allow_stop and not p.ignore_eos and token in self.eos_token_ids:
             self._finish_seq(seq, "stop")
             return
         if allow_stop and token in p.stop_token_ids:

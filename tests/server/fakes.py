@@ -11,6 +11,7 @@ only right after a sampling launch, block table coverage).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -163,3 +164,32 @@ class FakeRunner:
             prompt_logprobs=plps,
         )
         return _Handle(None if error else out, error, self.events, len(self.launches) - 1)
+
+
+class Collector:
+    """An engine request's ``on_update``: keeps every update, signals the finishing one."""
+
+    def __init__(self) -> None:
+        self.updates = []
+        self.done = threading.Event()
+
+    def __call__(self, update) -> None:
+        self.updates.append(update)
+        if update.finish_reason is not None:
+            self.done.set()
+
+    def wait(self, timeout: float = 20):
+        assert self.done.wait(timeout), "request did not finish"
+        return self
+
+    @property
+    def token_ids(self):
+        return [t for u in self.updates for t in u.token_ids]
+
+    @property
+    def text(self):
+        return "".join(u.text for u in self.updates)
+
+    @property
+    def last(self):
+        return self.updates[-1]

@@ -3,42 +3,16 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from models import SamplingParams
 from server.engine import Engine, RequestRejected
 from server.sequence import GenerationParams
-from tests.server.fakes import EOS, FakeRunner, FakeTokenizer, reference
+from tests.server.fakes import EOS, VOCAB, Collector, FakeRunner, FakeTokenizer, reference
 
 TOK = FakeTokenizer()
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.updates = []
-        self.done = threading.Event()
-
-    def __call__(self, update) -> None:
-        self.updates.append(update)
-        if update.finish_reason is not None:
-            self.done.set()
-
-    def wait(self):
-        assert self.done.wait(20), "request did not finish"
-        return self
-
-    @property
-    def token_ids(self):
-        return [t for u in self.updates for t in u.token_ids]
-
-    @property
-    def text(self):
-        return "".join(u.text for u in self.updates)
-
-    @property
-    def last(self):
-        return self.updates[-1]
 
 
 def params(max_tokens=16, **kw) -> GenerationParams:
@@ -236,6 +210,34 @@ def test_min_tokens_with_ignore_eos_bans_only_the_stop_token_ids(make_engine):
     c = submit(engine, "find an eos", params(max_tokens=8, min_tokens=4, ignore_eos=True)).wait()
     assert all(w.banned_token_ids is None for work in runner.launches for w in work)
     assert len(c.token_ids) == 8 and c.last.finish_reason == "length"
+
+
+def test_every_eos_id_of_the_model_config_and_the_tokenizer_stops_and_is_banned(make_engine):
+    # config.json's eos_token_id may be a list (models.config keeps it one); the tokenizer's
+    # EOS counts as well. 99 is outside the fake's vocabulary: never sampled, never banned.
+    prompt = TOK.encode("many ends")
+    ref = reference(prompt, 16, ignore_eos=True)
+    k = next(i for i in range(2, 16) if ref[i] not in ref[:i] and ref[i] != EOS)
+    end = ref[k]
+    config = SimpleNamespace(vocab_size=VOCAB, eos_token_id=[end, 99])
+
+    engine, runner = make_engine(FakeRunner(config=config))
+    assert engine.eos_token_ids == {end, 99, EOS}
+    c = submit(engine, "many ends", params(max_tokens=16)).wait()
+    assert c.token_ids == ref[: k + 1] and c.text == TOK.decode(ref[:k])
+    assert (c.last.finish_reason, c.last.stop_reason) == ("stop", None)
+
+    c = submit(engine, "many ends", params(max_tokens=16, ignore_eos=True)).wait()
+    assert c.token_ids == ref and c.last.finish_reason == "length"
+
+    engine, runner = make_engine(FakeRunner(config=config))
+    c = submit(engine, "many ends", params(max_tokens=16, min_tokens=k + 1)).wait()
+    # banned like a stop token id while min_tokens is unmet, a stop again afterwards
+    assert c.token_ids == reference(prompt, 16, min_tokens=k + 1, stop_token_ids=[end])
+    assert c.token_ids[:k] == ref[:k] and c.token_ids[k] != end
+    bans = [w.banned_token_ids for work in runner.launches for w in work if w.sample]
+    assert bans[: k + 1] == [sorted({EOS, end})] * (k + 1) and all(b is None for b in bans[k + 1 :])
+    assert not runner.violations
 
 
 def test_a_token_sampled_after_the_stop_is_discarded(make_engine):
