@@ -297,6 +297,32 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics=None) ->
     def sse(payload: dict | str) -> str:
         return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
+    async def sse_stream(sub: Submission, head: dict, include_usage: bool, choice_of, opening=()) -> AsyncIterator[str]:
+        """A streaming response's Server-Sent Events, common to completions and chat.
+
+        One chunk ``{**head, "choices": [choice]}`` per choice of ``opening``, then one per
+        engine update with the choice ``choice_of(index, update)`` makes; then the usage
+        chunk when ``include_usage``, and ``[DONE]``. An update carrying an error ends the
+        stream with an error chunk (no usage) and ``[DONE]``. Whatever ends the stream
+        early (an error, the client going away) aborts what is left of the submission."""
+        try:
+            for choice in opening:
+                yield sse({**head, "choices": [choice]})
+            while not sub.done:
+                idx, u = await sub.next()
+                if u.error:
+                    yield sse(error_body(500, u.error))
+                    sub.abort()
+                    break
+                yield sse({**head, "choices": [choice_of(idx, u)]})
+            else:
+                if include_usage:
+                    yield sse({**head, "choices": [], "usage": sub.usage()})
+            yield sse("[DONE]")
+        finally:
+            if not sub.done:
+                sub.abort()
+
     # ---- completions -------------------------------------------------------------
 
     def completion_logprobs(tokens: list[TokenLogprob | None], ids: list[int], offset: int) -> dict:
@@ -358,7 +384,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics=None) ->
 
         if req.stream:
             return StreamingResponse(
-                stream_completion(request, req, sub, request_id, created, echo_parts), media_type="text/event-stream"
+                stream_completion(req, sub, request_id, created, echo_parts), media_type="text/event-stream"
             )
         await collect(request, sub)
         if not sub.done:
@@ -388,44 +414,33 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics=None) ->
             "usage": sub.usage(),
         }
 
-    async def stream_completion(request, req, sub: Submission, request_id, created, echo_parts) -> AsyncIterator[str]:
+    def stream_completion(req, sub: Submission, request_id, created, echo_parts) -> AsyncIterator[str]:
         head = {"id": request_id, "object": "text_completion", "created": created, "model": config.model_name}
-        try:
-            while not sub.done:
-                idx, u = await sub.next()
-                c = sub.choices[idx]
-                if u.error:
-                    yield sse(error_body(500, u.error))
-                    sub.abort()
-                    break
-                text, lps = u.text, None
-                prefix = None
-                if req.echo and not c.started:
-                    ptext, prefix = echo_parts(idx)
-                    text = ptext + text
-                    if prefix is not None:
-                        c.text_offset = sum(len(t) for t in prefix["tokens"])
-                c.started = True
-                if req.logprobs is not None:
-                    lps = completion_logprobs(u.logprobs, u.token_ids, c.text_offset)
-                    c.text_offset += sum(len(t) for t in lps["tokens"])
-                    if prefix is not None:
-                        lps = {key: prefix[key] + lps[key] for key in prefix}
-                choice = {
-                    "index": idx,
-                    "text": text,
-                    "logprobs": lps,
-                    "finish_reason": u.finish_reason,
-                    "stop_reason": u.stop_reason,
-                }
-                yield sse({**head, "choices": [choice]})
-            else:
-                if req.stream_usage:
-                    yield sse({**head, "choices": [], "usage": sub.usage()})
-            yield sse("[DONE]")
-        finally:
-            if not sub.done:
-                sub.abort()
+
+        def choice_of(idx: int, u: SeqUpdate) -> dict:
+            c = sub.choices[idx]
+            text, lps = u.text, None
+            prefix = None
+            if req.echo and not c.started:
+                ptext, prefix = echo_parts(idx)
+                text = ptext + text
+                if prefix is not None:
+                    c.text_offset = sum(len(t) for t in prefix["tokens"])
+            c.started = True
+            if req.logprobs is not None:
+                lps = completion_logprobs(u.logprobs, u.token_ids, c.text_offset)
+                c.text_offset += sum(len(t) for t in lps["tokens"])
+                if prefix is not None:
+                    lps = {key: prefix[key] + lps[key] for key in prefix}
+            return {
+                "index": idx,
+                "text": text,
+                "logprobs": lps,
+                "finish_reason": u.finish_reason,
+                "stop_reason": u.stop_reason,
+            }
+
+        return sse_stream(sub, head, req.stream_usage, choice_of)
 
     # ---- chat --------------------------------------------------------------------
 
@@ -499,31 +514,22 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics=None) ->
             "usage": sub.usage(),
         }
 
-    async def stream_chat(req, sub: Submission, request_id, created, k) -> AsyncIterator[str]:
+    def stream_chat(req, sub: Submission, request_id, created, k) -> AsyncIterator[str]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": config.model_name}
-        try:
-            for idx in range(len(sub.choices)):
-                delta = {"role": "assistant", "content": ""}
-                yield sse({**head, "choices": [{"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}]})
-            while not sub.done:
-                idx, u = await sub.next()
-                if u.error:
-                    yield sse(error_body(500, u.error))
-                    sub.abort()
-                    break
-                lps = {"content": chat_logprobs(u.logprobs, u.token_ids, k)} if k is not None else None
-                delta = {"content": u.text} if (u.text or u.finish_reason is None) else {}
-                choice = {"index": idx, "delta": delta, "logprobs": lps, "finish_reason": u.finish_reason}
-                if u.finish_reason is not None:
-                    choice["stop_reason"] = u.stop_reason
-                yield sse({**head, "choices": [choice]})
-            else:
-                if req.stream_usage:
-                    yield sse({**head, "choices": [], "usage": sub.usage()})
-            yield sse("[DONE]")
-        finally:
-            if not sub.done:
-                sub.abort()
+        opening = [
+            {"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for idx in range(len(sub.choices))
+        ]
+
+        def choice_of(idx: int, u: SeqUpdate) -> dict:
+            lps = {"content": chat_logprobs(u.logprobs, u.token_ids, k)} if k is not None else None
+            delta = {"content": u.text} if (u.text or u.finish_reason is None) else {}
+            choice = {"index": idx, "delta": delta, "logprobs": lps, "finish_reason": u.finish_reason}
+            if u.finish_reason is not None:
+                choice["stop_reason"] = u.stop_reason
+            return choice
+
+        return sse_stream(sub, head, req.stream_usage, choice_of, opening)
 
     # ---- the rest ----------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import PROMPT, sse_events
+from tests.server.conftest import PROMPT, real_settings, sse_events
 
 MARK = 7777  # a prompt holding this token id is the one the injected fault hits
 
@@ -57,15 +57,16 @@ def test_a_non_streaming_client_that_disconnects_frees_its_blocks(real_server):
 
 @pytest.fixture
 def faulty_runner(real_server, monkeypatch):
-    """Make launches fail for sequences whose prompt holds MARK, from a given position on."""
+    """Make launches fail for sequences whose prompt holds ``state["mark"]`` (MARK unless a
+    test sets it; the prompt must fit one prefill chunk), from a given position on."""
     runner = real_server.built.runner
     launch = runner.launch
     marked: dict[int, int] = {}  # seq_id -> prompt length
-    state = {"from_decode": 0}
+    state = {"from_decode": 0, "mark": MARK}
 
     def failing_launch(work, *args, **kwargs):
         for w in work:
-            if MARK in w.token_ids and w.start_pos == 0:
+            if state["mark"] in w.token_ids and w.start_pos == 0:
                 marked[w.seq_id] = len(w.token_ids)
             if w.seq_id in marked and w.start_pos >= marked[w.seq_id] + state["from_decode"]:
                 raise RuntimeError(f"injected fault at position {w.start_pos}")
@@ -96,3 +97,41 @@ def test_a_step_failing_mid_stream_sends_an_error_chunk_then_done(client, faulty
     assert any("choices" in e for e in events[:-2])  # tokens came before the error
     wait_until(lambda: idle(real_server.built.engine), "the failed request's blocks to be freed")
     assert client.get("/health").status_code == 200
+
+
+CHAT = [{"role": "user", "content": "Tell me about the river."}]
+
+
+def test_a_step_failing_mid_chat_stream_sends_an_error_chunk_then_done_and_no_usage(client, faulty_runner,
+                                                                                     real_server):
+    ids = client.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    assert len(ids) <= real_settings().max_num_batched_tokens, "the fault needs a one-chunk prompt"
+    faulty_runner["mark"] = ids[-1]  # no other request runs meanwhile
+    faulty_runner["from_decode"] = 2
+    body = {"messages": CHAT, "max_tokens": 8, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == 500
+    assert f"injected fault at position {len(ids) + 2}" in events[-2]["error"]["message"]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    chunks = events[1:-2]
+    assert chunks and all(e["object"] == "chat.completion.chunk" and "usage" not in e for e in chunks)
+    assert all(e["choices"][0]["finish_reason"] is None for e in chunks)
+    wait_until(lambda: idle(real_server.built.engine), "the failed request's blocks to be freed")
+    assert client.get("/health").status_code == 200
+
+
+def test_a_chat_streaming_client_that_disconnects_frees_its_blocks(client, real_server):
+    engine = real_server.built.engine
+    aborted = engine.stats.finished.get("abort", 0)
+    body = {"messages": CHAT, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = (line for line in r.iter_lines() if line)
+        next(lines)  # the role chunk
+        assert '"content"' in next(lines)  # a token: the request is running
+    wait_until(lambda: engine.stats.finished.get("abort", 0) > aborted, "the chat stream to be aborted")
+    wait_until(lambda: idle(engine), "the aborted chat stream's blocks to be freed")

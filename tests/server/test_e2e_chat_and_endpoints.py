@@ -46,6 +46,16 @@ def test_chat_stream_sends_the_role_first_then_content_then_done(client):
     assert events[-3]["choices"][0]["finish_reason"] == "length"
 
 
+def test_chat_stream_without_include_usage_ends_with_the_finish_then_done(client):
+    body = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+    last = events[-2]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("length", None)
+
+
 def test_chat_logprobs_give_top_logprobs_per_token(client):
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "temperature": 0,
                                                   "ignore_eos": True, "logprobs": True, "top_logprobs": 3})
