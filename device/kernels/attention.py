@@ -12,7 +12,15 @@ from device.kernels.fastexp import exp_nonpos
 
 # Start value of running maxima. Finite, because fastmath assumes no infinities.
 _NEG_BIG = np.float32(-1.0e30)
-_ROW_TILE = 16  # query rows of one sequence per work item
+# Work items are (up to this many query vectors of one sequence, one KV head).
+_QV_MAX = 128
+# OpenBLAS multiplies an m x n x k GEMM with m*n*k <= 4 * 65536 on the calling thread
+# (interface/gemm.c, GEMM_MULTITHREAD_THRESHOLD 4): the micro-GEMMs of a work item stay under
+# it, so each worker of the parallel loop multiplies on its own core, never in BLAS's pool.
+_BLAS_SERIAL_MNK = 262144
+# Work items of fewer query vectors (decode rows) use the dot-product loops: a BLAS call's
+# packing costs more than it saves on a few rows.
+_BLAS_MIN_QV = 16
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -89,8 +97,13 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
     scale:         softmax scale (Granite: attention_multiplier)
     Row j of s sits at position context_lens[s] - q_len + j and attends to
     positions <= its own. Query head h reads KV head h // (Hq // Hkv).
-    Online softmax over one cache block at a time, float32 accumulation,
-    exponentials by `exp_nonpos` (vectorized, 3e-7 relative).
+    Work items, in parallel: (a tile of query rows of one sequence, a KV head); the tile's rows
+    and the query heads sharing that KV head are processed together, so each K/V row is read
+    once per tile. Online softmax over one cache block at a time, float32 accumulation,
+    exponentials by `exp_nonpos` (vectorized, 3e-7 relative). A tile of prefill rows computes
+    its scores and its weighted sum of V as two single-threaded BLAS micro-GEMMs per block
+    (the block's K and V rows copied contiguous first); a tile of a few decode rows uses
+    dot-product loops.
     Rows past query_start[S] (bucket padding) are left untouched.
     """
     _check_attention(out, q, k_cache, v_cache, block_tables, query_start, context_lens)
@@ -98,17 +111,16 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
     hq = q.shape[1]
     group = hq // hkv
     s_n = context_lens.shape[0]
-    # Work items: (tile of up to _ROW_TILE query rows of one sequence, KV head).
-    # The tile's rows and the `group` query heads sharing the KV head are
-    # processed together, so each K/V row is read once per tile, not per row.
+    qv_max = max(group, min(_QV_MAX, _BLAS_SERIAL_MNK // (bs * d)))
+    row_tile = max(1, qv_max // group)
     n_tiles = 0
     for s in range(s_n):
-        n_tiles += (query_start[s + 1] - query_start[s] + _ROW_TILE - 1) // _ROW_TILE
+        n_tiles += (query_start[s + 1] - query_start[s] + row_tile - 1) // row_tile
     tile_seq = np.empty(n_tiles, np.int32)
     tile_row0 = np.empty(n_tiles, np.int32)
     n_tiles = 0
     for s in range(s_n):
-        for r0 in range(query_start[s], query_start[s + 1], _ROW_TILE):
+        for r0 in range(query_start[s], query_start[s + 1], row_tile):
             tile_seq[n_tiles] = s
             tile_row0[n_tiles] = r0
             n_tiles += 1
@@ -119,16 +131,20 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
         h0 = kvh * group
         s = tile_seq[tile]
         r0 = tile_row0[tile]
-        nr = min(_ROW_TILE, query_start[s + 1] - r0)
-        nqv = nr * group  # query vectors of the item: (row - r0) * group + g
+        nr = min(row_tile, query_start[s + 1] - r0)
+        nqv = nr * group
         pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
-        n_keys = pos0 + nr  # keys the last row sees
-        scores = np.empty((nqv, bs), np.float32)
+        n_keys = pos0 + nr
+        use_blas = nqv >= _BLAS_MIN_QV
+        sbuf = np.empty(nqv * bs, np.float32)
         acc = np.zeros((nqv, d), np.float32)
+        pv = np.empty((nqv, d), np.float32)
+        kb = np.empty((bs, d), np.float32)
+        vb = np.empty((bs, d), np.float32)
         m = np.full(nqv, _NEG_BIG, np.float32)
         denom = np.zeros(nqv, np.float32)
         bits = np.empty(bs, np.int32)
-        qt = np.empty((nqv, d), np.float32)  # the tile's query vectors, contiguous, scaled
+        qt = np.empty((nqv, d), np.float32)
         for j in range(nr):
             for g in range(group):
                 for i in range(d):
@@ -136,23 +152,33 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
         for b in range((n_keys + bs - 1) // bs):
             blk = block_tables[s, b]
             cnt = min(bs, n_keys - b * bs)
-            for o in range(cnt):
-                kv = k_cache[blk, o, kvh]
-                # causal mask: query vectors before q0 belong to rows before this key
-                q0 = max(0, b * bs + o - pos0) * group
-                for qi in range(q0):
-                    scores[qi, o] = _NEG_BIG
-                for qi in range(q0, nqv):
-                    dot = np.float32(0.0)
+            scores = sbuf[:nqv * cnt].reshape(nqv, cnt)
+            if use_blas:
+                for o in range(cnt):
                     for i in range(d):
-                        dot += qt[qi, i] * kv[i]
-                    scores[qi, o] = dot
+                        kb[o, i] = k_cache[blk, o, kvh, i]
+                        vb[o, i] = v_cache[blk, o, kvh, i]
+                np.dot(qt, kb[:cnt].T, scores)
+            else:
+                for o in range(cnt):
+                    kv = k_cache[blk, o, kvh]
+                    for qi in range(nqv):
+                        dot = np.float32(0.0)
+                        for i in range(d):
+                            dot += qt[qi, i] * kv[i]
+                        scores[qi, o] = dot
+            # causal mask: key position b*bs+o is visible to row r iff <= pos0 + r
+            last = b * bs + cnt - 1
+            if last > pos0:
+                for qi in range(nqv):
+                    first_hidden = pos0 + qi // group + 1 - b * bs
+                    for o in range(max(0, first_hidden), cnt):
+                        scores[qi, o] = _NEG_BIG
             for qi in range(nqv):
-                sg = scores[qi, :cnt]
+                sg = scores[qi]
                 bmax = _NEG_BIG
                 for o in range(cnt):
                     bmax = max(bmax, sg[o])
-                # row qi // group sees position 0 in block 0, so m is finite from then on
                 m_new = max(m[qi], bmax)
                 corr = np.float32(np.exp(m[qi] - m_new))
                 denom[qi] *= corr
@@ -160,18 +186,24 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
                     acc[qi, i] *= corr
                 for o in range(cnt):
                     sg[o] -= m_new
-                exp_nonpos(sg, bits[:cnt])  # masked entries: -1e30 - m -> 0
+                exp_nonpos(sg, bits[:cnt])
                 for o in range(cnt):
                     denom[qi] += sg[o]
                 m[qi] = m_new
-            for o in range(cnt):
-                vv = v_cache[blk, o, kvh]
+            if use_blas:
+                np.dot(scores, vb[:cnt], pv)
                 for qi in range(nqv):
-                    w = scores[qi, o]
-                    if w == 0.0:
-                        continue
                     for i in range(d):
-                        acc[qi, i] += w * vv[i]
+                        acc[qi, i] += pv[qi, i]
+            else:
+                for o in range(cnt):
+                    vv = v_cache[blk, o, kvh]
+                    for qi in range(nqv):
+                        w = scores[qi, o]
+                        if w == 0.0:
+                            continue
+                        for i in range(d):
+                            acc[qi, i] += w * vv[i]
         for j in range(nr):
             for g in range(group):
                 inv = np.float32(1.0) / denom[j * group + g]

@@ -29,7 +29,7 @@ def _reference(q, k_cache, v_cache, block_tables, query_start, context_lens, sca
     return out
 
 
-def _case(q_lens, ctx_lens, hq, hkv, bs, seed=0, shuffle_blocks=True):
+def _case(q_lens, ctx_lens, hq, hkv, bs, seed=0, shuffle_blocks=True, d=D):
     """Random cache with each sequence's blocks scattered (out of order) over the pool."""
     rng = np.random.default_rng(seed)
     need = [(c + bs - 1) // bs for c in ctx_lens]
@@ -41,16 +41,16 @@ def _case(q_lens, ctx_lens, hq, hkv, bs, seed=0, shuffle_blocks=True):
     for s, n in enumerate(need):
         tables[s, :n] = perm[i:i + n]
         i += n
-    k_cache = rng.standard_normal((nb, bs, hkv, D), dtype=np.float32)
-    v_cache = rng.standard_normal((nb, bs, hkv, D), dtype=np.float32)
+    k_cache = rng.standard_normal((nb, bs, hkv, d), dtype=np.float32)
+    v_cache = rng.standard_normal((nb, bs, hkv, d), dtype=np.float32)
     query_start = np.zeros(len(q_lens) + 1, np.int32)
     query_start[1:] = np.cumsum(q_lens)
-    q = rng.standard_normal((int(query_start[-1]), hq, D), dtype=np.float32)
+    q = rng.standard_normal((int(query_start[-1]), hq, d), dtype=np.float32)
     return q, k_cache, v_cache, tables, query_start, np.array(ctx_lens, np.int32)
 
 
-def _run_and_compare(q_lens, ctx_lens, hq, hkv, bs, seed=0):
-    q, kc, vc, bt, qs, cl = _case(q_lens, ctx_lens, hq, hkv, bs, seed)
+def _run_and_compare(q_lens, ctx_lens, hq, hkv, bs, seed=0, d=D):
+    q, kc, vc, bt, qs, cl = _case(q_lens, ctx_lens, hq, hkv, bs, seed, d=d)
     out = np.full_like(q, np.nan)
     scale = 1.0 / 128 * 8  # not 1/sqrt(D), like Granite's multiplier
     paged_attention(out, q, kc, vc, bt, qs, cl, scale)
@@ -83,6 +83,14 @@ def test_mixed_batch_decode_and_chunked_prefill():
 def test_chunk_spanning_several_row_tiles_after_unaligned_prefix():
     # 37 rows (tiles of 16, 16, 5) starting at position 63, blocks of 8
     _run_and_compare([37, 20], [100, 20], hq=4, hkv=1, bs=8, seed=4)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_granite_shapes_mix_blas_prefill_tiles_and_decode_rows(d):
+    # Granite's GQA 4:1 and blocks of 64: prefill tiles (>= 16 query vectors) take the BLAS
+    # micro-GEMM path, decode rows (4 query vectors) the dot-product loops; the chunk starts
+    # at an unaligned position 70 of a 3-block context, so the causal mask cuts a block
+    _run_and_compare([1, 130, 1, 20], [200, 200, 65, 20], hq=16, hkv=4, bs=64, seed=5, d=d)
 
 
 def test_padding_rows_past_query_start_are_untouched():
