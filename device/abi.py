@@ -10,7 +10,11 @@ below (`f32_at(f32, addr, n)` is `f32[addr >> 2 : (addr >> 2) + n]`), then
 `.reshape(...)`. They raise on a misaligned address or a view past the arena.
 """
 
+from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.ufunc.parallel import _launch_threads
 
 # the exact signature every entry is compiled for: arrays 1-D, C-contiguous, writable
 ENTRY_ARGS = (
@@ -64,3 +68,37 @@ def u16_at(u16, addr, n):
     if addr < 0 or n < 0 or start + n > u16.shape[0]:
         raise IndexError("u16_at: view lies outside the arena")
     return u16[start:start + n]
+
+
+# ---- the calling thread's kernel thread count, from inside an entry -------------------------
+# numba.set_num_threads / get_num_threads work in njit code too, but through ctypes pointers,
+# which make the caller uncachable; these call the threading layer's symbols by name, as
+# Numba's own parallel loops do, so an entry using them is still cached on disk.
+
+@intrinsic
+def get_kernel_threads(typingctx):
+    """Threads the calling thread's parallel kernels use (numba.get_num_threads)."""
+    _launch_threads()
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(32), [])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "get_num_threads")
+        return builder.sext(builder.call(fn, []), ir.IntType(64))
+    return types.int64(), codegen
+
+
+@intrinsic
+def set_kernel_threads(typingctx, n):
+    """Set the calling thread's parallel kernel threads (numba.set_num_threads, unchecked:
+    n must be 1..NUMBA_NUM_THREADS)."""
+    if not isinstance(n, types.Integer):
+        return None
+    _launch_threads()
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "set_num_threads")
+        arg = context.cast(builder, args[0], signature.args[0], types.int64)
+        builder.call(fn, [builder.trunc(arg, ir.IntType(32))])
+        return context.get_dummy_value()
+    return types.void(n), codegen

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from device.abi import f32_at, i32_at, i64_at
+from device.abi import f32_at, get_kernel_threads, i32_at, i64_at, set_kernel_threads
 from device.kernels.activation import swiglu
 from device.kernels.attention import paged_attention, write_kv
 from device.kernels.embedding import embedding
@@ -62,7 +62,7 @@ KMAX = 5  # most top logprobs per sampled token (OpenAI's limit for completions)
 SLOTS = [
     # step shapes
     ("T", "dim"), ("S", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
-    ("NPEN", "dim"), ("NBAN", "dim"),
+    ("NPEN", "dim"), ("NBAN", "dim"), ("ATHR", "dim"),
     # workspace capacity and model shapes
     ("TMAX", "dim"), ("RMAX", "dim"), ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"),
     ("I", "dim"), ("V", "dim"), ("L", "dim"), ("NBT", "dim"), ("BS", "dim"), ("TIED", "dim"),
@@ -74,7 +74,7 @@ SLOTS = [
     ("prev_out_i32", "address"), ("out_i32", "address"), ("out_f32", "address"),
 ]
 _IX = {name: i for i, (name, _) in enumerate(SLOTS)}
-(S_T, S_S, S_R, S_NS, S_MB, S_K, S_NPEN, S_NBAN, S_TMAX, S_RMAX, S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L,
+(S_T, S_S, S_R, S_NS, S_MB, S_K, S_NPEN, S_NBAN, S_ATHR, S_TMAX, S_RMAX, S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L,
  S_NBT, S_BS, S_TIED, A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS, A_WORK,
  A_IN_I32, A_IN_F32, A_IN_I64, A_PREV_OUT, A_OUT_I32, A_OUT_F32) = range(len(SLOTS))
 
@@ -161,6 +161,8 @@ def step_entry(f32, i32, i64, u16, table):
     K = table[S_K]
     NPEN = table[S_NPEN]
     NBAN = table[S_NBAN]
+    ATHR = table[S_ATHR]        # > 0: threads for attention only (a step otherwise serial)
+    step_thr = get_kernel_threads()
     TMAX = table[S_TMAX]
     RMAX = table[S_RMAX]
     H = table[S_H]
@@ -294,8 +296,12 @@ def step_entry(f32, i32, i64, u16, table):
         rope_inplace(q3, positions, inv_freq)
         rope_inplace(k3, positions, inv_freq)
         write_kv(k_cache, v_cache, k3, v3, slot_mapping)
+        if ATHR > 0:
+            set_kernel_threads(ATHR)
         paged_attention(a3, q3, k_cache, v_cache, block_tables, query_start, context_lens,
                         attn_scale)
+        if ATHR > 0:
+            set_kernel_threads(step_thr)
         gemm(y, attn, w_o)
         residual_add(x, y, res_mult)
         rmsnorm(hbuf, x, post_norm, eps)

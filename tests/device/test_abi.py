@@ -31,3 +31,23 @@ def test_misaligned_address_raises(card):
 def test_view_past_the_arena_raises(card):
     with pytest.raises(IndexError, match="outside the arena"):
         i32_at(card.i32, card.capacity - 4, 2)
+
+
+def test_kernel_threads_are_read_and_set_from_njit_code_per_calling_thread():
+    import numba
+    from numba import njit
+
+    from device.abi import get_kernel_threads, set_kernel_threads
+
+    @njit(cache=False)
+    def swap(n):
+        before = get_kernel_threads()
+        set_kernel_threads(n)
+        during = get_kernel_threads()
+        set_kernel_threads(before)
+        return before, during
+
+    full = numba.config.NUMBA_NUM_THREADS
+    numba.set_num_threads(full)
+    assert swap(1) == (full, 1)
+    assert numba.get_num_threads() == full

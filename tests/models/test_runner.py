@@ -3,6 +3,7 @@ padding, and the errors a caller gets."""
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 
@@ -192,3 +193,41 @@ def test_the_memory_plan_adds_up_to_scratch_bytes_and_the_kv_cache(runner):
     assert set(plan) == {"workspace", "io", "layer_table", "kv_cache"}
     assert plan["workspace"] + plan["io"] + plan["layer_table"] == runner.scratch_bytes
     assert plan["kv_cache"] == runner.kv.nbytes and min(plan.values()) > 0
+
+
+def test_attention_threads_only_widen_a_serial_step_with_enough_attention():
+    from models.runner import ATTN_PARALLEL_FLOPS, attention_threads
+
+    full = numba.config.NUMBA_NUM_THREADS
+    assert attention_threads(full, 10 * ATTN_PARALLEL_FLOPS) == 0        # already parallel
+    assert attention_threads(1, ATTN_PARALLEL_FLOPS - 1) == 0            # too little to share
+    assert attention_threads(1, ATTN_PARALLEL_FLOPS) == (full if full > 1 else 0)
+
+
+def test_decode_with_parallel_attention_in_a_serial_step_matches_and_restores_threads(
+        runner, monkeypatch):
+    import models.runner as runner_mod
+
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [9, 3]]
+
+    def decode(steps=5):
+        first = runner.launch([prefill(i, p, [i]) for i, p in enumerate(prompts)]).result()
+        toks = [[int(t)] for t in first.token_ids]
+        for k in range(steps):
+            work = [SeqWork(i, [toks[i][-1]], len(p) + k, [i], True, GREEDY)
+                    for i, p in enumerate(prompts)]
+            out = runner.launch(work).result()
+            for i, t in enumerate(out.token_ids):
+                toks[i].append(int(t))
+        return toks
+
+    monkeypatch.setattr(runner_mod, "ATTN_PARALLEL_FLOPS", 1 << 62)    # never
+    serial = decode()
+    monkeypatch.setattr(runner_mod, "ATTN_PARALLEL_FLOPS", 0)          # every step
+    assert runner.step_threads(4)[0] == 1                               # the step is serial
+    assert decode() == serial
+    seen = []
+    runner.stream.enqueue(lambda: seen.append(numba.get_num_threads()), compute=False,
+                          label="probe")
+    runner.stream.synchronize()
+    assert seen == [1]          # the step's own setting is back after its attention
