@@ -37,10 +37,12 @@ MAX_LOGPROBS = KMAX
 # a busy machine each one can wait a whole time slice for a descheduled worker thread.
 SERIAL_BELOW = 64
 # ... except BLAS when a step's GEMMs are big enough to amortise a fork/join: rows x one
-# layer's weight bytes at least this (granite-tiny: from ~20 rows; Granite 8B widths: always).
-# Measured on granite-tiny, 2 cores: batch-32 decode 31 -> 19 ms with two BLAS threads,
-# batch-1 3.3 ms (one thread) vs 3.0 ms (two) but with 165 ms outliers under load.
-BLAS_PARALLEL_WORK_BYTES = 256 << 20
+# layer's weight bytes at least this (granite-tiny: from 2 rows; Granite 8B widths: always).
+# A single row is a GEMV, bandwidth-bound, as fast on one thread (granite-tiny: 2.36 vs 2.30
+# ms for a step's weights); from 2 rows OpenBLAS packs the weights for its GEMM kernel and
+# one thread is 1.4-1.8x slower than two (2, 8, 32 rows: 10.3 / 11.0 / 23.2 ms vs 6.9 / 6.4 /
+# 14.2 ms). Whole decode steps, same process A/B: batch 8 15.8 -> 9.6 ms, 16: 20.2 -> 12.9.
+BLAS_PARALLEL_WORK_BYTES = 16 << 20
 
 
 def _find_blas_local_threads():

@@ -231,3 +231,15 @@ def test_decode_with_parallel_attention_in_a_serial_step_matches_and_restores_th
                           label="probe")
     runner.stream.synchronize()
     assert seen == [1]          # the step's own setting is back after its attention
+
+
+def test_step_threads_one_row_is_serial_blas_joins_from_two_rows_numba_from_64():
+    from models.runner import SERIAL_BELOW, step_threads
+
+    full = numba.config.NUMBA_NUM_THREADS
+    layer = 12 << 20                     # granite-tiny's projections: ~12 MB a layer
+    assert step_threads(1, layer) == (1, 1)            # a GEMV: as fast on one thread
+    assert step_threads(2, layer) == (1, full)         # packed GEMM: BLAS on every core
+    assert step_threads(SERIAL_BELOW - 1, layer) == (1, full)
+    assert step_threads(SERIAL_BELOW, layer) == (full, full)
+    assert step_threads(1, 700 << 20) == (1, full)     # Granite 8B widths: always
