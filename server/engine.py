@@ -153,7 +153,8 @@ class Engine:
         self.card = card
         self.observer = observer or EngineObserver()
         self.blocks = BlockManager(self.num_kv_blocks, self.block_size)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
+                                   token_buckets=getattr(runner, "t_buckets", None))
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._requests: dict[str, EngineRequest] = {}

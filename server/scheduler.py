@@ -8,6 +8,14 @@ Policy (the block manager does the accounting):
 3. waiting sequences are admitted first come, first served while the token
    budget, ``max_num_seqs`` and the free KV blocks allow.
 
+The device runs a step padded up to its token bucket (a power of two), so a step
+of 32 decodes and a 128-token prompt would compute 256 rows for 160 tokens. When
+the buckets are known, the prefill chunks of a step are cut to end on the largest
+bucket at or below what the step wants (there 128: the prompt's other 32 tokens go
+in the next step, which the decodes make anyway), as long as that still leaves
+room for prefill beyond the decodes; otherwise, and in a step without decodes,
+the step takes what it wants and pads.
+
 When a running sequence needs a KV block and none is free, the most recently
 admitted running sequence not yet in this step is preempted: its blocks are
 freed and it goes back to the head of the waiting queue, to be recomputed from
@@ -49,6 +57,7 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        token_buckets: list[int] | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
@@ -58,6 +67,7 @@ class Scheduler:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.token_buckets = sorted(token_buckets or [])
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
@@ -172,6 +182,7 @@ class Scheduler:
                 budget -= num_new
 
         run_pass(decodes=True)
+        budget = self._prefill_budget(self.max_num_batched_tokens - budget, budget)
         run_pass(decodes=False)
 
         # admit waiting sequences, first come first served
@@ -195,6 +206,28 @@ class Scheduler:
             done.add(seq.seq_id)
             budget -= num_new
         return chunks
+
+    def _prefill_budget(self, decoded: int, budget: int) -> int:
+        """Prefill tokens for a step that already holds `decoded` decode tokens: the budget
+        left, cut so that the step ends on a token bucket when that leaves prefill room."""
+        if not self.token_buckets or budget == 0 or decoded == 0:
+            return budget               # without decodes, padding beats another step
+        wanted = 0                      # prefill tokens the running and first waiting want
+        for seq in self.running:
+            if self._ready(seq):
+                target, _ = self._target(seq)
+                if target - seq.num_computed > 1:
+                    wanted += target - seq.num_computed
+        slots = self.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            if slots == 0 or wanted >= budget:
+                break
+            target, _ = self._target(seq)
+            wanted += max(0, target - seq.num_computed)
+            slots -= 1
+        total = decoded + min(wanted, budget)
+        floor = max((b for b in self.token_buckets if b <= total), default=0)
+        return floor - decoded if floor > decoded else budget
 
     def _take(self, seq: Sequence, num_new: int, sample: bool) -> ScheduledChunk:
         start = seq.num_computed

@@ -321,3 +321,41 @@ def test_scoring_with_max_tokens_zero_returns_prompt_logprobs_and_no_tokens(make
     ids = TOK.encode("score this")
     assert [lp.token_id for lp in lps[1:]] == ids[1:]
     assert [round(lp.logprob, 4) for lp in lps[1:]] == [round(-0.5 - 0.01 * t, 4) for t in ids[1:]]
+
+
+def test_a_prefill_beside_decodes_is_cut_to_end_the_step_on_a_token_bucket(make_engine):
+    import time
+
+    runner = FakeRunner(num_kv_blocks=200)
+    runner.t_buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    engine, _ = make_engine(runner)
+    decoding = [submit(engine, "ab", params(max_tokens=200, ignore_eos=True)) for _ in range(3)]
+    deadline = time.monotonic() + 20
+    while not all(c.updates for c in decoding):           # all three are decoding
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    prompt = "the quick brown fox jumps over the lazy dog"  # 43 tokens
+    c = submit(engine, prompt, params(max_tokens=4, ignore_eos=True))
+    assert c.wait().token_ids == reference(TOK.encode(prompt), 4)
+    ids = TOK.encode(prompt)
+    n = len(ids)
+    sid = next(w.seq_id for launch in runner.launches for w in launch
+               if w.start_pos == 0 and len(w.token_ids) > 1 and w.token_ids == ids[:len(w.token_ids)])
+    chunks = [(launch, w) for launch in runner.launches for w in launch
+              if w.seq_id == sid and w.start_pos < n]
+    # 3 decodes + 43 would pad to 64: the chunk is cut to end the step on 32 (29 tokens);
+    # then 3 + 14 would pad to 32: cut to 16 (13 tokens); the last token rides with the decodes
+    assert [len(w.token_ids) for _, w in chunks] == [29, 13, 1]
+    assert [sum(len(w.token_ids) for w in launch) for launch, _ in chunks] == [32, 16, 4]
+    for c in decoding:
+        c.wait()
+    assert runner.violations == []
+
+
+def test_a_prefill_without_decodes_is_taken_whole_and_padded(make_engine):
+    runner = FakeRunner()
+    runner.t_buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    engine, _ = make_engine(runner)
+    prompt = "the quick brown fox jumps over the lazy dog"  # 43 tokens: one step, bucket 64
+    submit(engine, prompt, params(max_tokens=2, ignore_eos=True)).wait()
+    assert [len(w.token_ids) for w in runner.launches[0]] == [len(TOK.encode(prompt))]
