@@ -333,12 +333,17 @@ class ModelRunner:
         """Compile (or load from Numba's disk cache) and prepare every bucket's program, and
         run each token bucket once on a batch of padding (pages in the workspace, starts the
         thread pools), so that serving never compiles. Every bucket shares one compiled entry."""
+        import sys
+
         from tqdm import tqdm
 
         shapes = self.bucket_shapes()
-        bar = tqdm(shapes, desc="preparing step programs", unit="program", disable=not progress)
+        # A terminal gets a live bar; a log file (docker logs, CI) a line at the start and
+        # one at the end instead of a redraw per program.
+        bar = tqdm(shapes, desc="preparing step programs", unit="program", disable=not progress,
+                   mininterval=0.1 if sys.stderr.isatty() else 3600.0)
         for t, s in bar:
-            bar.set_postfix_str(f"tokens {t} seqs {s}")
+            bar.set_postfix_str(f"tokens {t} seqs {s}", refresh=False)
             self._program(t, s)
             if s == max(x for x in self.s_buckets if x <= t):   # once per token bucket
                 self._launch_padding(t, s).result()

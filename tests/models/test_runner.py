@@ -243,3 +243,13 @@ def test_step_threads_one_row_is_serial_blas_joins_from_two_rows_numba_from_64()
     assert step_threads(SERIAL_BELOW - 1, layer) == (1, full)
     assert step_threads(SERIAL_BELOW, layer) == (full, full)
     assert step_threads(1, 700 << 20) == (1, full)     # Granite 8B widths: always
+
+
+def test_warmup_progress_to_a_log_file_is_a_start_and_an_end_not_a_redraw_per_program(
+        runner, capsys):
+    runner.warmup(progress=True)                  # pytest's captured stderr is not a terminal
+    err = capsys.readouterr().err
+    draws = err.replace("\r", "\n").split("\n")
+    bars = [d for d in draws if d.startswith("preparing step programs")]
+    assert 1 <= len(bars) <= 3, bars
+    assert f"{len(runner.bucket_shapes())}/{len(runner.bucket_shapes())}" in bars[-1]
