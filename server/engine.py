@@ -243,6 +243,8 @@ class Engine:
         self._wake.set()
 
     def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine already started: one loop owns the scheduler and the runner")
         self._thread = threading.Thread(target=self._run, name="spyre-engine", daemon=True)
         self._thread.start()
 

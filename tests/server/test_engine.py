@@ -359,3 +359,12 @@ def test_a_prefill_without_decodes_is_taken_whole_and_padded(make_engine):
     prompt = "the quick brown fox jumps over the lazy dog"  # 43 tokens: one step, bucket 64
     submit(engine, prompt, params(max_tokens=2, ignore_eos=True)).wait()
     assert [len(w.token_ids) for w in runner.launches[0]] == [len(TOK.encode(prompt))]
+
+
+def test_a_second_start_is_refused_instead_of_running_two_loops(make_engine):
+    engine, runner = make_engine()
+    with pytest.raises(RuntimeError, match="already started"):
+        engine.start()
+    c = submit(engine, "hello", params(max_tokens=4, ignore_eos=True)).wait()
+    assert c.token_ids == reference(TOK.encode("hello"), 4)
+    assert runner.violations == []
