@@ -12,9 +12,9 @@ The device runs a step padded up to its token bucket (a power of two), so a step
 of 32 decodes and a 128-token prompt would compute 256 rows for 160 tokens. When
 the buckets are known, the prefill chunks of a step are cut to end on the largest
 bucket at or below what the step wants (there 128: the prompt's other 32 tokens go
-in the next step, which the decodes make anyway), as long as that still leaves
-room for prefill beyond the decodes; otherwise, and in a step without decodes,
-the step takes what it wants and pads.
+in the next step, which the decodes make anyway), as long as that keeps at least
+half of the step's prefill; otherwise, and in a step without decodes, the step
+takes what it wants and pads.
 
 When a running sequence needs a KV block and none is free, the most recently
 admitted running sequence not yet in this step is preempted: its blocks are
@@ -225,9 +225,11 @@ class Scheduler:
             target, _ = self._target(seq)
             wanted += max(0, target - seq.num_computed)
             slots -= 1
-        total = decoded + min(wanted, budget)
-        floor = max((b for b in self.token_buckets if b <= total), default=0)
-        return floor - decoded if floor > decoded else budget
+        prefill = min(wanted, budget)
+        floor = max((b for b in self.token_buckets if b <= decoded + prefill), default=0)
+        # cut only while the step keeps at least half of its prefill: 31 decodes beside a
+        # 27-token remainder pad to 64 rather than trickle one token a step into bucket 32
+        return floor - decoded if 2 * (floor - decoded) >= prefill else budget
 
     def _take(self, seq: Sequence, num_new: int, sample: bool) -> ScheduledChunk:
         start = seq.num_computed
