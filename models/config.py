@@ -40,7 +40,7 @@ class GraniteConfig:
     residual_multiplier: float   # each residual branch x this
     logits_scaling: float        # logits / this
     bos_token_id: int | None
-    eos_token_id: list[int]      # always a list (config.json may hold an int)
+    eos_token_id: list[int]      # always a list: config.json's, then generation_config.json's
     pad_token_id: int | None
     torch_dtype: str             # dtype the checkpoint declares: float32, bfloat16, float16
 
@@ -69,9 +69,11 @@ class GraniteConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON: {e}") from e
         try:
-            return _parse(d)
+            config = _parse(d)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
+        config.eos_token_id = _with_generation_eos(config, path.parent / "generation_config.json")
+        return config
 
     def to_dict(self) -> dict:
         """A Hugging Face config.json for this model (readable by transformers 5.x)."""
@@ -113,6 +115,27 @@ class GraniteConfig:
         else:
             d["head_dim"] = self.head_dim
         return d
+
+
+def _with_generation_eos(config: GraniteConfig, path: Path) -> list[int]:
+    """config.json's eos ids plus those of generation_config.json beside it, when there is
+    one: what `generate` stops on (Llama 3 instruct lists its end-of-turn id only there)."""
+    if not path.is_file():
+        return config.eos_token_id
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from e
+    eos = d.get("eos_token_id") if isinstance(d, dict) else None
+    extra = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    ids = list(config.eos_token_id)
+    for e in extra:
+        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < config.vocab_size:
+            raise ConfigError(f"{path}: field 'eos_token_id' holds {e!r}, not a token id in "
+                              f"0..{config.vocab_size - 1}")
+        if e not in ids:
+            ids.append(e)
+    return ids
 
 
 def _require(d: dict, key: str):

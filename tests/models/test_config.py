@@ -151,3 +151,20 @@ def test_granite_33_8b_config_as_published():
     assert (c.head_dim, c.q_size, c.kv_size) == (128, 4096, 1024)
     assert c.attention_multiplier == 1 / 128 and c.rope_theta == 1e7
     assert c.eos_token_id == [0] and c.torch_dtype == "bfloat16"
+
+
+def test_generation_config_eos_ids_join_the_configs(tmp_path):
+    from transformers import GenerationConfig
+
+    HFGraniteConfig(**SMALL, eos_token_id=0).save_pretrained(tmp_path)
+    GenerationConfig(eos_token_id=[0, 7, 9]).save_pretrained(tmp_path)     # as Llama 3 ships it
+    assert GraniteConfig.from_file(tmp_path).eos_token_id == [0, 7, 9]
+    (tmp_path / "generation_config.json").unlink()
+    assert GraniteConfig.from_file(tmp_path).eos_token_id == [0]
+
+
+def test_generation_config_eos_outside_the_vocabulary_is_refused(tmp_path):
+    HFGraniteConfig(**SMALL, eos_token_id=0).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 300]}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: field 'eos_token_id' holds 300"):
+        GraniteConfig.from_file(tmp_path)
