@@ -45,8 +45,8 @@ def eos_list(real_server, tmp_path_factory):
 
     src = base.model.path
     dst = tmp_path_factory.mktemp("granite-tiny-eos-list")
-    for f in src.iterdir():
-        if f.name != "config.json":
+    for f in src.iterdir():     # generation_config.json's eos ids would join the list
+        if f.name not in ("config.json", "generation_config.json"):
             (dst / f.name).symlink_to(f.resolve())
     config = json.loads((src / "config.json").read_text())
     config["eos_token_id"] = listed
