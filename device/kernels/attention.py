@@ -132,9 +132,9 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
         s = tile_seq[tile]
         r0 = tile_row0[tile]
         nr = min(row_tile, query_start[s + 1] - r0)
-        nqv = nr * group
+        nqv = nr * group  # query vectors of the item: (row - r0) * group + g
         pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
-        n_keys = pos0 + nr
+        n_keys = pos0 + nr  # keys the last row sees
         use_blas = nqv >= _BLAS_MIN_QV
         sbuf = np.empty(nqv * bs, np.float32)
         acc = np.zeros((nqv, d), np.float32)
@@ -144,7 +144,7 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
         m = np.full(nqv, _NEG_BIG, np.float32)
         denom = np.zeros(nqv, np.float32)
         bits = np.empty(bs, np.int32)
-        qt = np.empty((nqv, d), np.float32)
+        qt = np.empty((nqv, d), np.float32)  # the tile's query vectors, contiguous, scaled
         for j in range(nr):
             for g in range(group):
                 for i in range(d):
@@ -179,6 +179,7 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
                 bmax = _NEG_BIG
                 for o in range(cnt):
                     bmax = max(bmax, sg[o])
+                # row qi // group sees position 0 in block 0, so m is finite from then on
                 m_new = max(m[qi], bmax)
                 corr = np.float32(np.exp(m[qi] - m_new))
                 denom[qi] *= corr
@@ -186,7 +187,7 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
                     acc[qi, i] *= corr
                 for o in range(cnt):
                     sg[o] -= m_new
-                exp_nonpos(sg, bits[:cnt])
+                exp_nonpos(sg, bits[:cnt])  # masked entries: -1e30 - m -> 0
                 for o in range(cnt):
                     denom[qi] += sg[o]
                 m[qi] = m_new
