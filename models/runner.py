@@ -43,11 +43,16 @@ SERIAL_BELOW = 64
 # one thread is 1.4-1.8x slower than two (2, 8, 32 rows: 10.3 / 11.0 / 23.2 ms vs 6.9 / 6.4 /
 # 14.2 ms). Whole decode steps, same process A/B: batch 8 15.8 -> 9.6 ms, 16: 20.2 -> 12.9.
 BLAS_PARALLEL_WORK_BYTES = 16 << 20
+# ... and attention, the one Numba kernel of a decode step with real work of its own: it runs
+# on every core when its FLOPs reach this (~0.1 ms on one core). granite-tiny, 32 sequences
+# of 192 tokens, one layer's attention: 0.59 ms on one thread, 0.32 ms on two.
+ATTN_PARALLEL_FLOPS = 2_000_000
 
 
 def _find_blas_local_threads():
-    """OpenBLAS's per-thread thread count setter (scipy's bundled OpenBLAS, which Numba's
-    np.dot calls), or None when it is not there."""
+    """OpenBLAS's thread count setter (scipy's bundled OpenBLAS, which Numba's np.dot calls),
+    or None when it is not there. Named "_local", but in this build it changes the count for
+    every calling thread (measured); the runner calls it on the compute stream's thread only."""
     import ctypes
     import glob
     import os
@@ -67,12 +72,6 @@ def _find_blas_local_threads():
 
 
 _blas_local_threads = _find_blas_local_threads()
-
-
-# ... except attention, the one kernel of a decode step with real work of its own: it runs on
-# every core when its FLOPs reach this (~0.1 ms on one core). granite-tiny, 32 sequences of
-# 192 tokens, one layer's attention: 0.59 ms on one thread, 0.32 ms on two.
-ATTN_PARALLEL_FLOPS = 2_000_000
 
 
 def attention_threads(step_threads: int, flops: int) -> int:
@@ -98,7 +97,7 @@ def step_threads(t: int, layer_bytes: int) -> tuple[int, int]:
 
 def set_step_threads(n: int, blas: int | None = None) -> None:
     """Threads the calling thread's Numba kernels (n) and BLAS calls (blas, default n) use;
-    both settings are per calling thread."""
+    Numba's setting is per calling thread, OpenBLAS's in effect process-wide."""
     numba.set_num_threads(n)
     if _blas_local_threads is not None:
         _blas_local_threads(n if blas is None else blas)

@@ -209,7 +209,8 @@ class Scheduler:
 
     def _prefill_budget(self, decoded: int, budget: int) -> int:
         """Prefill tokens for a step that already holds `decoded` decode tokens: the budget
-        left, cut so that the step ends on a token bucket when that leaves prefill room."""
+        left, cut so that the step ends on a token bucket when that keeps at least half of
+        the prefill the step would otherwise take."""
         if not self.token_buckets or budget == 0 or decoded == 0:
             return budget               # without decodes, padding beats another step
         wanted = 0                      # prefill tokens the running and first waiting want
