@@ -4,7 +4,8 @@ program and the runner that launches it. Knows layers, weights and shapes; nothi
 from models.config import ConfigError, GraniteConfig
 from models.loader import LoadedModel, load_model
 from models.profiles import resolve_model
-from models.runner import ModelRunner, SamplingParams, SeqWork, StepHandle, StepOutput
+from models.runner import ModelRunner, StepHandle
+from models.step_io import SamplingParams, SeqWork, StepOutput
 
 __all__ = [
     "ConfigError", "GraniteConfig", "LoadedModel", "ModelRunner", "SamplingParams", "SeqWork",

@@ -39,8 +39,9 @@ from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
 from device.kernels.sampling import sample
 from models.kv_cache import KVCache
-from models.runner import SeqWork, layer_weight_bytes, set_step_threads, step_threads
+from models.step_io import SeqWork
 from models.step_program import _gather_rows, _split_qkv
+from models.threads import layer_weight_bytes, set_step_threads, step_threads
 from models.weights import (
     CONST_ATTN_SCALE,
     CONST_EMB_MULT,
@@ -232,7 +233,7 @@ class EagerModel:
             if x.sample:
                 rows.append(qs[-1] - 1)
         T, S, R = len(tokens), len(work), len(rows)
-        # the same core policy as the program path (models.runner.step_threads)
+        # the same core policy as the program path (models.threads.step_threads)
         self.stream.enqueue(set_step_threads, *step_threads(T, layer_weight_bytes(w)), compute=False)
         tok = self._to_device(np.asarray(tokens, np.int32))
         pos = self._to_device(np.asarray(positions, np.int32))

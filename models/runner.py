@@ -12,15 +12,15 @@ step N; decode tokens marked `from_device` are read on the card from step N's sa
 from __future__ import annotations
 
 import bisect
-import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numba
 import numpy as np
 
 from device import Card, DeviceTensor, Program, Slot
 from models.kv_cache import KVCache
+from models.step_io import SeqWork, StepOutput
 from models.step_program import (
     KMAX,
     SLOTS,
@@ -29,135 +29,8 @@ from models.step_program import (
     workspace_floats,
     workspace_offsets,
 )
+from models.threads import attention_threads, layer_weight_bytes, set_step_threads, step_threads
 from models.weights import build_layer_table
-
-MAX_LOGPROBS = KMAX
-# Buckets of fewer token rows than this run the whole step on one core (Numba kernels and
-# BLAS): on a few rows a parallel region or a BLAS fork/join costs more than it saves, and on
-# a busy machine each one can wait a whole time slice for a descheduled worker thread.
-SERIAL_BELOW = 64
-# ... except BLAS when a step's GEMMs are big enough to amortise a fork/join: rows x one
-# layer's weight bytes at least this (granite-tiny: from 2 rows; Granite 8B widths: always).
-# A single row is a GEMV, bandwidth-bound, as fast on one thread (granite-tiny: 2.36 vs 2.30
-# ms for a step's weights); from 2 rows OpenBLAS packs the weights for its GEMM kernel and
-# one thread is 1.4-1.8x slower than two (2, 8, 32 rows: 10.3 / 11.0 / 23.2 ms vs 6.9 / 6.4 /
-# 14.2 ms). Whole decode steps, same process A/B: batch 8 15.8 -> 9.6 ms, 16: 20.2 -> 12.9.
-BLAS_PARALLEL_WORK_BYTES = 16 << 20
-# ... and attention, the one Numba kernel of a decode step with real work of its own: it runs
-# on every core when its FLOPs reach this (~0.1 ms on one core). granite-tiny, 32 sequences
-# of 192 tokens, one layer's attention: 0.59 ms on one thread, 0.32 ms on two.
-ATTN_PARALLEL_FLOPS = 2_000_000
-
-
-def _find_blas_local_threads():
-    """OpenBLAS's thread count setter (scipy's bundled OpenBLAS, which Numba's np.dot calls),
-    or None when it is not there. Named "_local", but in this build it changes the count for
-    every calling thread (measured); the runner calls it on the compute stream's thread only."""
-    import ctypes
-    import glob
-    import os
-
-    import scipy
-
-    libs = os.path.join(os.path.dirname(os.path.dirname(scipy.__file__)), "scipy.libs")
-    for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas*.so*"))):
-        try:
-            fn = ctypes.CDLL(path).openblas_set_num_threads_local
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_int]
-        fn.restype = ctypes.c_int
-        return fn
-    return None
-
-
-_blas_local_threads = _find_blas_local_threads()
-
-
-def attention_threads(step_threads: int, flops: int) -> int:
-    """Threads for the attention kernel of a step whose other kernels use step_threads:
-    0 (the same) unless the step is serial and the attention is big enough to share."""
-    full = numba.config.NUMBA_NUM_THREADS
-    return full if step_threads < full and flops >= ATTN_PARALLEL_FLOPS else 0
-
-
-def layer_weight_bytes(weights) -> int:
-    """Bytes of one layer's projection weights."""
-    lw = weights.layers[0]
-    return sum(x.nbytes for x in (lw.qkv, lw.o, lw.gate_up, lw.down))
-
-
-def step_threads(t: int, layer_bytes: int) -> tuple[int, int]:
-    """(Numba threads, BLAS threads) for a step of t token rows (see SERIAL_BELOW)."""
-    full = numba.config.NUMBA_NUM_THREADS
-    if t >= SERIAL_BELOW:
-        return full, full
-    return 1, (full if t * layer_bytes >= BLAS_PARALLEL_WORK_BYTES else 1)
-
-
-def set_step_threads(n: int, blas: int | None = None) -> None:
-    """Threads the calling thread's Numba kernels (n) and BLAS calls (blas, default n) use;
-    Numba's setting is per calling thread, OpenBLAS's in effect process-wide."""
-    numba.set_num_threads(n)
-    if _blas_local_threads is not None:
-        _blas_local_threads(n if blas is None else blas)
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    temperature: float = 1.0      # 0 -> greedy
-    top_k: int = 0                # 0 -> off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None       # None -> the runner derives one for the request
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int = 0             # top-n alternatives per sampled token (0..5)
-
-    def check(self) -> None:
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
-
-
-@dataclass(slots=True)
-class SeqWork:                    # one sequence's share of a step
-    seq_id: int
-    token_ids: list[int]          # tokens computed this step (prefill chunk, or 1 decode token)
-    start_pos: int                # tokens of this sequence already in the KV cache
-    block_table: list[int]        # covers start_pos + len(token_ids)
-    sample: bool                  # chunk reaches the last known token: sample the next one
-    sampling: SamplingParams
-    num_generated: int = 0        # tokens generated so far: the RNG counter for seeded sampling
-    from_device: bool = False     # decode token is the one this seq sampled in the previous launch
-    prompt_logprobs: bool = False # return logprobs of this chunk's prompt tokens (echo)
-    penalty_token_ids: list[int] | None = None  # tokens counted by the penalties
-    banned_token_ids: list[int] | None = None   # tokens this step's sample may not pick (the
-                                                # server's min_tokens: EOS and stop tokens)
-
-
-@dataclass
-class StepOutput:
-    seq_ids: list[int]            # the sequences that sampled, in order
-    token_ids: np.ndarray         # int32[S]
-    logprobs: np.ndarray          # float32[S], logprob of the sampled token (raw distribution)
-    top_ids: np.ndarray           # int32[S, K]   K = max logprobs asked in the step (0 if none)
-    top_logprobs: np.ndarray      # float32[S, K]
-    prompt_logprobs: dict = field(default_factory=dict)
-    # seq_id -> (float32[n], int32[n, K], float32[n, K]): logprob of each prompt token at
-    # position >= 1 computed in this step (the first token of a later chunk is scored by the
-    # previous chunk's last row, so results must be read in launch order), and its top-K.
-    logits: dict | None = None    # seq_id -> float32[n, V] of every row, when launch(return_logits=True)
 
 
 def _buckets(limit: int) -> list[int]:

@@ -196,7 +196,7 @@ def test_the_memory_plan_adds_up_to_scratch_bytes_and_the_kv_cache(runner):
 
 
 def test_attention_threads_only_widen_a_serial_step_with_enough_attention():
-    from models.runner import ATTN_PARALLEL_FLOPS, attention_threads
+    from models.threads import ATTN_PARALLEL_FLOPS, attention_threads
 
     full = numba.config.NUMBA_NUM_THREADS
     assert attention_threads(full, 10 * ATTN_PARALLEL_FLOPS) == 0        # already parallel
@@ -206,7 +206,7 @@ def test_attention_threads_only_widen_a_serial_step_with_enough_attention():
 
 def test_decode_with_parallel_attention_in_a_serial_step_matches_and_restores_threads(
         runner, monkeypatch):
-    import models.runner as runner_mod
+    import models.threads as threads_mod
 
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [9, 3]]
 
@@ -221,9 +221,9 @@ def test_decode_with_parallel_attention_in_a_serial_step_matches_and_restores_th
                 toks[i].append(int(t))
         return toks
 
-    monkeypatch.setattr(runner_mod, "ATTN_PARALLEL_FLOPS", 1 << 62)    # never
+    monkeypatch.setattr(threads_mod, "ATTN_PARALLEL_FLOPS", 1 << 62)    # never
     serial = decode()
-    monkeypatch.setattr(runner_mod, "ATTN_PARALLEL_FLOPS", 0)          # every step
+    monkeypatch.setattr(threads_mod, "ATTN_PARALLEL_FLOPS", 0)          # every step
     assert runner.step_threads(4)[0] == 1                               # the step is serial
     assert decode() == serial
     seen = []
@@ -234,7 +234,7 @@ def test_decode_with_parallel_attention_in_a_serial_step_matches_and_restores_th
 
 
 def test_step_threads_one_row_is_serial_blas_joins_from_two_rows_numba_from_64():
-    from models.runner import SERIAL_BELOW, step_threads
+    from models.threads import SERIAL_BELOW, step_threads
 
     full = numba.config.NUMBA_NUM_THREADS
     layer = 12 << 20                     # granite-tiny's projections: ~12 MB a layer
