@@ -81,9 +81,10 @@ def get_kernel_threads(typingctx):
     _launch_threads()
 
     def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.IntType(32), [])
+        # declared as Numba's parallel loops declare it (intp), so both can share a module
+        fnty = ir.FunctionType(ir.IntType(64), [])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "get_num_threads")
-        return builder.sext(builder.call(fn, []), ir.IntType(64))
+        return builder.call(fn, [])
     return types.int64(), codegen
 
 

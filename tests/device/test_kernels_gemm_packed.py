@@ -1,0 +1,82 @@
+"""gemm_packed against numpy on the same (widened) weights; round_to_format against torch."""
+
+import numpy as np
+import pytest
+import torch
+
+from device.kernels.gemm import (
+    FMT_BF16,
+    FMT_F16,
+    FMT_F32,
+    gather_columns,
+    gemm_packed,
+    packed_size,
+    round_to_format,
+)
+from device.layout import pack, unpack
+
+FMTS = [FMT_F32, FMT_BF16, FMT_F16]
+# rows: one (GEMV), two, a partial tile, more than a block of k, the largest bucket
+SHAPES = [(1, 64, 32), (2, 65, 33), (7, 129, 300), (33, 257, 1), (33, 300, 257), (512, 96, 80)]
+
+
+def _case(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_gemm_packed_matches_numpy_on_the_stored_weights(m, k, n, fmt):
+    a, w = _case(m, k, n)
+    panels = pack(w, fmt)
+    want = a.astype(np.float64) @ unpack(panels, n, fmt).astype(np.float64)
+    out = np.full((m, n), np.nan, np.float32)
+    gemm_packed(out, a, panels.reshape(-1), k, n, fmt)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_gemm_packed_k_past_one_block_accumulates_every_block():
+    a, w = _case(3, 1000, 20)                 # 1000 = 3 blocks of 256 and a remainder
+    out = np.empty((3, 20), np.float32)
+    gemm_packed(out, a, pack(w, FMT_F32).reshape(-1), 1000, 20, FMT_F32)
+    np.testing.assert_allclose(out, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
+
+
+def test_gemm_packed_refuses_a_short_weight():
+    a, w = _case(2, 8, 20)
+    with pytest.raises(ValueError, match="too short"):
+        gemm_packed(np.empty((2, 20), np.float32), a, np.zeros(packed_size(8, 20) - 1, np.float32),
+                    8, 20, FMT_F32)
+
+
+@pytest.mark.parametrize("fmt,torch_dtype", [(FMT_BF16, torch.bfloat16), (FMT_F16, torch.float16)])
+def test_round_to_format_rounds_like_torch(fmt, torch_dtype):
+    x = (np.random.default_rng(2).standard_normal((37, 101)) * 50).astype(np.float32)
+    want = torch.from_numpy(x).to(torch_dtype).float().numpy()
+    round_to_format(x, fmt)
+    np.testing.assert_array_equal(x, want)
+
+
+def test_round_to_format_leaves_float32_alone():
+    x = np.random.default_rng(3).standard_normal(100).astype(np.float32)
+    y = x.copy()
+    round_to_format(y, FMT_F32)
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gather_columns_reads_table_rows_from_the_panels(fmt):
+    """The embedding lookup from the LM head's packed E.T gives the (stored) rows of E, scaled."""
+    table = np.random.default_rng(4).standard_normal((37, 10), dtype=np.float32)   # E [V, H]
+    panels = pack(table.T, fmt)                                                     # W = E.T
+    ids = np.array([0, 36, 17, 17, 5], np.int32)
+    out = np.empty((5, 10), np.float32)
+    gather_columns(out, panels.reshape(-1), ids, 12.0, 10, 37, fmt)
+    np.testing.assert_array_equal(out, unpack(panels, 37, fmt).T[ids] * np.float32(12.0))
+
+
+def test_gather_columns_refuses_an_id_outside_the_table():
+    panels = pack(np.zeros((4, 8), np.float32), FMT_F32).reshape(-1)
+    with pytest.raises(IndexError, match="out of range"):
+        gather_columns(np.empty((1, 4), np.float32), panels, np.array([8], np.int32), 1.0, 4, 8, FMT_F32)
