@@ -33,7 +33,7 @@ from models import SamplingParams, SeqWork
 from models.tokenizer import IncrementalDetokenizer
 from server.block_manager import BlockManager
 from server.scheduler import ScheduledChunk, Scheduler
-from server.sequence import GenerationParams, SeqStatus, Sequence, TokenLogprob
+from server.sequence import GenerationParams, Sequence, TokenLogprob
 
 log = logging.getLogger("spyre_serve.engine")
 
@@ -58,8 +58,6 @@ class SeqUpdate:
     stop_reason: int | str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, for echo + logprobs
     error: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # output tokens so far, including this update's
 
 
 @dataclass(slots=True)
@@ -87,7 +85,6 @@ class EngineObserver:
 class _Step:
     chunks: list[ScheduledChunk]
     handle: object
-    launched: float
 
 
 @dataclass(slots=True)
@@ -97,7 +94,6 @@ class EngineStats:
     busy_wall_seconds: float = 0.0  # wall time while the engine had work
     busy_device_seconds: float = 0.0  # device compute time in those periods
     tokens_discarded: int = 0  # sampled for sequences that had already stopped
-    num_preemptions: int = 0
     finished: dict = field(default_factory=dict)
 
     @property
@@ -196,7 +192,7 @@ class Engine:
         waiting = {s.request_id for s in self.scheduler.waiting} - running
         self._counts = (len(running), len(waiting))
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Refuse up front what can never run: raise ``RequestRejected`` with the numbers."""
         if num_prompt_tokens == 0:
             raise RequestRejected("the prompt is empty: give at least one token", "prompt")
@@ -320,7 +316,7 @@ class Engine:
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
                 self.observer.on_scheduled(now - req.arrival, c.seq.num_prompt)
-        return _Step(chunks, handle, now)
+        return _Step(chunks, handle)
 
     def _banned_tokens(self, p: GenerationParams) -> list[int]:
         """Tokens that would stop the sequence (every EOS id unless ignore_eos, and
@@ -370,16 +366,15 @@ class Engine:
         num_new_tokens = 0
         for c in step.chunks:
             seq = c.seq
-            self.scheduler.collected(seq)
+            i = row[seq.seq_id] if c.sample else None
+            kept = self.scheduler.collected(c, None if i is None else int(out.token_ids[i]))
             if c.prompt_logprobs and seq.seq_id in out.prompt_logprobs:
                 self._store_prompt_logprobs(c, out.prompt_logprobs[seq.seq_id])
             if c.sample:
-                seq.num_pending -= 1
-                if seq.is_finished:
+                if not kept:
                     self.stats.tokens_discarded += 1
                     continue
-                i = row[seq.seq_id]
-                self._append_token(seq, c, out, i, now)
+                self._on_token(seq, out, i, now)
                 num_new_tokens += 1
             elif seq.params.max_tokens == 0 and c.start + c.num_new >= seq.num_prompt:
                 if not seq.is_finished:
@@ -410,10 +405,11 @@ class Engine:
                 top = [(int(top_ids[k, j]), float(top_lps[k, j])) for j in range(top_ids.shape[1])]
                 seq.prompt_logprobs[pos] = TokenLogprob(seq.token_ids[pos], float(lps[k]), top)
 
-    def _append_token(self, seq: Sequence, c: ScheduledChunk, out, i: int, now: float) -> None:
+    def _on_token(self, seq: Sequence, out, i: int, now: float) -> None:
+        """The scheduler has added the token of ``out``'s row ``i`` to ``seq``: time it,
+        keep its logprobs, detokenize it and check the stop conditions."""
         p = seq.params
-        token = int(out.token_ids[i])
-        seq.token_ids.append(token)
+        token = seq.token_ids[-1]
         req = self._requests[seq.request_id]
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -471,8 +467,6 @@ class Engine:
             stop_reason=seq.stop_reason if seq.is_finished else None,
             prompt_logprobs=prompt_lps,
             error=seq.error,
-            num_prompt_tokens=seq.num_prompt,
-            num_output_tokens=seq.num_generated,
         )
         self._send(req, update)
 
@@ -486,7 +480,6 @@ class Engine:
         self._requests.pop(req.request_id, None)
         reason = req.seqs[0].finish_reason or "abort"
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        self.stats.num_preemptions = self.scheduler.num_preemptions
         self.observer.on_finished(reason, time.monotonic() - req.arrival)
 
     def _finish_request(self, req: EngineRequest, reason: str, notify: bool, error: str | None = None) -> None:
@@ -501,14 +494,7 @@ class Engine:
     def _fail_step(self, chunks: list[ScheduledChunk], exc: BaseException) -> None:
         self.stats.failed_steps += 1
         message = f"the step failed: {type(exc).__name__}: {exc}"
-        for c in chunks:
-            c.seq.num_inflight -= 1
-            if c.sample:
-                c.seq.num_pending -= 1
-            if c.seq.is_finished and c.seq.num_inflight == 0 and c.seq.block_table:
-                self.blocks.free(c.seq)
-                if c.seq in self.scheduler.deferred_free:
-                    self.scheduler.deferred_free.remove(c.seq)
+        self.scheduler.step_failed(chunks)
         for request_id in {c.seq.request_id for c in chunks}:
             req = self._requests.get(request_id)
             if req is not None:
@@ -523,8 +509,7 @@ class Engine:
         for req in list(self._requests.values()):
             for seq in req.seqs:
                 if not seq.is_finished:
-                    seq.status = SeqStatus.FINISHED
-                    seq.finish_reason = "error"
+                    self.scheduler.abandon(seq, "error")
                     seq.error = message
                     req.num_finished += 1
                     self._emit(req, seq)

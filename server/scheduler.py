@@ -23,6 +23,12 @@ its known tokens. The oldest sequence therefore always makes progress (no
 starvation), and a request was only admitted if it fits the whole cache alone
 (the engine refuses the others up front), so preemption always ends.
 
+The scheduler alone changes a sequence's counters and status: a launch counts its
+tokens as computed, its sample as pending and the step as in flight (``_take``); when
+the engine reads the step back, ``collected`` turns the pending token into a known one
+(``step_failed`` drops it when the step raised); ``finish`` frees the blocks, or defers
+that to the last step in flight.
+
 A sequence whose last sampled token is still on the device decodes with
 ``from_device``: the step reads the token the previous launch sampled. This
 holds for sequences with presence/frequency/repetition penalties too: their
@@ -71,7 +77,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
-        self._admitted = 0
         self.num_preemptions = 0
         self._preempted_now: set[int] = set()  # preempted in this schedule(): not readmitted in it
 
@@ -81,12 +86,11 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take ``seq`` out of the queues; free its blocks now or once its steps are collected."""
+        """Take ``seq`` out of the queues; free its blocks now, or when the last launched
+        step that writes into them is collected (a block freed earlier could be handed to
+        another sequence while the device still writes the old one's KV into it). A
+        sequence preempted while in flight has no blocks left and defers nothing."""
         if seq.status is SeqStatus.FINISHED:
             return
         if seq.status is SeqStatus.RUNNING:
@@ -95,14 +99,44 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        if seq.num_inflight == 0:
-            self.blocks.free(seq)
-        else:
+        if seq.num_inflight and seq.block_table:
             self.deferred_free.append(seq)
+        else:
+            self.blocks.free(seq)
 
-    def collected(self, seq: Sequence) -> None:
-        """A launched step that included ``seq`` has been read back."""
+    def abandon(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished and leave the queues and the blocks as they are: the engine
+        loop has ended (perhaps on an exception raised in here), nothing runs again, and a
+        scheduler in an unknown state must not keep the request from being told."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def collected(self, chunk: ScheduledChunk, token: int | None) -> bool:
+        """``chunk``'s step has been read back; ``token`` is what it sampled (None when the
+        chunk did not sample). The token joins the sequence's known tokens unless the
+        sequence finished meanwhile; returns whether it joined."""
+        if chunk.sample != (token is not None):
+            raise ValueError(f"seq {chunk.seq.seq_id}: a chunk with sample={chunk.sample} "
+                             f"was collected with token {token}")
+        self._leave_step(chunk)
+        seq = chunk.seq
+        if token is None or seq.status is SeqStatus.FINISHED:
+            return False
+        seq.token_ids.append(token)
+        return True
+
+    def step_failed(self, chunks: list[ScheduledChunk]) -> None:
+        """A launched step raised: its chunks computed nothing and sampled nothing."""
+        for chunk in chunks:
+            self._leave_step(chunk)
+
+    def _leave_step(self, chunk: ScheduledChunk) -> None:
+        """Undo what ``_take`` counted for ``chunk``'s launch; free the blocks of a finished
+        sequence that no launched step uses any more."""
+        seq = chunk.seq
         seq.num_inflight -= 1
+        if chunk.sample:
+            seq.num_pending -= 1
         if seq.num_inflight == 0 and seq.status is SeqStatus.FINISHED and seq.block_table:
             self.blocks.free(seq)
             self.deferred_free.remove(seq)
@@ -112,7 +146,6 @@ class Scheduler:
         self.blocks.free(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_now.add(seq.seq_id)
         self.waiting.appendleft(seq)
@@ -199,8 +232,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            seq.admitted_order = self._admitted
-            self._admitted += 1
             self.running.append(seq)
             chunks.append(self._take(seq, num_new, sample and num_new == remaining))
             done.add(seq.seq_id)

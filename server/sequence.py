@@ -66,8 +66,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_inflight: int = 0  # launched steps this sequence is part of, not collected yet
-    admitted_order: int = -1  # admission counter: the preemption victim is the largest
-    num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
@@ -80,7 +78,6 @@ class Sequence:
     detok: object | None = None  # models.tokenizer.IncrementalDetokenizer
     first_token_time: float | None = None
     last_token_time: float | None = None
-    scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -369,27 +369,3 @@ def test_a_second_start_is_refused_instead_of_running_two_loops(make_engine):
     assert c.token_ids == reference(TOK.encode("hello"), 4)
     assert runner.violations == []
 
-
-def test_a_prefill_beside_decodes_is_not_cut_to_a_trickle():
-    from server.block_manager import BlockManager
-    from server.scheduler import Scheduler
-    from server.sequence import Sequence
-
-    def first_step(decodes, prompt_len):
-        """Tokens each chunk gets in the first step after `decodes` sequences are decoding
-        and a prompt of `prompt_len` tokens arrives (budget 512, buckets 1..512)."""
-        sched = Scheduler(BlockManager(400, 16), 64, 512, token_buckets=[2 ** i for i in range(10)])
-        seqs = [Sequence(i, f"d{i}", 0, [5, 6], params(), 0.0) for i in range(decodes)]
-        for seq in seqs:
-            sched.add(seq)
-        sched.schedule()                             # their prompts
-        for seq in seqs:                             # read back: one token to decode each
-            seq.num_pending, seq.num_inflight = 0, 0
-            seq.token_ids.append(7)
-        sched.add(Sequence(decodes, "p", 0, list(range(prompt_len)), params(), 0.0))
-        return sorted(c.num_new for c in sched.schedule())
-
-    assert first_step(31, 128) == [1] * 31 + [97]        # 159 -> ends on bucket 128
-    assert first_step(31, 60) == [1] * 31 + [33]         # 91 -> ends on 64, over half kept
-    assert first_step(31, 27) == [1] * 31 + [27]         # 58: bucket 32 would keep 1 token
-    assert first_step(0, 100) == [100]                   # no decodes: whole, padded to 128

@@ -1,0 +1,168 @@
+"""The scheduler with a real block manager: what one step counts on a sequence, and
+what reading the step back (or its failure) undoes."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import SamplingParams
+from server.block_manager import BlockManager
+from server.scheduler import Scheduler
+from server.sequence import GenerationParams, SeqStatus, Sequence
+
+
+def make_seq(seq_id: int, prompt: list[int], max_tokens: int = 16) -> Sequence:
+    params = GenerationParams(sampling=SamplingParams(temperature=0.0), max_tokens=max_tokens)
+    return Sequence(seq_id, f"r{seq_id}", 0, list(prompt), params, 0.0)
+
+
+def make(num_blocks: int = 16, block_size: int = 4, budget: int = 64) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=8,
+                     max_num_batched_tokens=budget)
+
+
+def counting_frees(sched: Scheduler) -> list[int]:
+    """The seq ids whose blocks ``sched`` hands back, one entry per free."""
+    frees: list[int] = []
+    free = sched.blocks.free
+
+    def counted(seq: Sequence) -> None:
+        frees.append(seq.seq_id)
+        free(seq)
+
+    sched.blocks.free = counted
+    return frees
+
+
+def test_a_scheduled_prompt_is_computed_with_one_token_pending_in_one_step():
+    sched = make()
+    seq = make_seq(0, [5, 6, 7])
+    sched.add(seq)
+    (chunk,) = sched.schedule()
+    assert (chunk.start, chunk.num_new, chunk.sample) == (0, 3, True)
+    assert (seq.num_computed, seq.num_pending, seq.num_inflight) == (3, 1, 1)
+    assert seq.status is SeqStatus.RUNNING and len(seq.block_table) == 1
+
+
+def test_collecting_a_sample_makes_the_token_known_on_the_host():
+    sched = make()
+    seq = make_seq(0, [5, 6, 7])
+    sched.add(seq)
+    (chunk,) = sched.schedule()
+    assert sched.collected(chunk, 9) is True
+    assert seq.token_ids == [5, 6, 7, 9]
+    assert (seq.num_pending, seq.num_inflight, seq.num_tokens) == (0, 0, 4)
+
+
+def test_collecting_a_chunk_without_a_sample_adds_no_token():
+    sched = make(budget=2)
+    seq = make_seq(0, [5, 6, 7])
+    sched.add(seq)
+    (chunk,) = sched.schedule()                    # the first 2 of 3 prompt tokens
+    assert not chunk.sample
+    assert sched.collected(chunk, None) is False
+    assert seq.token_ids == [5, 6, 7] and (seq.num_pending, seq.num_inflight) == (0, 0)
+
+
+def test_a_token_collected_with_a_chunk_that_did_not_sample_is_refused():
+    sched = make(budget=2)
+    sched.add(make_seq(0, [5, 6, 7]))
+    (chunk,) = sched.schedule()
+    with pytest.raises(ValueError, match=r"sample=False was collected with token 9"):
+        sched.collected(chunk, 9)
+
+
+def test_finishing_a_sequence_with_no_step_in_flight_frees_its_blocks_at_once():
+    sched = make()
+    seq = make_seq(0, [5, 6, 7])
+    sched.add(seq)
+    (chunk,) = sched.schedule()
+    sched.collected(chunk, 9)
+    sched.finish(seq, "stop")
+    assert sched.blocks.num_free == sched.blocks.num_blocks
+    assert sched.running == [] and sched.deferred_free == []
+    assert (seq.status, seq.finish_reason) == (SeqStatus.FINISHED, "stop")
+
+
+def test_a_sequence_finished_while_in_flight_keeps_its_blocks_until_collected():
+    sched = make()
+    seq = make_seq(0, [5, 6, 7])
+    sched.add(seq)
+    (chunk,) = sched.schedule()
+    sched.finish(seq, "abort")
+    assert sched.blocks.num_free == sched.blocks.num_blocks - 1
+    assert sched.deferred_free == [seq]
+    assert sched.collected(chunk, 9) is False          # the token is discarded
+    assert seq.token_ids == [5, 6, 7] and seq.num_pending == 0
+    assert sched.blocks.num_free == sched.blocks.num_blocks and sched.deferred_free == []
+
+
+def test_a_failed_step_undoes_its_counts_and_adds_no_token():
+    sched = make()
+    seq = make_seq(0, [5, 6, 7])
+    sched.add(seq)
+    sched.step_failed(sched.schedule())
+    assert seq.token_ids == [5, 6, 7] and (seq.num_pending, seq.num_inflight) == (0, 0)
+    assert seq.status is SeqStatus.RUNNING          # the engine decides what a failure ends
+
+
+def test_a_failed_step_frees_the_blocks_of_a_finished_sequence_exactly_once():
+    sched = make()
+    frees = counting_frees(sched)
+    seq = make_seq(0, [5, 6, 7])
+    sched.add(seq)
+    (prefill,) = sched.schedule()                   # step N
+    (decode,) = sched.schedule()                    # step N+1, launched before N is read
+    assert decode.from_device and seq.num_inflight == 2
+    sched.finish(seq, "abort")
+    sched.collected(prefill, 9)                     # N read back: N+1 still writes its blocks
+    assert frees == [] and sched.deferred_free == [seq]
+    sched.step_failed([decode])                     # N+1 raised
+    assert frees == [0]
+    assert sched.blocks.num_free == sched.blocks.num_blocks and sched.deferred_free == []
+    sched.finish(seq, "error")                      # the engine failing the request again
+    assert frees == [0]
+
+
+def test_a_sequence_preempted_in_flight_then_finished_leaves_nothing_deferred():
+    sched = make(num_blocks=2, block_size=4)
+    a, b = make_seq(0, [1, 2, 3, 4]), make_seq(1, [5, 6, 7, 8])
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()                        # both prompts: one block each, all blocks
+    second = sched.schedule()                       # a's decode needs a block: b is preempted
+    assert [c.seq for c in second] == [a] and sched.num_preemptions == 1
+    assert b.status is SeqStatus.WAITING and b.block_table == [] and b.num_inflight == 1
+    sched.finish(b, "abort")
+    assert sched.deferred_free == []                # no blocks of b's for the step to write
+    for chunk in first:
+        sched.collected(chunk, 9)
+    assert sched.deferred_free == [] and b.num_inflight == 0
+
+
+def test_abandon_marks_finished_and_leaves_the_queues_and_blocks_alone():
+    sched = make()
+    seq = make_seq(0, [5, 6, 7])
+    sched.add(seq)
+    sched.schedule()
+    sched.abandon(seq, "error")
+    assert (seq.status, seq.finish_reason) == (SeqStatus.FINISHED, "error")
+    assert sched.running == [seq] and seq.block_table != []
+
+
+def test_a_prefill_beside_decodes_is_not_cut_to_a_trickle():
+    def first_step(decodes, prompt_len):
+        """Tokens each chunk gets in the first step after `decodes` sequences are decoding
+        and a prompt of `prompt_len` tokens arrives (budget 512, buckets 1..512)."""
+        sched = Scheduler(BlockManager(400, 16), 64, 512, token_buckets=[2 ** i for i in range(10)])
+        for i in range(decodes):
+            sched.add(make_seq(i, [5, 6]))
+        for chunk in sched.schedule():              # their prompts, read back: one token to decode each
+            sched.collected(chunk, 7)
+        sched.add(make_seq(decodes, list(range(prompt_len))))
+        return sorted(c.num_new for c in sched.schedule())
+
+    assert first_step(31, 128) == [1] * 31 + [97]        # 159 -> ends on bucket 128
+    assert first_step(31, 60) == [1] * 31 + [33]         # 91 -> ends on 64, over half kept
+    assert first_step(31, 27) == [1] * 31 + [27]         # 58: bucket 32 would keep 1 token
+    assert first_step(0, 100) == [100]                   # no decodes: whole, padded to 128
