@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders
+from tokenizers import models as tokenizer_models
 
 from models import StepOutput
 
@@ -24,23 +26,29 @@ EOS = 0
 ALPHABET = " abcdefghijklmnopqrstuvwxyz.,!?-0123456"  # id i (1..39) -> ALPHABET[i - 1]
 
 
+def _backend() -> Tokenizer:
+    """A ``tokenizers.Tokenizer`` whose tokens are ALPHABET's characters, concatenated when
+    decoded, and the special ``<eos>`` (id 0): what the engine's detokenizer steps with."""
+    vocab = {"<eos>": EOS, **{c: i + 1 for i, c in enumerate(ALPHABET)}}
+    backend = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<eos>"))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken("<eos>", special=True)])
+    return backend
+
+
 class FakeTokenizer:
     """One character per token; id 0 is the special EOS token."""
 
     eos_token_id = EOS
 
+    def __init__(self) -> None:
+        self.backend_tokenizer = _backend()
+
     def encode(self, text: str) -> list[int]:
         return [ALPHABET.index(c) + 1 for c in text]
 
     def decode(self, ids, skip_special_tokens: bool = True, **_) -> str:
-        out = []
-        for i in ids:
-            if i == EOS:
-                if not skip_special_tokens:
-                    out.append("<eos>")
-            else:
-                out.append(ALPHABET[i - 1])
-        return "".join(out)
+        return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def next_token(context: list[int], eos_every: int = 0) -> int:
