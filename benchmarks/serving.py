@@ -38,6 +38,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from deploy.loadtest.stats import percentile  # noqa: E402  (an empty list gives 0.0)
+
 
 @dataclass(slots=True)
 class Result:
@@ -67,15 +69,6 @@ class Level:
     tpot_p99_ms: float
     device_busy: float | None = None
     errors: list = field(default_factory=list)
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    k = (len(v) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 def free_port() -> int:
@@ -180,9 +173,9 @@ def summarize(server: str, concurrency: int, results: list[Result], duration: fl
     return Level(
         server=server, concurrency=concurrency, requests=len(results), failed=len(results) - len(ok),
         duration_s=round(duration, 2), output_tokens=tokens, output_tok_s=round(tokens / duration, 2),
-        ttft_p50_ms=round(1000 * pct([r.ttft for r in ok], 50), 1),
-        ttft_p99_ms=round(1000 * pct([r.ttft for r in ok], 99), 1),
-        tpot_p50_ms=round(1000 * pct(tpots, 50), 1), tpot_p99_ms=round(1000 * pct(tpots, 99), 1),
+        ttft_p50_ms=round(1000 * percentile([r.ttft for r in ok], 50), 1),
+        ttft_p99_ms=round(1000 * percentile([r.ttft for r in ok], 99), 1),
+        tpot_p50_ms=round(1000 * percentile(tpots, 50), 1), tpot_p99_ms=round(1000 * percentile(tpots, 99), 1),
         device_busy=None if busy is None else round(busy, 3),
         errors=sorted({r.error for r in results if not r.ok})[:3],
     )

@@ -43,6 +43,22 @@ def test_percentile_of_nothing_is_zero_and_out_of_range_is_refused():
         percentile([1.0], 101)
 
 
+def test_the_serving_benchmark_reports_a_level_without_successes_as_zero_like_the_load_test(
+        monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
+    spec = importlib.util.spec_from_file_location("benchmark_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)   # its dataclasses look themselves up
+    spec.loader.exec_module(bench)
+    assert bench.percentile is percentile
+    level = bench.summarize("spyre-serve", 4, [bench.Result(ok=False, error="503")] * 4, 1.0, None)
+    assert (level.ttft_p50_ms, level.ttft_p99_ms, level.tpot_p50_ms, level.tpot_p99_ms) == (0.0,) * 4
+
+
 def test_tpot_excludes_the_first_token():
     # 0.5 s to the first token, 2.5 s in all, 5 tokens: 4 gaps over 2 s
     assert ok(0.5, 2.5, 5).tpot == pytest.approx(0.5)
