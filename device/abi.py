@@ -103,3 +103,14 @@ def set_kernel_threads(typingctx, n):
         builder.call(fn, [builder.trunc(arg, ir.IntType(32))])
         return context.get_dummy_value()
     return types.void(n), codegen
+
+
+@intrinsic
+def cycle_counter(typingctx):
+    """The CPU's time-stamp counter (llvm.readcyclecounter): a cheap clock for timing the
+    kernels inside an entry; ticks, converted to seconds on the host (device.profile)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+    return types.int64(), codegen
