@@ -16,17 +16,23 @@ A step (T token rows, S sequences, R logit rows, NS of them sampling):
     sampled id, its raw logprob and the top-K raw logprobs; rows NS.. only when asked
     (R > S: every token row, for prompt logprobs) get a log-softmax.
 
-Host-side layouts (all offsets in elements, computed identically by `InputLayout`):
-    in_i32: tokens[T] positions[T] slots[T] src_rows[T] query_start[S+1] context_lens[S]
-            block_tables[S, MB] logit_rows[R] top_k[S] pen_start[S+1] pen_extra[S]
-            pen_ids[NPEN] pen_counts[NPEN] ban_start[S+1] ban_ids[NBAN]
-    in_f32: temperature[S] top_p[S] min_p[S] presence[S] frequency[S] repetition[S]
-    in_i64: seeds[S] counters[S]
-    out_i32: sampled[NS] at 0, top_ids[NS, K] at S;  out_f32: logprob[NS] at 0, top_lp[NS, K] at S
+Its three buffers are declared once, below, as tables of fields (models/buffer_layout.py):
+INPUTS (packed by the host at every launch), OUTPUTS (read back; two, alternating, so a
+launch reads the previous one's samples) and WORKSPACE (activations, placed once for the
+largest bucket). SLOTS gives every field two slots, its address and its length; the host
+places the fields from the tables and binds their addresses at launch, and the entry views a
+field through `_i32` / `_f32` / `_i64`, which refuse a view longer than the field. So the
+order of fields in a buffer is host-side data: reordering a table needs no recompile.
+
+Numba caches `step_entry` keyed on this file alone and freezes the module-level integers it
+reads (slot indexes, KMAX) into the cached code: they are all computed here, from the tables
+here, so changing them changes this file. (The layer-table columns and constant indexes of
+models/weights.py are not: after changing those, delete the cache, see the README.)
 """
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from device.abi import f32_at, get_kernel_threads, i32_at, i64_at, set_kernel_threads
@@ -39,6 +45,7 @@ from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
 from device.kernels.sampling import sample
 from device.kernels.softmax import log_softmax
+from models.buffer_layout import Field, Layout, length_slot
 from models.weights import (
     COL_DOWN,
     COL_GATE_UP,
@@ -57,50 +64,144 @@ from models.weights import (
 )
 
 KMAX = 5  # most top logprobs per sampled token (OpenAI's limit for completions)
+I32, F32, I64 = np.int32, np.float32, np.int64
+
+# Written by the host at each launch (one copy). Dims: T token rows, S sequences, R logit
+# rows, MB block-table width, NPEN penalty entries, NBAN banned ids, all of this launch.
+INPUTS = Layout("inputs", [
+    Field("tokens", I32, ("T",)),               # (rows with src_rows >= 0: read on the card)
+    Field("positions", I32, ("T",)),
+    Field("slot_mapping", I32, ("T",)),         # KV slot of each row (padding: the trash block)
+    Field("src_rows", I32, ("T",)),             # row of the previous launch's sample, or -1
+    Field("query_start", I32, ("S+1",)),        # first token row of each sequence
+    Field("context_lens", I32, ("S",)),
+    Field("block_tables", I32, ("S", "MB")),
+    Field("logit_rows", I32, ("R",)),           # sampling rows first, then (R > S) every row
+    Field("top_k", I32, ("S",)),                # per sampling row, like the fields below
+    Field("pen_start", I32, ("S+1",)),          # pen_ids / pen_counts of row n: [start[n], start[n+1])
+    Field("pen_extra", I32, ("S",)),            # token row also counted (from-device), or -1
+    Field("pen_ids", I32, ("NPEN",)),           # unique per row
+    Field("pen_counts", I32, ("NPEN",)),
+    Field("ban_start", I32, ("S+1",)),
+    Field("ban_ids", I32, ("NBAN",)),           # not to sample (min_tokens)
+    Field("temperature", F32, ("S",)),
+    Field("top_p", F32, ("S",)),
+    Field("min_p", F32, ("S",)),
+    Field("presence", F32, ("S",)),
+    Field("frequency", F32, ("S",)),
+    Field("repetition", F32, ("S",)),
+    Field("seeds", I64, ("S",)),
+    Field("counters", I64, ("S",)),             # RNG counter: tokens generated so far
+])
+
+# Read back after each launch; rows 0..NS-1 are written. Dims: S sequences, K top logprobs.
+OUTPUTS = Layout("outputs", [
+    Field("sampled", I32, ("S",)),
+    Field("logprob", F32, ("S",)),              # of the sampled id, raw distribution
+    Field("top_ids", I32, ("S", "K")),
+    Field("top_logprobs", F32, ("S", "K")),
+])
+
+# The step's activations, placed once for the largest bucket and shared by every bucket
+# (a bucket's views are prefixes). Dims: TMAX, RMAX, SMAX, NPENMAX (the largest T, R, S,
+# NPEN), H, QD = Hq D, KD = Hkv D, I, V.
+WORKSPACE = Layout("workspace", [
+    Field("x", F32, ("TMAX", "H")),             # residual stream
+    Field("hbuf", F32, ("TMAX", "H")),          # normed input of a block
+    Field("y", F32, ("TMAX", "H")),             # o / down projection out
+    Field("qkv", F32, ("TMAX", "QD+2*KD")),
+    Field("q", F32, ("TMAX", "QD")),
+    Field("k", F32, ("TMAX", "KD")),
+    Field("v", F32, ("TMAX", "KD")),
+    Field("attn", F32, ("TMAX", "QD")),
+    Field("gate_up", F32, ("TMAX", "2*I")),
+    Field("act", F32, ("TMAX", "I")),
+    Field("hsel", F32, ("RMAX", "H")),          # rows of x that need logits
+    Field("hn", F32, ("RMAX", "H")),
+    Field("logits", F32, ("RMAX", "V")),
+    Field("lsm", F32, ("RMAX", "V")),           # log-softmax, only when R > S
+    Field("merged_pen_start", I32, ("SMAX+1",)),  # penalties incl. from-device tokens
+    Field("merged_pen_ids", I32, ("NPENMAX+SMAX",)),
+    Field("merged_pen_counts", I32, ("NPENMAX+SMAX",)),
+])
+
+
+def _field_slots(names) -> list[tuple[str, str]]:
+    """Two adjacent slots per field: its address, then its length (read by `_bounded`)."""
+    return [s for n in names for s in ((n, "address"), (length_slot(n), "dim"))]
+
 
 # (name, kind); the index in this list is the slot's index in the table.
 SLOTS = [
     # step shapes
     ("T", "dim"), ("S", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
     ("NPEN", "dim"), ("NBAN", "dim"), ("ATHR", "dim"),
-    # workspace capacity and model shapes
-    ("TMAX", "dim"), ("RMAX", "dim"), ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"),
-    ("I", "dim"), ("V", "dim"), ("L", "dim"), ("NBT", "dim"), ("BS", "dim"), ("TIED", "dim"),
+    # model shapes
+    ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
+    ("L", "dim"), ("NBT", "dim"), ("BS", "dim"), ("TIED", "dim"),
     # model
     ("embed", "address"), ("norm", "address"), ("lm_head", "address"), ("inv_freq", "address"),
     ("consts", "address"), ("layers", "address"),
-    # buffers
-    ("work", "address"), ("in_i32", "address"), ("in_f32", "address"), ("in_i64", "address"),
-    ("prev_out_i32", "address"), ("out_i32", "address"), ("out_f32", "address"),
+    # the previous launch's `sampled` (from-device decode tokens are read from it)
+    *_field_slots(["prev_sampled"]),
+    # the fields of the three buffers
+    *_field_slots(f.name for layout in (INPUTS, OUTPUTS, WORKSPACE) for f in layout.fields),
 ]
-_IX = {name: i for i, (name, _) in enumerate(SLOTS)}
-(S_T, S_S, S_R, S_NS, S_MB, S_K, S_NPEN, S_NBAN, S_ATHR, S_TMAX, S_RMAX, S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L,
- S_NBT, S_BS, S_TIED, A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS, A_WORK,
- A_IN_I32, A_IN_F32, A_IN_I64, A_PREV_OUT, A_OUT_I32, A_OUT_F32) = range(len(SLOTS))
+_INDEX = {name: i for i, (name, _) in enumerate(SLOTS)}
 
 
-def workspace_offsets(tmax: int, rmax: int, smax: int, npen_max: int, h: int, qd: int, kd: int,
-                      inter: int, v: int) -> dict[str, int]:
-    """float32 element offsets of the step workspace, in the order `step_entry` lays it out."""
-    sizes = [("x", tmax * h), ("hbuf", tmax * h), ("y", tmax * h), ("qkv", tmax * (qd + 2 * kd)),
-             ("q", tmax * qd), ("k", tmax * kd), ("v", tmax * kd), ("attn", tmax * qd),
-             ("gate_up", tmax * 2 * inter), ("act", tmax * inter), ("hsel", rmax * h),
-             ("hn", rmax * h), ("logits", rmax * v), ("lsm", rmax * v),
-             ("pen", (smax + 1) + 2 * (npen_max + smax)), ("end", 0)]
-    out, o = {}, 0
-    for name, n in sizes:
-        out[name] = o
-        o += n
-    return out
+def _slots(names: str) -> tuple[int, ...]:
+    """Indexes of the named slots. Constants below: S_<dim> for a dim slot, A_<NAME> for the
+    address slot of `name` (tests/models/test_step_layout.py checks the naming)."""
+    return tuple(_INDEX[n] for n in names.split())
 
 
-def workspace_floats(*dims) -> int:
-    """float32 elements of the step workspace (arguments as `workspace_offsets`)."""
-    return workspace_offsets(*dims)["end"]
+S_T, S_S, S_R, S_NS, S_MB, S_K, S_NPEN, S_NBAN, S_ATHR = _slots("T S R NS MB K NPEN NBAN ATHR")
+S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L, S_NBT, S_BS, S_TIED = _slots("H HQ HKV D I V L NBT BS TIED")
+A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS = _slots(
+    "embed norm lm_head inv_freq consts layers")
+A_PREV_SAMPLED, A_SAMPLED, A_LOGPROB, A_TOP_IDS, A_TOP_LOGPROBS = _slots(
+    "prev_sampled sampled logprob top_ids top_logprobs")
+A_TOKENS, A_POSITIONS, A_SLOT_MAPPING, A_SRC_ROWS, A_QUERY_START, A_CONTEXT_LENS = _slots(
+    "tokens positions slot_mapping src_rows query_start context_lens")
+A_BLOCK_TABLES, A_LOGIT_ROWS, A_TOP_K, A_PEN_START, A_PEN_EXTRA, A_PEN_IDS, A_PEN_COUNTS = _slots(
+    "block_tables logit_rows top_k pen_start pen_extra pen_ids pen_counts")
+A_BAN_START, A_BAN_IDS, A_SEEDS, A_COUNTERS = _slots("ban_start ban_ids seeds counters")
+A_TEMPERATURE, A_TOP_P, A_MIN_P, A_PRESENCE, A_FREQUENCY, A_REPETITION = _slots(
+    "temperature top_p min_p presence frequency repetition")
+A_X, A_HBUF, A_Y, A_QKV, A_Q, A_K, A_V, A_ATTN, A_GATE_UP, A_ACT = _slots(
+    "x hbuf y qkv q k v attn gate_up act")
+A_HSEL, A_HN, A_LOGITS, A_LSM = _slots("hsel hn logits lsm")
+A_MERGED_PEN_START, A_MERGED_PEN_IDS, A_MERGED_PEN_COUNTS = _slots(
+    "merged_pen_start merged_pen_ids merged_pen_counts")
 
 
-def in_i32_size(t: int, s: int, r: int, mb: int, npen: int, nban: int) -> int:
-    return 4 * t + (s + 1) + s + s * mb + r + s + (s + 1) + s + 2 * npen + (s + 1) + nban
+@njit(nogil=True, cache=True)
+def _bounded(table, slot, n):
+    """The address of the field at `slot`, once n elements are known to fit in its length
+    (slot + 1): a view ends at most at the end of its field."""
+    if n < 0 or n > table[slot + 1]:
+        raise IndexError("step_entry: view longer than its field (slot, elements, field length)",
+                         slot, n, table[slot + 1])
+    return table[slot]
+
+
+@njit(nogil=True, cache=True)
+def _f32(f32, table, slot, n):
+    """float32[n] view of the field at `slot`."""
+    return f32_at(f32, _bounded(table, slot, n), n)
+
+
+@njit(nogil=True, cache=True)
+def _i32(i32, table, slot, n):
+    """int32[n] view of the field at `slot`."""
+    return i32_at(i32, _bounded(table, slot, n), n)
+
+
+@njit(nogil=True, cache=True)
+def _i64(i64, table, slot, n):
+    """int64[n] view of the field at `slot`."""
+    return i64_at(i64, _bounded(table, slot, n), n)
 
 
 @njit(nogil=True, cache=True)
@@ -163,8 +264,6 @@ def step_entry(f32, i32, i64, u16, table):
     NBAN = table[S_NBAN]
     ATHR = table[S_ATHR]        # > 0: threads for attention only (a step otherwise serial)
     step_thr = get_kernel_threads()
-    TMAX = table[S_TMAX]
-    RMAX = table[S_RMAX]
     H = table[S_H]
     HQ = table[S_HQ]
     HKV = table[S_HKV]
@@ -185,89 +284,58 @@ def step_entry(f32, i32, i64, u16, table):
     res_mult = consts[CONST_RES_MULT]
     inv_logit_scale = consts[CONST_INV_LOGIT_SCALE]
 
-    # ---- inputs
-    p = table[A_IN_I32]
-    tokens = i32_at(i32, p, T)                                    # [T]
-    p += 4 * T
-    positions = i32_at(i32, p, T)                                 # [T]
-    p += 4 * T
-    slot_mapping = i32_at(i32, p, T)                              # [T]
-    p += 4 * T
-    src_rows = i32_at(i32, p, T)                                  # [T] prev sample row or -1
-    p += 4 * T
-    query_start = i32_at(i32, p, S + 1)                           # [S+1]
-    p += 4 * (S + 1)
-    context_lens = i32_at(i32, p, S)                              # [S]
-    p += 4 * S
-    block_tables = i32_at(i32, p, S * MB).reshape(S, MB)          # [S, MB]
-    p += 4 * S * MB
-    logit_rows = i32_at(i32, p, R)                                # [R]
-    p += 4 * R
-    top_k = i32_at(i32, p, S)                                     # [S] per sampling row
-    p += 4 * S
-    pen_start = i32_at(i32, p, S + 1)                             # [S+1]
-    p += 4 * (S + 1)
-    pen_extra = i32_at(i32, p, S)                                 # [S] token row also counted, or -1
-    p += 4 * S
-    pen_ids = i32_at(i32, p, NPEN)                                # [NPEN] unique per row
-    p += 4 * NPEN
-    pen_counts = i32_at(i32, p, NPEN)                             # [NPEN]
-    p += 4 * NPEN
-    ban_start = i32_at(i32, p, S + 1)                             # [S+1]
-    p += 4 * (S + 1)
-    ban_ids = i32_at(i32, p, NBAN)                                # [NBAN] not to sample (min_tokens)
-
-    q = table[A_IN_F32]
-    temperature = f32_at(f32, q, S)
-    top_p = f32_at(f32, q + 4 * S, S)
-    min_p = f32_at(f32, q + 8 * S, S)
-    presence = f32_at(f32, q + 12 * S, S)
-    frequency = f32_at(f32, q + 16 * S, S)
-    repetition = f32_at(f32, q + 20 * S, S)
-    seeds = i64_at(i64, table[A_IN_I64], S)
-    counters = i64_at(i64, table[A_IN_I64] + 8 * S, S)
+    # ---- inputs (INPUTS)
+    tokens = _i32(i32, table, A_TOKENS, T)
+    positions = _i32(i32, table, A_POSITIONS, T)
+    slot_mapping = _i32(i32, table, A_SLOT_MAPPING, T)
+    src_rows = _i32(i32, table, A_SRC_ROWS, T)
+    query_start = _i32(i32, table, A_QUERY_START, S + 1)
+    context_lens = _i32(i32, table, A_CONTEXT_LENS, S)
+    block_tables = _i32(i32, table, A_BLOCK_TABLES, S * MB).reshape(S, MB)
+    logit_rows = _i32(i32, table, A_LOGIT_ROWS, R)
+    top_k = _i32(i32, table, A_TOP_K, S)
+    pen_start = _i32(i32, table, A_PEN_START, S + 1)
+    pen_extra = _i32(i32, table, A_PEN_EXTRA, S)
+    pen_ids = _i32(i32, table, A_PEN_IDS, NPEN)
+    pen_counts = _i32(i32, table, A_PEN_COUNTS, NPEN)
+    ban_start = _i32(i32, table, A_BAN_START, S + 1)
+    ban_ids = _i32(i32, table, A_BAN_IDS, NBAN)
+    temperature = _f32(f32, table, A_TEMPERATURE, S)
+    top_p = _f32(f32, table, A_TOP_P, S)
+    min_p = _f32(f32, table, A_MIN_P, S)
+    presence = _f32(f32, table, A_PRESENCE, S)
+    frequency = _f32(f32, table, A_FREQUENCY, S)
+    repetition = _f32(f32, table, A_REPETITION, S)
+    seeds = _i64(i64, table, A_SEEDS, S)
+    counters = _i64(i64, table, A_COUNTERS, S)
 
     # Decode tokens sampled by the previous launch, read here instead of on the host.
-    prev = table[A_PREV_OUT]
+    prev_sampled = _i32(i32, table, A_PREV_SAMPLED, table[A_PREV_SAMPLED + 1])
     for t in range(T):
+        if src_rows[t] >= prev_sampled.shape[0]:
+            raise IndexError("step_entry: src_rows past the previous launch's samples",
+                             src_rows[t], prev_sampled.shape[0])
         if src_rows[t] >= 0:
-            tokens[t] = i32[(prev >> 2) + src_rows[t]]
+            tokens[t] = prev_sampled[src_rows[t]]
 
-    # ---- workspace (offsets from the largest bucket, so every bucket shares it)
-    w = table[A_WORK]
-    x = f32_at(f32, w, T * H).reshape(T, H)                       # residual stream
-    w += 4 * TMAX * H
-    hbuf = f32_at(f32, w, T * H).reshape(T, H)                    # normed input of a block
-    w += 4 * TMAX * H
-    y = f32_at(f32, w, T * H).reshape(T, H)                       # o / down projection out
-    w += 4 * TMAX * H
-    qkv = f32_at(f32, w, T * QKV).reshape(T, QKV)
-    w += 4 * TMAX * QKV
-    qf = f32_at(f32, w, T * QD).reshape(T, QD)
-    w += 4 * TMAX * QD
-    kf = f32_at(f32, w, T * KD).reshape(T, KD)
-    w += 4 * TMAX * KD
-    vf = f32_at(f32, w, T * KD).reshape(T, KD)
-    w += 4 * TMAX * KD
-    attn = f32_at(f32, w, T * QD).reshape(T, QD)
-    w += 4 * TMAX * QD
-    gu = f32_at(f32, w, T * 2 * INTER).reshape(T, 2 * INTER)
-    w += 4 * TMAX * 2 * INTER
-    act = f32_at(f32, w, T * INTER).reshape(T, INTER)
-    w += 4 * TMAX * INTER
-    hsel = f32_at(f32, w, R * H).reshape(R, H)
-    w += 4 * RMAX * H
-    hn = f32_at(f32, w, R * H).reshape(R, H)
-    w += 4 * RMAX * H
-    logits = f32_at(f32, w, R * V).reshape(R, V)
-    w += 4 * RMAX * V
-    lsm = f32_at(f32, w, R * V).reshape(R, V)                     # only when R > S
-    w += 4 * RMAX * V
-    pen_off = i32_at(i32, w, NS + 1)                              # penalties incl. device tokens
-    w += 4 * (NS + 1)
-    pen_ids2 = i32_at(i32, w, NPEN + NS)
-    w += 4 * (NPEN + NS)
-    pen_cnt2 = i32_at(i32, w, NPEN + NS)
+    # ---- workspace (WORKSPACE, placed for the largest bucket: this bucket's views are prefixes)
+    x = _f32(f32, table, A_X, T * H).reshape(T, H)
+    hbuf = _f32(f32, table, A_HBUF, T * H).reshape(T, H)
+    y = _f32(f32, table, A_Y, T * H).reshape(T, H)
+    qkv = _f32(f32, table, A_QKV, T * QKV).reshape(T, QKV)
+    qf = _f32(f32, table, A_Q, T * QD).reshape(T, QD)
+    kf = _f32(f32, table, A_K, T * KD).reshape(T, KD)
+    vf = _f32(f32, table, A_V, T * KD).reshape(T, KD)
+    attn = _f32(f32, table, A_ATTN, T * QD).reshape(T, QD)
+    gu = _f32(f32, table, A_GATE_UP, T * 2 * INTER).reshape(T, 2 * INTER)
+    act = _f32(f32, table, A_ACT, T * INTER).reshape(T, INTER)
+    hsel = _f32(f32, table, A_HSEL, R * H).reshape(R, H)
+    hn = _f32(f32, table, A_HN, R * H).reshape(R, H)
+    logits = _f32(f32, table, A_LOGITS, R * V).reshape(R, V)
+    lsm = _f32(f32, table, A_LSM, R * V).reshape(R, V)
+    pen_off = _i32(i32, table, A_MERGED_PEN_START, NS + 1)
+    pen_ids2 = _i32(i32, table, A_MERGED_PEN_IDS, NPEN + NS)
+    pen_cnt2 = _i32(i32, table, A_MERGED_PEN_COUNTS, NPEN + NS)
 
     q3 = qf.reshape(T, HQ, D)
     k3 = kf.reshape(T, HKV, D)
@@ -325,12 +393,10 @@ def step_entry(f32, i32, i64, u16, table):
         log_softmax(lsm, logits)          # every token row asked for (prompt logprobs, debug)
 
     # ---- sampling rows 0..NS-1: penalties, bans, temperature, filters, a draw; raw logprobs, top-K
-    o32 = table[A_OUT_I32]
-    of32 = table[A_OUT_F32]
-    sampled = i32_at(i32, o32, NS)
-    top_ids = i32_at(i32, o32 + 4 * S, NS * K).reshape(NS, K)
-    logprob = f32_at(f32, of32, NS)
-    top_lp = f32_at(f32, of32 + 4 * S, NS * K).reshape(NS, K)
+    sampled = _i32(i32, table, A_SAMPLED, NS)
+    logprob = _f32(f32, table, A_LOGPROB, NS)
+    top_ids = _i32(i32, table, A_TOP_IDS, NS * K).reshape(NS, K)
+    top_lp = _f32(f32, table, A_TOP_LOGPROBS, NS * K).reshape(NS, K)
     if NS > 0:
         _merge_penalties(pen_off, pen_ids2, pen_cnt2, pen_start[:NS + 1], pen_ids, pen_counts,
                          pen_extra[:NS], tokens)

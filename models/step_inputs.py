@@ -1,0 +1,249 @@
+"""The host side of a step: a list of SeqWork checked, then packed into one INPUTS buffer.
+
+    limits = StepLimits(...)                       # what the runner was built for
+    n_tokens = check_work(work, limits, last_rows) # ValueError with the numbers, or the token count
+    step = pack_step(INPUTS, work, t, s, return_rows, limits, last_rows)
+    step.host                                      # uint8[step.placement.nbytes]: copy it to the card
+    step.dims                                      # the launch's dim slots (T, S, R, NS, MB, K, NPEN, NBAN)
+
+The buffer holds every field of the INPUTS table (models/step_program.py) placed for this
+launch's dims; the packing writes it through the placement's named views, so it follows the
+table wherever its fields sit. Token rows are the work items' tokens one after the other
+(padding rows up to the bucket write the KV cache's trash block); sampling rows are the
+sampling sequences in work order, then, when `return_rows`, every token row (prompt logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.buffer_layout import Layout, Placement
+from models.step_io import SeqWork
+
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """What a runner was built for: every launch is checked and packed against these."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    trash_slot: int           # KV slot where padding rows write (first slot of the trash block)
+    max_blocks_per_seq: int   # block-table width the input buffer holds (MB's largest)
+    max_penalty_ids: int      # penalty entries the input buffer holds (NPEN's largest)
+    vocab_size: int
+    seed: int                 # the runner's seed: per-sequence seeds derive from it
+
+
+@dataclass(slots=True)
+class PackedStep:
+    host: np.ndarray          # uint8[placement.nbytes]: the INPUTS buffer of this launch
+    placement: Placement      # where each INPUTS field sits in it
+    dims: dict[str, int]      # dim slots: T, S, R, NS, MB, K, NPEN, NBAN
+    row_start: list[int]      # token row of each work item's first token
+    sample_seq_ids: list[int]  # the sequences that sample, in sampling-row order
+    sample_rows: dict[int, int]  # seq_id -> its sampling row (what a from_device decode reads next)
+    attn_pairs: int           # (query row, key) pairs the attention computes
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+def check_work(work: list[SeqWork], limits: StepLimits, last_rows: dict[int, int]) -> int:
+    """Tokens in `work`, once every item is known to fit the runner; ValueError otherwise."""
+    if not work:
+        raise ValueError("launch: empty work list")
+    if len(work) > limits.max_num_seqs:
+        raise ValueError(f"launch: {len(work)} sequences exceed max_num_seqs {limits.max_num_seqs}")
+    n_tok = sum(check_seq(w, limits, last_rows) for w in work)
+    if n_tok > limits.max_num_batched_tokens:
+        raise ValueError(f"launch: {n_tok} tokens exceed max_num_batched_tokens "
+                         f"{limits.max_num_batched_tokens}")
+    return n_tok
+
+
+def check_seq(w: SeqWork, limits: StepLimits, last_rows: dict[int, int]) -> int:
+    """Tokens of one work item, once its positions, blocks, device token, sampling and bans
+    are valid; ValueError naming the sequence otherwise."""
+    n = len(w.token_ids)
+    if n < 1:
+        raise ValueError(f"seq {w.seq_id}: no tokens to compute")
+    end = w.start_pos + n
+    if w.start_pos < 0 or end > limits.max_model_len:
+        raise ValueError(f"seq {w.seq_id}: positions {w.start_pos}..{end - 1} exceed "
+                         f"max_model_len {limits.max_model_len}")
+    need = -(-end // limits.block_size)
+    if len(w.block_table) < need:
+        raise ValueError(f"seq {w.seq_id}: block table has {len(w.block_table)} blocks, "
+                         f"{end} tokens need {need} of {limits.block_size}")
+    used = w.block_table[:need]
+    if min(used) < 0 or max(used) >= limits.num_kv_blocks:
+        raise ValueError(f"seq {w.seq_id}: block ids must be in 0..{limits.num_kv_blocks - 1}, "
+                         f"got {min(used)}..{max(used)}")
+    if w.from_device:
+        if n != 1 or w.token_ids[0] != -1:
+            raise ValueError(f"seq {w.seq_id}: a from_device decode has token_ids [-1], "
+                             f"got {w.token_ids[:4]}")
+        if w.seq_id not in last_rows:
+            raise ValueError(f"seq {w.seq_id}: from_device, but it did not sample in the "
+                             f"previous launch")
+    if w.sample:
+        w.sampling.check()
+        if w.banned_token_ids:
+            lo, hi = min(w.banned_token_ids), max(w.banned_token_ids)
+            if lo < 0 or hi >= limits.vocab_size:
+                raise ValueError(f"seq {w.seq_id}: banned token id {lo if lo < 0 else hi} is "
+                                 f"outside the vocabulary ({limits.vocab_size})")
+    return n
+
+
+def _check_vocab(v: dict[str, np.ndarray], vocab_size: int) -> None:
+    """Token and penalty ids as packed must index the vocabulary (the kernels do not check)."""
+    pen_ids, tokens = v["pen_ids"], v["tokens"]
+    if len(pen_ids) and (pen_ids.min() < 0 or pen_ids.max() >= vocab_size):
+        raise ValueError(f"launch: a penalty token id is outside the vocabulary ({vocab_size})")
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+        raise ValueError(f"launch: token id {bad} is outside the vocabulary ({vocab_size})")
+
+
+# ---- per-sequence lists ------------------------------------------------------------------
+
+def _penalty_lists(samplers: list[SeqWork], capacity: int) -> list[tuple]:
+    """(unique ids, their counts, penalties active) per sampling sequence; ids only when a
+    penalty is active. ValueError when they exceed the buffer's `capacity` entries."""
+    out = []
+    for w in samplers:
+        sp = w.sampling
+        active = (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+                  or sp.repetition_penalty != 1.0)
+        if active and w.penalty_token_ids:
+            ids, counts = np.unique(np.asarray(w.penalty_token_ids, np.int64), return_counts=True)
+        else:
+            ids = counts = np.zeros(0, np.int64)
+        out.append((ids, counts, active))
+    npen = sum(len(p[0]) for p in out)
+    if npen > capacity:
+        raise ValueError(f"launch: {npen} penalty tokens exceed the buffer of {capacity}")
+    return out
+
+
+def _ban_lists(samplers: list[SeqWork]) -> list[np.ndarray]:
+    """Unique banned ids per sampling sequence (at most V each, so they fit NBAN's largest)."""
+    return [np.unique(np.asarray(w.banned_token_ids, np.int32)) if w.banned_token_ids
+            else np.zeros(0, np.int32) for w in samplers]
+
+
+def seed_of(w: SeqWork, runner_seed: int) -> int:
+    """The sequence's own seed, or one derived from the runner's seed and its seq_id."""
+    if w.sampling.seed is not None:
+        return int(w.sampling.seed) & _SEED_MASK
+    return (runner_seed * 1_000_003 + w.seq_id * 7_919) & _SEED_MASK
+
+
+# ---- packing -----------------------------------------------------------------------------
+
+def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: bool,
+              limits: StepLimits, last_rows: dict[int, int]) -> PackedStep:
+    """The INPUTS buffer of a launch of bucket (t, s) for `work` (already checked; empty for
+    a padding launch). `last_rows` are the previous launch's sample_rows."""
+    samplers = [w for w in work if w.sample]
+    pens = _penalty_lists(samplers, limits.max_penalty_ids)
+    bans = _ban_lists(samplers)
+    mb = min(max([len(w.block_table) for w in work] + [1]), limits.max_blocks_per_seq) if work else 1
+    dims = {"T": t, "S": s, "R": s + t if return_rows else s, "NS": len(samplers), "MB": mb,
+            "K": max([w.sampling.logprobs for w in work] + [0]),
+            "NPEN": sum(len(p[0]) for p in pens), "NBAN": sum(len(b) for b in bans)}
+    placement = layout.place(dims)
+    host = np.zeros(placement.nbytes, np.uint8)
+    v = placement.views(host)
+    _write_defaults(v, limits.trash_slot)
+    row_start = _write_rows(v, work, limits.block_size, last_rows)
+    sample_rows = _write_sampling(v, work, row_start, pens, bans, limits.seed)
+    if return_rows:
+        v["logit_rows"][s:s + t] = np.arange(t, dtype=np.int32)
+    _check_vocab(v, limits.vocab_size)
+    attn_pairs = sum((w.start_pos + len(w.token_ids)) * len(w.token_ids) for w in work)
+    return PackedStep(host=host, placement=placement, dims=dims, row_start=row_start,
+                      sample_seq_ids=[w.seq_id for w in samplers], sample_rows=sample_rows,
+                      attn_pairs=attn_pairs)
+
+
+def _write_defaults(v: dict[str, np.ndarray], trash_slot: int) -> None:
+    """What padding rows and sequences read (the buffer starts zeroed): padding rows write
+    the trash block and read no device token; sampling rows without a sequence sample
+    nothing, and their neutral parameters keep the kernels' arithmetic finite."""
+    v["slot_mapping"][:] = trash_slot
+    v["src_rows"][:] = -1
+    v["pen_extra"][:] = -1
+    v["top_p"][:] = 1.0
+    v["repetition"][:] = 1.0
+
+
+def _write_rows(v: dict[str, np.ndarray], work: list[SeqWork], bs: int,
+                last_rows: dict[int, int]) -> list[int]:
+    """Token rows and per-sequence attention inputs; returns each item's first row."""
+    tokens, positions, slots, src_rows = v["tokens"], v["positions"], v["slot_mapping"], v["src_rows"]
+    query_start, context_lens, block_tables = v["query_start"], v["context_lens"], v["block_tables"]
+    mb = block_tables.shape[1]
+    row = 0
+    row_start = []
+    for i, w in enumerate(work):
+        n = len(w.token_ids)
+        end = w.start_pos + n
+        row_start.append(row)
+        if w.from_device:
+            src_rows[row] = last_rows[w.seq_id]
+        else:
+            tokens[row:row + n] = w.token_ids
+        pos = np.arange(w.start_pos, end, dtype=np.int32)
+        positions[row:row + n] = pos
+        bt = np.asarray(w.block_table, dtype=np.int32)
+        slots[row:row + n] = bt[pos // bs] * bs + pos % bs
+        query_start[i] = row
+        context_lens[i] = end
+        block_tables[i, :len(bt)] = bt[:mb]
+        row += n
+    query_start[len(work):] = row
+    return row_start
+
+
+def _write_sampling(v: dict[str, np.ndarray], work: list[SeqWork], row_start: list[int],
+                    pens: list[tuple], bans: list[np.ndarray], runner_seed: int) -> dict[int, int]:
+    """Sampling rows 0..NS-1 (parameters, penalty and ban lists); returns seq_id -> row."""
+    pen_ids, pen_counts, ban_ids = v["pen_ids"], v["pen_counts"], v["ban_ids"]
+    samplers = [(w, r0) for w, r0 in zip(work, row_start, strict=True) if w.sample]
+    pen_pos = ban_pos = 0
+    rows: dict[int, int] = {}
+    for j, (w, r0) in enumerate(samplers):
+        sp = w.sampling
+        last = r0 + len(w.token_ids) - 1
+        v["logit_rows"][j] = last
+        v["top_k"][j] = sp.top_k
+        v["temperature"][j] = sp.temperature
+        v["top_p"][j] = sp.top_p
+        v["min_p"][j] = sp.min_p
+        v["presence"][j] = sp.presence_penalty
+        v["frequency"][j] = sp.frequency_penalty
+        v["repetition"][j] = sp.repetition_penalty
+        v["seeds"][j] = seed_of(w, runner_seed)
+        v["counters"][j] = w.num_generated
+        ids, counts, active = pens[j]
+        v["pen_start"][j] = pen_pos
+        pen_ids[pen_pos:pen_pos + len(ids)] = ids
+        pen_counts[pen_pos:pen_pos + len(ids)] = counts
+        pen_pos += len(ids)
+        v["ban_start"][j] = ban_pos
+        ban_ids[ban_pos:ban_pos + len(bans[j])] = bans[j]
+        ban_pos += len(bans[j])
+        if w.from_device and active:
+            v["pen_extra"][j] = last       # the device counts the token it reads
+        rows[w.seq_id] = j
+    v["pen_start"][len(samplers):] = pen_pos
+    v["ban_start"][len(samplers):] = ban_pos
+    return rows

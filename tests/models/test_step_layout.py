@@ -1,0 +1,177 @@
+"""The step program's buffers, declared once (models/step_program.py: INPUTS, OUTPUTS,
+WORKSPACE): the slots the entry reads match the tables, the host packs exactly what the
+tables size, a reordered table gives the same step, and a view never runs past its field."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import models.memory_plan as memory_plan
+import models.step_program as sp
+from device import Card, DeviceCommandError
+from models import ModelRunner, SamplingParams, SeqWork, load_model
+from models.buffer_layout import Field, Layout, length_slot
+from models.memory_plan import workspace_dims
+from models.step_inputs import pack_step
+from tests.models.conftest import write_granite_checkpoint
+
+BLOCK = 16
+TABLES = (sp.INPUTS, sp.OUTPUTS, sp.WORKSPACE)
+SLOT_NAMES = [name for name, _ in sp.SLOTS]
+
+
+def _constants(prefix: str) -> dict[str, int]:
+    return {n: v for n, v in vars(sp).items() if re.fullmatch(prefix + r"_[A-Z0-9_]+", n)}
+
+
+# ---- (ii) slots: every slot the entry reads exists, every field has its slots -------------
+
+def test_every_slot_constant_names_its_slot():
+    for const, i in _constants("S").items():
+        assert SLOT_NAMES[i] == const[2:], const                  # S_<dim>
+    for const, i in _constants("A").items():
+        assert SLOT_NAMES[i] == const[2:].lower(), const          # A_<name>
+
+
+def test_every_field_has_an_address_slot_then_its_length_slot():
+    for layout in TABLES:
+        for f in layout.fields:
+            i = SLOT_NAMES.index(f.name)
+            assert sp.SLOTS[i] == (f.name, "address")
+            assert sp.SLOTS[i + 1] == (length_slot(f.name), "dim")
+    assert len(set(SLOT_NAMES)) == len(SLOT_NAMES)
+
+
+def test_the_entry_reads_every_field_and_only_declared_slots():
+    read = {n for n in sp.step_entry.py_func.__code__.co_names if re.fullmatch(r"[SA]_\w+", n)}
+    assert read <= set(_constants("S")) | set(_constants("A"))
+    fields = {"A_" + f.name.upper() for layout in TABLES for f in layout.fields}
+    assert fields <= read, sorted(fields - read)
+
+
+# ---- (iii) sizes: what the tables size is what the host packs and the card holds ----------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_granite_checkpoint(tmp_path_factory.mktemp("layout"), vocab=256, hidden=128,
+                                    layers=2, heads=4, kv_heads=1, tie=False, init_std=0.2)
+
+
+def make_runner(model_dir):
+    card = Card(128 << 20)
+    model = load_model(model_dir, card, tokenizer=False)
+    return ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=32, block_size=BLOCK,
+                       num_kv_blocks=16, seed=0)
+
+
+@pytest.fixture()
+def runner(model_dir):
+    r = make_runner(model_dir)
+    yield r
+    r.close()
+    r.card.close()
+
+
+def work_with_everything():
+    """Two prefills (penalties, a ban, prompt logprobs, top logprobs) and a non-sampling chunk."""
+    sampling = SamplingParams(temperature=0.8, top_k=20, seed=3, presence_penalty=0.5,
+                              repetition_penalty=1.2, logprobs=3)
+    return [
+        SeqWork(0, [5, 6, 7, 8, 9], 0, [0], True, sampling, prompt_logprobs=True,
+                penalty_token_ids=[5, 6, 7, 8, 9, 5], banned_token_ids=[11, 3]),
+        SeqWork(1, [1, 2, 3], 0, [1], True, SamplingParams(temperature=0.0, logprobs=2)),
+        SeqWork(2, list(range(20, 30)), 0, [2], False, SamplingParams(), prompt_logprobs=True),
+    ]
+
+
+def test_the_packed_inputs_are_the_table_placed_for_the_launch_dims(runner):
+    work = work_with_everything()
+    step = pack_step(sp.INPUTS, work, 32, 4, True, runner.limits, {})
+    placement = sp.INPUTS.place(step.dims)
+    assert step.host.nbytes == placement.nbytes == step.placement.nbytes
+    views = placement.views(step.host)
+    assert views["block_tables"].shape == (4, step.dims["MB"])
+    assert views["tokens"][:5].tolist() == [5, 6, 7, 8, 9]
+    assert views["query_start"].tolist() == [0, 5, 8, 18, 18]
+    assert views["pen_ids"].tolist() == [5, 6, 7, 8, 9] and views["pen_counts"][0] == 2
+    assert views["ban_ids"].tolist() == [3, 11]
+    assert views["seeds"][0] == 3 and views["top_k"][:2].tolist() == [20, 0]
+    assert step.placement.nbytes <= runner.memory.inputs.nbytes
+
+
+def test_the_buffers_on_the_card_are_the_tables_placed_at_capacity(runner):
+    # 32 tokens, 4 seqs, 4096 positions in blocks of 16, vocabulary 256
+    cap = memory_plan.Capacity(tmax=32, smax=4, rmax=32 + 4, mbmax=4096 // BLOCK,
+                               npen_max=4 * 4096, nban_max=4 * 256)
+    assert runner.memory.inputs.nbytes == sp.INPUTS.place(cap.input_dims()).nbytes
+    assert all(t.nbytes == sp.OUTPUTS.place({"S": 4, "K": sp.KMAX}).nbytes
+               for t in runner.memory.outputs)
+    ws = sp.WORKSPACE.place(workspace_dims(cap, runner.config))
+    assert runner.memory_plan["workspace"] == ws.nbytes
+    assert ws.shapes["qkv"] == (32, runner.config.q_size + 2 * runner.config.kv_size)
+
+
+# ---- (i) a reordered table: the same step ----------------------------------------------------
+
+def reordered(layout: Layout) -> Layout:
+    """The same fields, in another order (reversed, then odd-even interleaved)."""
+    fields = list(reversed(layout.fields))
+    return Layout(layout.name, fields[1::2] + fields[0::2])
+
+
+def run_steps(runner):
+    """A mixed prefill with everything asked for, then three device-fed decodes."""
+    outs = [runner.launch(work_with_everything(), return_logits=True).result()]
+    for i in range(3):
+        work = [SeqWork(0, [-1], 5 + i, [0], True, SamplingParams(temperature=0.7, seed=3,
+                        presence_penalty=0.5, logprobs=3), num_generated=1 + i,
+                        from_device=True, penalty_token_ids=[5, 6]),
+                SeqWork(1, [-1], 3 + i, [1], True, SamplingParams(temperature=0.0),
+                        from_device=True)]
+        outs.append(runner.launch(work).result())
+    return outs
+
+
+def test_reordered_tables_give_identical_steps(model_dir, monkeypatch):
+    normal = make_runner(model_dir)
+    want = run_steps(normal)
+    normal_offsets = normal.memory.workspace_placement.offsets
+    normal.close()
+    normal.card.close()
+    for name in ("INPUTS", "OUTPUTS", "WORKSPACE"):
+        monkeypatch.setattr(memory_plan, name, reordered(getattr(sp, name)))
+    permuted = make_runner(model_dir)
+    assert permuted.memory.workspace_placement.offsets != normal_offsets
+    assert permuted.memory.inputs_layout.fields != sp.INPUTS.fields
+    got = run_steps(permuted)
+    permuted.close()
+    permuted.card.close()
+    assert len(want[0].prompt_logprobs) == 2 and want[0].top_ids.shape == (2, 3)
+    for a, b in zip(want, got, strict=True):
+        assert a.seq_ids == b.seq_ids
+        for key in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
+            np.testing.assert_array_equal(getattr(a, key), getattr(b, key), err_msg=key)
+        for seq_id, arrays in a.prompt_logprobs.items():
+            for x, y in zip(arrays, b.prompt_logprobs[seq_id], strict=True):
+                np.testing.assert_array_equal(x, y)
+    for seq_id, rows in want[0].logits.items():
+        np.testing.assert_array_equal(rows, got[0].logits[seq_id])
+
+
+# ---- the device view of a field is bounded by the field ---------------------------------
+
+def test_a_field_shorter_than_the_entry_reads_stops_the_launch(model_dir, monkeypatch):
+    short = [Field("tokens", np.int32, ("S",)) if f.name == "tokens" else f
+             for f in sp.INPUTS.fields]
+    monkeypatch.setattr(memory_plan, "INPUTS", Layout("inputs", short))
+    r = make_runner(model_dir)
+    try:
+        with pytest.raises(DeviceCommandError) as err:
+            r._launch(4, 1, [], False, False).result()      # 4 token rows, a 1-element field
+        assert "view longer than its field" in str(err.value.__cause__)
+    finally:
+        r.close()
+        r.card.close()
