@@ -141,10 +141,15 @@ class Nginx:
             fields = dict(p.split("=", 1) for p in parts[4:])
             rows.append({"msec": float(parts[0]), "request_time": float(parts[1]),
                          "request": parts[2], "status": int(parts[3]),
-                         "upstreams": [a.strip() for a in fields["upstream"].split(",")],
-                         "upstream_status": [s.strip() for s in
-                                             fields["upstream_status"].split(",")]})
+                         "upstreams": _tries(fields["upstream"]),
+                         "upstream_status": _tries(fields["upstream_status"])})
         return rows
+
+
+def _tries(field: str) -> list[str]:
+    """One entry per upstream try: nginx separates them with ", " within one location and
+    with " : " across an internal redirect (error_page to @turned_away)."""
+    return [a.strip() for group in field.split(" : ") for a in group.split(",")]
 
 
 def metrics(url: str) -> dict[str, float]:
