@@ -8,8 +8,6 @@ any tensor (see device/abi.py).
 
 from __future__ import annotations
 
-import os
-import re
 import threading
 
 import numpy as np
@@ -19,31 +17,15 @@ from device.counters import Counters
 from device.memory import STICK, DeviceError, DeviceTensor
 from device.stream import DEFAULT_DEPTH, Stream
 
-MEMORY_ENV = "SPYRE_DEVICE_MEMORY"  # e.g. "8G", "512M", or bytes
-DEFAULT_MEMORY_BYTES = 4 << 30  # 4 GiB: fits the machines we run on; pages are only touched when used
+# 4 GiB: fits the machines we run on; pages are only touched when used. The card reads no
+# environment: the server's --device-memory ($SPYRE_SERVE_DEVICE_MEMORY) sizes it from above.
+DEFAULT_MEMORY_BYTES = 4 << 30
 DEFAULT_CORES = 32  # Spyre has 32 AI cores
 
 
-def parse_bytes(text: str) -> int:
-    """'4G' / '512M' / '64K' / '4096' -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise DeviceError(f"cannot read a memory size from {text!r} (want e.g. 4G, 512M, 1048576)")
-    shift = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2).upper()]
-    return int(m.group(1)) << shift
-
-
-def default_memory_bytes() -> int:
-    """$SPYRE_DEVICE_MEMORY if set, else 4 GiB."""
-    env = os.environ.get(MEMORY_ENV)
-    return parse_bytes(env) if env else DEFAULT_MEMORY_BYTES
-
-
 class Card:
-    def __init__(self, memory_bytes: int | None = None, cores: int = DEFAULT_CORES,
+    def __init__(self, memory_bytes: int = DEFAULT_MEMORY_BYTES, cores: int = DEFAULT_CORES,
                  stream_depth: int = DEFAULT_DEPTH):
-        if memory_bytes is None:
-            memory_bytes = default_memory_bytes()
         if memory_bytes <= 0:
             raise DeviceError(f"card memory must be positive, got {memory_bytes} bytes")
         if cores < 1:

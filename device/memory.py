@@ -1,4 +1,5 @@
-"""Device errors and `DeviceTensor`, a typed view of a place in the card's arena.
+"""Device errors, `DeviceTensor` (a typed view of a place in the card's arena), and
+`parse_bytes`, how a memory size is written (the server's `--device-memory` reads it).
 
 A tensor is only an address, a shape and a dtype: it owns nothing. The bytes
 live in `card.memory`; the allocator (device/allocator.py) decides where.
@@ -6,6 +7,7 @@ live in `card.memory`; the allocator (device/allocator.py) decides where.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +35,17 @@ class DeviceOutOfMemory(DeviceError):
             f"device out of memory: requested {requested} bytes, {free} bytes free "
             f"(largest free block {largest_free} bytes) of {capacity} bytes"
         )
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '4G', '512M', '1.5G', '64MiB', '512mb' -> bytes (binary units, any case)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise DeviceError(f"not a size: {text!r} (cannot read a memory size from it: "
+                          f"use bytes or e.g. 4G, 512M, 1.5G, 64MiB)")
+    shift = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}[m.group(2).lower()]
+    number = m.group(1)
+    return int(float(number) * (1 << shift)) if "." in number else int(number) << shift
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ import pytest
 
 from device import STICK, Card, DeviceError, DeviceOutOfMemory, DeviceTensor
 from device.allocator import CachingAllocator
-from device.card import DEFAULT_MEMORY_BYTES, MEMORY_ENV, default_memory_bytes, parse_bytes
+from device.card import DEFAULT_MEMORY_BYTES
+from device.memory import parse_bytes
 
 
 def test_arena_base_is_128_byte_aligned(card):
@@ -26,16 +27,16 @@ def test_capacity_is_rounded_up_to_whole_sticks():
         assert c.capacity == 1024
 
 
-def test_default_memory_is_4_gib_and_settable_by_env(monkeypatch):
-    monkeypatch.delenv(MEMORY_ENV, raising=False)
-    assert default_memory_bytes() == DEFAULT_MEMORY_BYTES == 4 << 30
-    monkeypatch.setenv(MEMORY_ENV, "64M")
+def test_a_card_without_a_size_has_4_gib_whatever_the_environment_says(monkeypatch):
+    monkeypatch.setenv("SPYRE_DEVICE_MEMORY", "64M")  # the variable cards read before
+    monkeypatch.setenv("SPYRE_SERVE_DEVICE_MEMORY", "64M")  # the server's, read by its CLI only
     with Card() as c:
-        assert c.capacity == 64 << 20
+        assert c.capacity == DEFAULT_MEMORY_BYTES == 4 << 30
 
 
 def test_parse_bytes_reads_binary_units_and_rejects_garbage():
     assert parse_bytes("2G") == 2 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("4096") == 4096
+    assert parse_bytes("1.5G") == 3 << 29 and parse_bytes("64kb") == 64 << 10
     with pytest.raises(DeviceError, match="cannot read a memory size"):
         parse_bytes("lots")
 
