@@ -10,6 +10,6 @@ for metrics, the card's counters and allocator stats. One idea per file:
   prefill, preemption);
 - ``engine``: the loop on its own thread (overlapped launches, stop checks,
   detokenization, results to the API);
-- ``protocol``: request bodies; ``api``: the FastAPI app;
-- ``metrics``: Prometheus; ``cli``: ``spyre-serve``.
+- ``openai/``: the OpenAI API (FastAPI), one module per job (see its ``__init__``);
+- ``metrics``: Prometheus; ``settings``: the one table of flags; ``cli``: ``spyre-serve``.
 """

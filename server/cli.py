@@ -5,7 +5,8 @@
 
 Every flag can also come from an environment variable (``--max-num-seqs`` from
 ``SPYRE_SERVE_MAX_NUM_SEQS``, and so on) so a container is configured without
-a command line; a flag given on the command line wins. ``build()`` is what
+a command line; a flag given on the command line wins (the flags, their defaults and
+help are one table, ``server/settings.py``). ``build()`` is what
 ``serve`` runs before listening, and what the end-to-end tests run too.
 ``warmup`` loads the model, compiles and prepares every step program (filling
 Numba's on-disk cache, ``NUMBA_CACHE_DIR``), prints them and the memory plan,
@@ -17,72 +18,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 import threading
 import time
 from dataclasses import dataclass, fields
 
+from server.settings import ENV_PREFIX, SIZING, Settings, add_flags
+
 log = logging.getLogger("spyre_serve")
-
-ENV_PREFIX = "SPYRE_SERVE_"
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '1G', '512M', '64MiB' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes or e.g. 512M, 2G)")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
-
-
-@dataclass(slots=True)
-class Settings:
-    """What ``serve`` needs; one field per flag."""
-
-    model: str = "granite-tiny"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    block_size: int = 64
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None
-    device_memory: int | None = None
-    api_key: str | None = None
-    max_waiting: int = 1024
-    max_n: int = 8
-    max_body_bytes: int = 1 << 20
-    drain_timeout: float = 30.0
-    warmup: bool = True
-    log_level: str = "info"
-
-
-HELP = {
-    "model": "checkpoint directory (Hugging Face format) or an embedded profile name",
-    "host": "address to listen on",
-    "port": "TCP port to listen on",
-    "served_model_name": "model name clients use (default: the --model name)",
-    "max_num_seqs": "most sequences in one step (running requests)",
-    "max_num_batched_tokens": "token budget of one step (prefill chunk size)",
-    "block_size": "tokens per KV cache block",
-    "num_kv_blocks": "KV cache blocks (default: what fits in 90%% of the free device memory)",
-    "max_model_len": "context length (default: the model's, capped by the KV cache)",
-    "device_memory": "emulated card memory, bytes or e.g. 2G (default: sized for this machine)",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize",
-    "max_waiting": "most requests waiting for admission; more get 503 + Retry-After",
-    "max_n": "largest n (choices per prompt) a request may ask for",
-    "max_body_bytes": "largest request body; larger gets 413",
-    "drain_timeout": "seconds to finish running requests after SIGTERM",
-    "warmup": "compile and prepare every step program before listening",
-    "log_level": "debug, info, warning or error",
-}
-
-# The flags `warmup` takes: what decides the programs and the memory plan.
-SIZING = ("model", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-          "max_model_len", "device_memory", "log_level")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         f"{ENV_PREFIX}API_KEY); a flag on the command line wins.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_flags(serve, [f.name for f in fields(Settings)])
+    add_flags(serve, [f.name for f in fields(Settings)])
     warmup = sub.add_parser(
         "warmup",
         help="compile and prepare every step program into the on-disk cache, then exit",
@@ -113,33 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"Environment: each flag as {ENV_PREFIX}<FLAG>, as for serve; a flag on the command line wins.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_flags(warmup, list(SIZING))
+    add_flags(warmup, SIZING)
     return parser
-
-
-def _add_flags(parser: argparse.ArgumentParser, names: list[str]) -> None:
-    """One flag per Settings field named, its default from the environment if set there."""
-    defaults = Settings()
-    for name in names:
-        flag = "--" + name.replace("_", "-")
-        env = ENV_PREFIX + name.upper()
-        default = getattr(defaults, name)
-        env_value = os.environ.get(env)
-        help_text = f"{HELP[name]} [env {env}]"
-        if name == "warmup":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text,
-                                default=_bool(env_value) if env_value is not None else default)
-            continue
-        kind = {"port": int, "max_num_seqs": int, "max_num_batched_tokens": int, "block_size": int,
-                "num_kv_blocks": int, "max_model_len": int, "max_waiting": int, "max_n": int,
-                "max_body_bytes": parse_bytes, "device_memory": parse_bytes, "drain_timeout": float}.get(name, str)
-        value = kind(env_value) if env_value is not None else default
-        parser.add_argument(flag, type=kind, default=value, help=help_text,
-                            metavar=name.upper() if name != "model" else "DIR|NAME")
-
-
-def _bool(text: str) -> bool:
-    return text.strip().lower() in {"1", "true", "yes", "on"}
 
 
 def parse_command(argv: list[str] | None = None) -> tuple[str, Settings]:
@@ -168,16 +86,22 @@ def _mb(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def _card(s: Settings):
+    """The emulated card, ``--device-memory`` big (the card's own default when not given)."""
+    from device import Card
+
+    return Card(memory_bytes=s.device_memory) if s.device_memory else Card()
+
+
 def build(s: Settings, progress: bool = True) -> Built:
     """Card, model, runner (warmed up), engine (started), metrics and the app."""
-    from device import Card
     from models import load_model
-    from server.api import ServerConfig, create_app
     from server.engine import Engine
     from server.metrics import Metrics
+    from server.openai.app import create_app
 
     t0 = time.monotonic()
-    card = Card(memory_bytes=s.device_memory) if s.device_memory else Card()
+    card = _card(s)
     model = load_model(s.model, card)
     cfg = model.config
     log.info("model %s from %s: %d layers, hidden %d, %d heads (%d KV), vocab %d, stored %s",
@@ -190,16 +114,12 @@ def build(s: Settings, progress: bool = True) -> Built:
         log.info("compiling and preparing %d step programs (token buckets %s)", len(shapes), runner.t_buckets)
         runner.warmup(progress=progress)
     compiles = card.counters.snapshot()["compiles"]
-    name = s.served_model_name or model.name
-    metrics = Metrics(name, card=card, compiles_at_ready=compiles)
+    metrics = Metrics(s.served_name(model), card=card, compiles_at_ready=compiles)
     engine = Engine(runner, model.tokenizer, max_num_seqs=s.max_num_seqs,
                     max_num_batched_tokens=s.max_num_batched_tokens, card=card)
     metrics.attach(engine)
     engine.start()
-    config = ServerConfig(model_name=name, model_path=str(model.path), api_key=s.api_key, max_n=s.max_n,
-                          max_waiting=s.max_waiting,
-                          max_body_bytes=s.max_body_bytes)
-    app = create_app(engine, model.tokenizer, config, metrics)
+    app = create_app(engine, model, s, metrics)
     log.info("ready in %.1f s: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, %d programs",
              time.monotonic() - t0, runner.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
              len(runner.programs))
@@ -227,13 +147,12 @@ def memory_plan_text(card, model, runner) -> str:
 def warmup(s: Settings, progress: bool = True, out=None) -> int:
     """`spyre-serve warmup`: load the model, compile and prepare every step program (Numba
     writes the compiled code to its on-disk cache), print them and the memory plan; 0 when done."""
-    from device import Card
     from models import load_model
 
     out = out or sys.stdout
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.monotonic()
-    card = Card(memory_bytes=s.device_memory) if s.device_memory else Card()
+    card = _card(s)
     try:
         model = load_model(s.model, card)
         cfg = model.config

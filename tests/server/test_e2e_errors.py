@@ -5,8 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.api import ServerConfig, create_app
 from server.engine import Engine
+from server.openai.app import create_app
+from server.settings import Settings
 from tests.server.conftest import PROMPT, ServerThread
 
 
@@ -100,8 +101,8 @@ def side_app(real_server):
     built = real_server.built
     servers = []
 
-    def make(engine=None, **config):
-        app = create_app(engine or built.engine, built.model.tokenizer, ServerConfig(model_name="granite-tiny", **config))
+    def make(engine=None, **settings):
+        app = create_app(engine or built.engine, built.model, Settings(**settings))
         server = ServerThread(app).__enter__()
         servers.append(server)
         return httpx.Client(base_url=server.url, timeout=600)

@@ -1,6 +1,6 @@
 """OpenAI request bodies (vLLM's field set), validated with pydantic.
 
-Each check says what was asked and what is allowed; ``api.py`` turns a
+Each check says what was asked and what is allowed; ``body.py`` turns a
 validation failure into a 400 with ``param`` naming the field.
 """
 
@@ -12,7 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 MAX_LOGPROBS = 5
 
-StrictTokenList = list[StrictInt]
+# The sampling fields with a range: (low, high, whether low itself is allowed); high is.
+RANGES = {
+    "temperature": (0.0, 2.0, True),
+    "top_p": (0.0, 1.0, False),
+    "min_p": (0.0, 1.0, True),
+    "presence_penalty": (-2.0, 2.0, True),
+    "frequency_penalty": (-2.0, 2.0, True),
+    "repetition_penalty": (0.0, 2.0, False),
+}
 
 
 class StreamOptions(BaseModel):
@@ -20,7 +28,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -43,18 +51,13 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    @field_validator("temperature")
+    @field_validator(*RANGES)
     @classmethod
-    def _temperature(cls, v):
-        if v is not None and not (0.0 <= v <= 2.0):
-            raise ValueError(f"temperature must be in [0, 2], got {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        if v is not None and not (0.0 < v <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {v}")
+    def _in_range(cls, v, info):
+        low, high, low_included = RANGES[info.field_name]
+        if v is not None and not ((low <= v if low_included else low < v) and v <= high):
+            interval = f"{'[' if low_included else '('}{low:g}, {high:g}]"
+            raise ValueError(f"{info.field_name} must be in {interval}, got {v}")
         return v
 
     @field_validator("top_k")
@@ -62,13 +65,6 @@ class _Sampling(BaseModel):
     def _top_k(cls, v):
         if v is not None and v < -1:
             raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {v}")
-        return v
-
-    @field_validator("min_p")
-    @classmethod
-    def _min_p(cls, v):
-        if v is not None and not (0.0 <= v <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {v}")
         return v
 
     @field_validator("n")
@@ -85,20 +81,6 @@ class _Sampling(BaseModel):
             raise ValueError(f"min_tokens must be >= 0, got {v}")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v, info):
-        if not (-2.0 <= v <= 2.0):
-            raise ValueError(f"{info.field_name} must be in [-2, 2], got {v}")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, v):
-        if not (0.0 < v <= 2.0):
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {v}")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
@@ -113,7 +95,7 @@ class _Sampling(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
@@ -168,7 +150,7 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None

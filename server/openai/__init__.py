@@ -1,0 +1,15 @@
+"""The OpenAI API over the engine (vLLM's field set), one job per module:
+
+- ``app``: ``create_app``, wiring the routers below onto shared state;
+- ``serving``: that shared state (engine, tokenizer, served name, limits) and the checks
+  every endpoint makes before submitting;
+- ``protocol``: the request bodies (pydantic); ``body``: reading one within the size limit;
+- ``errors``: the OpenAI error shape and the app's exception handlers; ``auth``: the API key;
+- ``prompts``: prompts and chat messages as token ids; ``sampling``: request fields as the
+  engine's ``GenerationParams``;
+- ``bridge``: engine thread -> event loop (``Submission``, ``collect``);
+- ``response``: one JSON body or a stream; ``sse``: the stream's events;
+  ``logprobs``: logprobs as each API writes them;
+- endpoints: ``completions``, ``chat``, ``tokenization`` (/tokenize, /detokenize),
+  ``status`` (/v1/models, /health, /metrics).
+"""

@@ -1,0 +1,31 @@
+"""``create_app``: the FastAPI app of the OpenAI API over one engine.
+
+It builds what the endpoints share (``Serving``), puts the error handlers on, and includes
+each endpoint module's router, behind the API key except /health and /metrics. Everything
+else lives in the modules named in ``server/openai/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from fastapi import Depends, FastAPI
+
+from server.engine import Engine
+from server.openai import chat, completions, status, tokenization
+from server.openai.auth import api_key_guard
+from server.openai.errors import install_error_handlers
+from server.openai.serving import Serving
+from server.settings import Settings
+
+
+def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastAPI:
+    """The app serving ``model`` (``models.LoadedModel``) through ``engine``, with the limits,
+    the API key and the served name of ``settings``; ``metrics`` renders /metrics."""
+    app = FastAPI(title="spyre-serve", version="0.1.0")
+    app.state.serving = Serving.for_model(engine, model, settings)
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    guarded = [Depends(api_key_guard(settings.api_key))]
+    for module in (completions, chat, tokenization, status):
+        app.include_router(module.router, dependencies=guarded)
+    app.include_router(status.open_router)
+    return app

@@ -1,0 +1,34 @@
+"""The API key: with ``--api-key`` set, a guarded route wants ``Authorization: Bearer <key>``.
+
+``app.py`` decides which routes are guarded (every /v1 route, /tokenize, /detokenize) by
+including their routers with ``api_key_guard``; /health and /metrics stay open so that a
+load balancer and Prometheus need no key.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+from fastapi import Request
+
+from server.openai.errors import APIError
+
+
+def check_bearer(authorization: str, api_key: str | None) -> None:
+    """Refuse (401) an ``Authorization`` header that is not ``Bearer <api_key>``; without a key
+    every request passes. The comparison takes the same time whatever the token."""
+    if api_key is None:
+        return
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "invalid API key: send 'Authorization: Bearer <key>' with the key the server was started with")
+
+
+def api_key_guard(api_key: str | None) -> Callable[[Request], None]:
+    """A FastAPI dependency that checks each request's header against ``api_key``."""
+
+    def guard(request: Request) -> None:
+        check_bearer(request.headers.get("authorization", ""), api_key)
+
+    return guard

@@ -1,0 +1,115 @@
+"""From the engine thread to the HTTP request's event loop, and back.
+
+A ``Submission`` is one HTTP request's engine requests: one per prompt, each with ``n``
+choices. The engine calls each request's ``on_update`` on its own thread; the update is
+handed to the event loop with ``loop.call_soon_threadsafe`` and queued, and ``next()``
+folds it into its ``Choice``. ``collect`` waits for every choice of a non-streaming
+request, and aborts the engine requests if the client goes away first (polled, since a
+waiting handler hears nothing from a closed connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from server.engine import Engine, SeqUpdate
+from server.sequence import GenerationParams, TokenLogprob
+
+DISCONNECT_POLL_SECONDS = 0.05  # how often a waiting non-streaming request asks if its client left
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice being assembled from engine updates."""
+
+    prompt_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    started: bool = False  # a streamed completion sent its first chunk (the echo goes in it)
+    text_offset: int = 0  # characters of text sent so far (streaming logprobs offsets)
+
+
+class Submission:
+    """One HTTP request's engine requests (one per prompt, ``n`` choices each); choice
+    ``i * n + j`` is choice ``j`` of prompt ``i``. Made on the event loop."""
+
+    def __init__(self, engine: Engine, request_id: str, prompts: list[list[int]], params: list[GenerationParams]):
+        self.engine = engine
+        self.request_id = request_id
+        self.n = len(params)
+        self.choices = [Choice(ids) for ids in prompts for _ in params]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.num_finished = 0
+        loop = asyncio.get_running_loop()
+        self.sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        for i, ids in enumerate(prompts):
+            def deliver(update: SeqUpdate, i=i) -> None:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (i, update))
+
+            engine.add_request(self.sub_ids[i], ids, params, deliver)
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == len(self.choices)
+
+    async def next(self) -> tuple[int, SeqUpdate]:
+        """The next update as (choice index, update), folded into ``self.choices``."""
+        i, u = await self.queue.get()
+        idx = i * self.n + u.index
+        c = self.choices[idx]
+        c.text += u.text
+        c.token_ids += u.token_ids
+        c.logprobs += u.logprobs
+        if u.prompt_logprobs is not None:
+            c.prompt_logprobs = u.prompt_logprobs
+        if u.finish_reason is not None:
+            c.finish_reason, c.stop_reason, c.error = u.finish_reason, u.stop_reason, u.error
+            self.num_finished += 1
+        return idx, u
+
+    def abort(self) -> None:
+        for sub in self.sub_ids:
+            self.engine.abort(sub)
+
+    @property
+    def error(self) -> str | None:
+        return next((c.error for c in self.choices if c.error), None)
+
+    def usage(self) -> dict:
+        prompt = sum(len(self.choices[i * self.n].prompt_ids) for i in range(len(self.sub_ids)))
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def collect(sub: Submission, is_disconnected: Callable[[], Awaitable[bool]],
+                  poll_seconds: float = DISCONNECT_POLL_SECONDS) -> None:
+    """Wait for every choice; abort if the client goes away first (``sub.done`` stays false).
+
+    ``is_disconnected`` is asked every ``poll_seconds`` even while updates keep coming."""
+    getter: asyncio.Future | None = None
+    next_check = time.monotonic() + poll_seconds
+    try:
+        while not sub.done:
+            if getter is None:
+                getter = asyncio.ensure_future(sub.next())
+            done, _ = await asyncio.wait({getter}, timeout=max(0.0, next_check - time.monotonic()))
+            if getter in done:
+                getter.result()
+                getter = None
+            if time.monotonic() >= next_check:  # updates may arrive faster than the poll
+                if await is_disconnected():
+                    return
+                next_check = time.monotonic() + poll_seconds
+    finally:
+        if getter is not None:
+            getter.cancel()
+        if not sub.done:
+            sub.abort()

@@ -1,0 +1,78 @@
+"""``POST /v1/chat/completions``: chat (vLLM's fields), one JSON body or a stream.
+
+The messages go through the tokenizer's chat template (``prompts.chat_prompt``); the
+answer is an assistant message (no tool calls yet). A stream opens with one chunk per choice
+naming the role, as OpenAI's does; a chunk's choice carries the new text as ``delta``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from fastapi import APIRouter, Request
+
+from server.engine import SeqUpdate
+from server.openai.bridge import Choice, Submission
+from server.openai.errors import APIError
+from server.openai.logprobs import TokenTexts, chat_logprobs
+from server.openai.prompts import chat_prompt
+from server.openai.protocol import ChatCompletionRequest
+from server.openai.response import full_response, new_head, stream_response
+from server.openai.sampling import generation_params
+from server.openai.serving import serving_of
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request):
+    serving = serving_of(request)
+    req = await serving.read(request, ChatCompletionRequest)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    ids = chat_prompt(serving.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    serving.check_tokens(ids, "messages")
+    max_tokens = serving.max_tokens(req.output_limit, [ids])
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    serving.check_fits(ids, max_tokens, {"prompt": "messages", "max_tokens": limit_param})
+    k = (req.top_logprobs or 0) if req.logprobs else None  # top alternatives per token; None: no logprobs
+    params = generation_params(req, max_tokens, k, False, serving.settings.max_n)
+    serving.check_admission()
+    head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name)
+    sub = Submission(serving.engine, head["id"], [ids], params)
+    if req.stream:
+        return stream_response(sub, head, req.stream_usage, partial(streamed_choice, serving.texts, k),
+                               opening_choices(len(sub.choices)))
+    return await full_response(sub, request.is_disconnected, head, partial(finished_choice, serving.texts, k))
+
+
+def message_logprobs(texts: TokenTexts, k: int | None, logprobs: list, ids: list[int]) -> dict | None:
+    return {"content": chat_logprobs(texts, logprobs, ids, k)} if k is not None else None
+
+
+def finished_choice(texts: TokenTexts, k: int | None, idx: int, c: Choice) -> dict:
+    """A choice of the JSON body: the whole assistant message."""
+    return {
+        "index": idx,
+        "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+        "logprobs": message_logprobs(texts, k, c.logprobs, c.token_ids),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+
+
+def opening_choices(n: int) -> list[dict]:
+    """The first chunk of each choice: the role, no text yet."""
+    return [{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for idx in range(n)]
+
+
+def streamed_choice(texts: TokenTexts, k: int | None, idx: int, u: SeqUpdate) -> dict:
+    """A chunk's choice: the update's text as ``delta`` (an empty delta on a finish without
+    text), and ``stop_reason`` once finished."""
+    delta = {"content": u.text} if (u.text or u.finish_reason is None) else {}
+    choice = {"index": idx, "delta": delta, "logprobs": message_logprobs(texts, k, u.logprobs, u.token_ids),
+              "finish_reason": u.finish_reason}
+    if u.finish_reason is not None:
+        choice["stop_reason"] = u.stop_reason
+    return choice

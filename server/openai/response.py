@@ -1,0 +1,47 @@
+"""The two ways a generation answers: one JSON body when every choice is done, or a stream.
+
+Completions and chat share the envelope (``id``, ``object``, ``created``, ``model``, then
+``choices`` and ``usage``) and differ only in how a choice reads: each endpoint passes a
+function that makes one choice, from a finished ``Choice`` (``full_response``) or from one
+engine update (``stream_response``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+
+from fastapi.responses import Response, StreamingResponse
+
+from server.engine import SeqUpdate
+from server.openai.bridge import Choice, Submission, collect
+from server.openai.errors import APIError
+from server.openai.sse import MEDIA_TYPE, sse_stream
+
+CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
+
+
+def new_head(id_prefix: str, object_name: str, model: str) -> dict:
+    """The fields a response or each of its chunks starts with; a new id, made now."""
+    return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name, "created": int(time.time()),
+            "model": model}
+
+
+async def full_response(sub: Submission, is_disconnected: Callable[[], Awaitable[bool]], head: dict,
+                        choice_of: Callable[[int, Choice], dict]) -> dict | Response:
+    """Wait for every choice (499 if the client left first, 500 if a step failed), then the
+    body: ``head``, one choice per ``Choice``, the token usage."""
+    await collect(sub, is_disconnected)
+    if not sub.done:
+        return Response(status_code=CLIENT_CLOSED)
+    if sub.error:
+        raise APIError(500, sub.error)
+    choices = [choice_of(idx, c) for idx, c in enumerate(sub.choices)]
+    return {**head, "choices": choices, "usage": sub.usage()}
+
+
+def stream_response(sub: Submission, head: dict, include_usage: bool,
+                    choice_of: Callable[[int, SeqUpdate], dict], opening: Iterable[dict] = ()) -> StreamingResponse:
+    """The events of ``sse.sse_stream`` as the response."""
+    return StreamingResponse(sse_stream(sub, head, include_usage, choice_of, opening), media_type=MEDIA_TYPE)

@@ -1,0 +1,51 @@
+"""Server-Sent Events: the framing, and the stream a completion or a chat sends.
+
+Both endpoints stream the same way and differ only in the chunks' choices: each gives
+``sse_stream`` the opening choices (chat's role chunk) and how to turn one engine update
+into a choice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterable
+
+from server.engine import SeqUpdate
+from server.openai.bridge import Submission
+from server.openai.errors import error_body
+
+MEDIA_TYPE = "text/event-stream"
+DONE = "[DONE]"  # OpenAI's last event
+
+
+def sse(payload: dict | str) -> str:
+    """One event: ``data: <JSON or the literal string>`` and a blank line."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def sse_stream(sub: Submission, head: dict, include_usage: bool,
+                     choice_of: Callable[[int, SeqUpdate], dict], opening: Iterable[dict] = ()) -> AsyncIterator[str]:
+    """A streaming response's events.
+
+    One chunk ``{**head, "choices": [choice]}`` per choice of ``opening``, then one per
+    engine update with the choice ``choice_of(index, update)`` makes; then the usage
+    chunk when ``include_usage``, and ``[DONE]``. An update carrying an error ends the
+    stream with an error chunk (no usage) and ``[DONE]``. Whatever ends the stream
+    early (an error, the client going away) aborts what is left of the submission."""
+    try:
+        for choice in opening:
+            yield sse({**head, "choices": [choice]})
+        while not sub.done:
+            idx, u = await sub.next()
+            if u.error:
+                yield sse(error_body(500, u.error))
+                sub.abort()
+                break
+            yield sse({**head, "choices": [choice_of(idx, u)]})
+        else:
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": sub.usage()})
+        yield sse(DONE)
+    finally:
+        if not sub.done:
+            sub.abort()

@@ -1,0 +1,59 @@
+"""What the server serves and whether it is up: ``GET /v1/models``, ``/health``, ``/metrics``.
+
+``router`` (/v1/models) is guarded by the API key like the other /v1 routes; ``open_router``
+(/health, /metrics) is not, so that load balancers and Prometheus need no key.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.openai.errors import APIError, error_response
+from server.openai.serving import RETRY_AFTER_SECONDS, serving_of
+
+router = APIRouter()
+open_router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    serving = serving_of(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": serving.model_name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "spyre-serve",
+                "root": serving.model_root,
+                "parent": None,
+                "max_model_len": serving.engine.max_model_len,
+            }
+        ],
+    }
+
+
+@open_router.get("/health")
+async def health(request: Request):
+    """200 while the engine loop runs and admits requests; 503 saying why otherwise."""
+    engine = serving_of(request).engine
+    if not engine.alive:
+        reason = f": {type(engine.error).__name__}: {engine.error}" if engine.error else ""
+        return error_response(APIError(503, f"the engine loop is not running{reason}"))
+    if not engine.accepting:
+        return error_response(APIError(503, "the server is shutting down", retry_after=RETRY_AFTER_SECONDS))
+    return Response(status_code=200)
+
+
+@open_router.get("/metrics")
+async def metrics(request: Request):
+    """Prometheus's text format (empty when the app was made without metrics)."""
+    source = request.app.state.metrics
+    if source is None:
+        return Response("", media_type="text/plain")
+    body, content_type = source.render()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,95 @@
+"""What ``spyre-serve`` is configured with: one table, ``Settings``, one field per flag.
+
+Each field holds its default, its help text, how a flag's text is parsed, and whether
+``warmup`` takes it (the flags that decide the programs and the memory plan). The
+command-line flags, their ``SPYRE_SERVE_<FLAG>`` environment variables and ``--help``
+are all derived from it (``add_flags``); the app reads the fields it needs from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+from device.memory import DeviceError, parse_bytes
+
+ENV_PREFIX = "SPYRE_SERVE_"
+
+
+def parse_bool(text: str) -> bool:
+    return text.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def parse_size(text: str) -> int:
+    """A byte size as the device reads it (``device.memory.parse_bytes``), refused the way
+    argparse refuses a bad flag value (the message names the flag and the value)."""
+    try:
+        return parse_bytes(text)
+    except DeviceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _flag(default, help: str, parse: Callable[[str], object] = str, sizing: bool = False):
+    return field(default=default, metadata={"help": help, "parse": parse, "sizing": sizing})
+
+
+@dataclass(slots=True)
+class Settings:
+    """What ``serve`` needs; one field per flag (``warmup`` takes the ``sizing`` ones)."""
+
+    model: str = _flag("granite-tiny", "checkpoint directory (Hugging Face format) or an embedded "
+                       "profile name", sizing=True)
+    host: str = _flag("127.0.0.1", "address to listen on")
+    port: int = _flag(8000, "TCP port to listen on", int)
+    served_model_name: str | None = _flag(None, "model name clients use (default: the --model name)")
+    max_num_seqs: int = _flag(32, "most sequences in one step (running requests)", int, sizing=True)
+    max_num_batched_tokens: int = _flag(512, "token budget of one step (prefill chunk size)", int,
+                                        sizing=True)
+    block_size: int = _flag(64, "tokens per KV cache block", int, sizing=True)
+    num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: what fits in 90%% of the free "
+                                      "device memory)", int, sizing=True)
+    max_model_len: int | None = _flag(None, "context length (default: the model's, capped by the KV "
+                                      "cache)", int, sizing=True)
+    device_memory: int | None = _flag(None, "emulated card memory, bytes or e.g. 2G (default: sized "
+                                      "for this machine)", parse_size, sizing=True)
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, "
+                                "/detokenize")
+    max_waiting: int = _flag(1024, "most requests waiting for admission; more get 503 + Retry-After",
+                             int)
+    max_n: int = _flag(8, "largest n (choices per prompt) a request may ask for", int)
+    max_body_bytes: int = _flag(1 << 20, "largest request body; larger gets 413", parse_size)
+    drain_timeout: float = _flag(30.0, "seconds to finish running requests after SIGTERM", float)
+    warmup: bool = _flag(True, "compile and prepare every step program before listening", parse_bool)
+    log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
+
+    def served_name(self, model) -> str:
+        """What clients put in ``"model"``: --served-model-name, else the loaded model's name."""
+        return self.served_model_name or model.name
+
+
+# The flags `warmup` takes: what decides the programs and the memory plan.
+SIZING = tuple(f.name for f in fields(Settings) if f.metadata["sizing"])
+
+
+def add_flags(parser: argparse.ArgumentParser, names: list[str] | tuple[str, ...]) -> None:
+    """One flag per Settings field named; its default is the environment's value if set there.
+
+    An environment value is handed to argparse as a string default, which argparse parses
+    as it would the flag's text: a bad value is refused naming the flag, as on the command
+    line. A flag given on the command line wins."""
+    by_name = {f.name: f for f in fields(Settings)}
+    for name in names:
+        f = by_name[name]
+        flag = "--" + name.replace("_", "-")
+        env = ENV_PREFIX + name.upper()
+        env_value = os.environ.get(env)
+        help_text = f"{f.metadata['help']} [env {env}]"
+        parse = f.metadata["parse"]
+        if parse is parse_bool:
+            default = parse_bool(env_value) if env_value is not None else f.default
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        parser.add_argument(flag, type=parse, default=env_value if env_value is not None else f.default,
+                            help=help_text, metavar="DIR|NAME" if name == "model" else name.upper())

@@ -1,0 +1,57 @@
+"""sampling.py: a request's fields as the engine's GenerationParams, one per choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.openai.errors import APIError
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.sampling import generation_params
+
+
+def params(max_tokens=8, logprobs=None, prompt_logprobs=False, max_n=8, **body):
+    return generation_params(CompletionRequest(prompt="x", **body), max_tokens, logprobs, prompt_logprobs, max_n)
+
+
+def test_one_params_per_choice_with_consecutive_seeds():
+    out = params(n=3, seed=40)
+    assert [p.sampling.seed for p in out] == [40, 41, 42]
+
+
+def test_an_unseeded_request_stays_unseeded():
+    assert [p.sampling.seed for p in params(n=2)] == [None, None]
+
+
+def test_unset_fields_are_the_engines_neutral_values():
+    s = params()[0].sampling
+    assert (s.temperature, s.top_k, s.top_p, s.min_p, s.logprobs) == (1.0, 0, 1.0, 0.0, 0)
+
+
+def test_top_k_minus_one_means_off():
+    assert params(top_k=-1)[0].sampling.top_k == 0
+
+
+def test_the_requests_values_are_kept():
+    p = params(temperature=0.5, top_k=4, top_p=0.9, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
+               repetition_penalty=1.2, stop="!", stop_token_ids=[3], ignore_eos=True, logprobs=2,
+               prompt_logprobs=True)[0]
+    s = p.sampling
+    assert (s.temperature, s.top_k, s.top_p, s.min_p) == (0.5, 4, 0.9, 0.1)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logprobs) == (0.5, -0.5, 1.2, 2)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs, p.prompt_logprobs) == (["!"], [3], True, 2, True)
+
+
+def test_min_tokens_is_capped_at_max_tokens():
+    assert params(max_tokens=3, min_tokens=10)[0].min_tokens == 3
+
+
+def test_n_over_the_servers_limit_is_a_400_naming_n():
+    with pytest.raises(APIError) as info:
+        params(n=5, max_n=4)
+    assert (info.value.status, info.value.param, info.value.message) == (400, "n", "n must be at most 4, got 5")
+
+
+def test_a_chat_request_converts_the_same_way():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], seed=1, n=2)
+    out = generation_params(req, 5, None, False, 8)
+    assert [(p.max_tokens, p.logprobs, p.sampling.seed) for p in out] == [(5, None, 1), (5, None, 2)]

@@ -1,0 +1,126 @@
+"""serving.py: the checks every endpoint makes before it submits, and reading a body."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from server.engine import RequestRejected
+from server.openai.errors import APIError, install_error_handlers
+from server.openai.protocol import DetokenizeRequest
+from server.openai.serving import Serving, serving_of
+from server.settings import Settings
+from tests.server.openai.conftest import VOCAB, CharTokenizer, ScriptedEngine, fake_model
+
+
+def serving(engine=None, **settings) -> Serving:
+    return Serving.for_model(engine or ScriptedEngine(max_model_len=10), fake_model("tiny"), Settings(**settings))
+
+
+def refused(check, *args) -> APIError:
+    with pytest.raises(APIError) as info:
+        check(*args)
+    return info.value
+
+
+def test_for_model_takes_the_name_path_vocabulary_and_tokenizer_of_the_model():
+    s = serving()
+    assert (s.model_name, s.model_root, s.vocab_size) == ("tiny", "/models/tiny", VOCAB)
+    assert isinstance(s.tokenizer, CharTokenizer) and s.texts(1) == " "
+
+
+def test_a_served_model_name_replaces_the_models():
+    assert serving(served_model_name="granite").model_name == "granite"
+
+
+def test_another_model_name_is_a_404_naming_both():
+    err = refused(serving().check_model, "gpt-17")
+    assert (err.status, err.param) == (404, "model")
+    assert err.message == "The model `gpt-17` does not exist. This server serves `tiny`."
+
+
+def test_the_served_name_or_none_passes():
+    serving().check_model("tiny")
+    serving().check_model(None)
+
+
+def test_a_token_outside_the_vocabulary_is_a_400_with_the_range():
+    err = refused(serving().check_tokens, [1, VOCAB, -1], "prompt")
+    assert (err.status, err.param) == (400, "prompt")
+    assert err.message == f"token id {VOCAB} is outside the vocabulary (0..{VOCAB - 1})"
+
+
+def test_max_tokens_is_the_requested_or_what_the_longest_prompt_leaves():
+    s = serving()  # max_model_len 10
+    assert s.max_tokens(3, [[1] * 9]) == 3
+    assert s.max_tokens(None, [[1] * 4, [1] * 6]) == 4
+    assert s.max_tokens(None, [[1] * 12]) == 0
+
+
+class Rejecting(ScriptedEngine):
+    def __init__(self, param: str) -> None:
+        super().__init__()
+        self.param = param
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        raise RequestRejected(f"{num_prompt_tokens} tokens do not fit", self.param)
+
+
+def test_a_request_that_can_never_fit_is_a_400_with_the_engines_words():
+    err = refused(serving(Rejecting("max_tokens")).check_fits, [1, 2], 5)
+    assert (err.status, err.param, err.message) == (400, "max_tokens", "2 tokens do not fit")
+
+
+def test_check_fits_renames_the_engines_fields_to_the_requests():
+    renames = {"prompt": "messages", "max_tokens": "max_completion_tokens"}
+    assert refused(serving(Rejecting("prompt")).check_fits, [1], 5, renames).param == "messages"
+    assert refused(serving(Rejecting("max_tokens")).check_fits, [1], 5, renames).param == "max_completion_tokens"
+
+
+def test_a_stopped_engine_is_a_503_with_retry_after():
+    engine = ScriptedEngine()
+    engine.alive = False
+    err = refused(serving(engine).check_admission)
+    assert (err.status, err.message, err.retry_after) == (503, "the engine is not running", 1)
+
+
+def test_a_draining_engine_is_a_503_with_retry_after():
+    engine = ScriptedEngine()
+    engine.accepting = False
+    err = refused(serving(engine).check_admission)
+    assert (err.status, err.retry_after) == (503, 1) and "shutting down" in err.message
+
+
+def test_a_full_waiting_queue_is_a_503_with_the_numbers():
+    engine = ScriptedEngine()
+    engine.num_waiting_requests = 5
+    err = refused(serving(engine, max_waiting=5).check_admission)
+    assert err.message == "the waiting queue is full: 5 requests waiting, the limit is 5 (--max-waiting)"
+    serving(engine, max_waiting=6).check_admission()
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    app = FastAPI()
+    install_error_handlers(app)
+    app.state.serving = serving(max_body_bytes=40)
+
+    @app.post("/read")
+    async def read(request: Request):
+        return {"tokens": (await serving_of(request).read(request, DetokenizeRequest)).tokens}
+
+    return TestClient(app)
+
+
+def test_read_gives_the_validated_body(client):
+    assert client.post("/read", json={"model": "tiny", "tokens": [1]}).json() == {"tokens": [1]}
+
+
+def test_read_holds_the_body_to_the_settings_limit(client):
+    assert client.post("/read", json={"tokens": [1] * 40}).status_code == 413
+
+
+def test_read_refuses_a_body_naming_another_model(client):
+    r = client.post("/read", json={"model": "gpt-17", "tokens": [1]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"

@@ -1,0 +1,48 @@
+"""status.py: /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+from tests.server.openai.conftest import ScriptedEngine, client_for
+
+
+def test_models_lists_the_served_model_its_root_and_context_length():
+    data = client_for(served_model_name="granite").get("/v1/models").json()["data"]
+    assert len(data) == 1
+    m = data[0]
+    assert (m["id"], m["object"], m["root"], m["max_model_len"], m["parent"]) == ("granite", "model", "/models/tiny",
+                                                                                   64, None)
+
+
+def test_health_is_an_empty_200_while_the_engine_runs():
+    r = client_for().get("/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_health_is_a_503_naming_the_error_that_stopped_the_engine():
+    engine = ScriptedEngine()
+    engine.alive, engine.error = False, RuntimeError("device fault")
+    r = client_for(engine).get("/health")
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == "the engine loop is not running: RuntimeError: device fault"
+
+
+def test_health_is_a_503_with_retry_after_while_draining():
+    engine = ScriptedEngine()
+    engine.accepting = False
+    r = client_for(engine).get("/health")
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+
+class Rendered:
+    def render(self):
+        return b"# metrics\n", "text/plain; version=0.0.4"
+
+
+def test_metrics_are_what_the_metrics_render():
+    r = client_for(metrics=Rendered()).get("/metrics")
+    assert r.content == b"# metrics\n" and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+
+
+def test_metrics_are_empty_without_metrics():
+    r = client_for().get("/metrics")
+    assert r.status_code == 200 and r.content == b""
