@@ -34,8 +34,8 @@ async def create_completion(request: Request):
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
     for ids in prompts:
         serving.check_fits(ids, max_tokens)
-    params = generation_params(req, max_tokens, req.logprobs, req.echo and req.logprobs is not None,
-                               serving.settings.max_n)
+    params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
+                               max_n=serving.settings.max_n)
     serving.check_admission()
     head = new_head("cmpl", "text_completion", serving.model_name)
     sub = Submission(serving.engine, head["id"], prompts, params)

@@ -21,6 +21,8 @@ RANGES = {
     "frequency_penalty": (-2.0, 2.0, True),
     "repetition_penalty": (0.0, 2.0, False),
 }
+# The integer sampling fields with a floor: (the floor, how a refusal says it).
+FLOORS = {"n": (1, "at least 1"), "min_tokens": (0, ">= 0")}
 
 
 class StreamOptions(BaseModel):
@@ -67,18 +69,12 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {v}")
         return v
 
-    @field_validator("n")
+    @field_validator(*FLOORS)
     @classmethod
-    def _n(cls, v):
-        if v < 1:
-            raise ValueError(f"n must be at least 1, got {v}")
-        return v
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _min_tokens(cls, v):
-        if v < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {v}")
+    def _at_least(cls, v, info):
+        low, words = FLOORS[info.field_name]
+        if v < low:
+            raise ValueError(f"{info.field_name} must be {words}, got {v}")
         return v
 
     @field_validator("stop")

@@ -45,6 +45,7 @@ def test_completion_limits_name_the_value():
     assert "logprobs must be between 0 and 5, got 6" in message(CompletionRequest, prompt="x", logprobs=6)
     assert "max_tokens must be >= 0, got -1" in message(CompletionRequest, prompt="x", max_tokens=-1)
     assert "n must be at least 1, got 0" in message(CompletionRequest, prompt="x", n=0)
+    assert "min_tokens must be >= 0, got -1" in message(CompletionRequest, prompt="x", min_tokens=-1)
 
 
 def test_chat_wants_a_message_and_prefers_max_completion_tokens():
