@@ -144,6 +144,27 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
+def check_shapes(source, expected: dict[str, tuple[int, ...]],
+                 shapes: dict[str, tuple[int, ...]]) -> None:
+    """The tensors of ``source`` (name -> shape) are exactly ``expected``'s, with its shapes;
+    the error names the first that is missing, unexpected or of another shape. Shared by
+    safetensors directories and GGUF files (which pass llama.cpp's names)."""
+    missing = [n for n in expected if n not in shapes]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r} (expected shape "
+                              f"{list(expected[missing[0]])}); {len(missing)} missing in all")
+    unexpected = [n for n in shapes if n not in expected]
+    if unexpected:
+        n = unexpected[0]
+        raise CheckpointError(f"{source}: unexpected tensor {n!r} with shape {list(shapes[n])}"
+                              f"; {len(unexpected)} unexpected in all")
+    for name, shape in expected.items():
+        got = tuple(shapes[name])
+        if got != shape:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {list(got)}, "
+                                  f"config expects {list(shape)}")
+
+
 def load_checkpoint(path: str | Path, config: GraniteConfig | None = None, *,
                     widen: bool = True) -> Checkpoint:
     """Read config.json (unless ``config`` is given) and every tensor, checked against
@@ -184,20 +205,7 @@ def load_checkpoint(path: str | Path, config: GraniteConfig | None = None, *,
         del stored["lm_head.weight"]
 
     expected = expected_shapes(config)
-    missing = [n for n in expected if n not in stored]
-    if missing:
-        raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (expected shape "
-                              f"{list(expected[missing[0]])}); {len(missing)} missing in all")
-    unexpected = [n for n in stored if n not in expected]
-    if unexpected:
-        n = unexpected[0]
-        raise CheckpointError(f"{path}: unexpected tensor {n!r} with shape {list(stored[n][1].shape)}"
-                              f"; {len(unexpected)} unexpected in all")
-    for name, shape in expected.items():
-        got = stored[name][1].shape
-        if got != shape:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {list(got)}, "
-                                  f"config expects {list(shape)}")
+    check_shapes(path, expected, {name: arr.shape for name, (_, arr) in stored.items()})
 
     if widen:
         tensors = {name: _widen(*stored[name]) for name in expected}

@@ -1,4 +1,5 @@
-"""load_model: a profile name or checkpoint directory -> a model whose weights are on the card."""
+"""load_model: a model name, checkpoint directory or GGUF file -> a model whose weights are on
+the card."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ from pathlib import Path
 from device import Card
 from models.checkpoint import load_checkpoint
 from models.config import GraniteConfig
-from models.profiles import resolve_model
+from models.gguf import is_gguf_file, load_gguf_checkpoint
+from models.gguf_tokenizer import load_gguf_tokenizer
+from models.profiles import model_names, resolve_model
 from models.tokenizer import load_tokenizer
 from models.weights import ModelWeights, place_weights
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    name: str                  # what the user asked for: a profile name or the directory's name
-    path: Path                 # the checkpoint directory
+    name: str                  # what the user asked for: a model name, or the directory's
+                               # or GGUF file's name
+    path: Path                 # the checkpoint directory, or the GGUF file
     config: GraniteConfig
     tokenizer: object | None   # transformers tokenizer (None when load_model(tokenizer=False))
     weights: ModelWeights      # on the card
@@ -29,19 +33,16 @@ def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = Tr
     `card` once in the kernels' layout, and load its tokenizer."""
     name = os.fspath(path_or_name)
     path = resolve_model(name)
-    ckpt = load_checkpoint(path)
+    gguf = is_gguf_file(path)   # a GGUF file: dequantized to float32, tokenizer from its metadata
+    ckpt = load_gguf_checkpoint(path) if gguf else load_checkpoint(path)
     weights = place_weights(card, ckpt.config, ckpt.tensors)
     codes = set(ckpt.stored_dtypes.values())
     stored = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    stored_dtype = stored[codes.pop()] if len(codes) == 1 else ckpt.config.torch_dtype
+    stored_dtype = stored.get(codes.pop(), "float32") if len(codes) == 1 else ckpt.config.torch_dtype
     del ckpt
-    tok = load_tokenizer(path) if tokenizer else None
-    display = name if name in _profile_names() else Path(name).name
+    tok = None
+    if tokenizer:
+        tok = load_gguf_tokenizer(path) if gguf else load_tokenizer(path)
+    display = name if name in model_names() else Path(name).name
     return LoadedModel(name=display, path=Path(path), config=weights.config, tokenizer=tok,
                        weights=weights, stored_dtype=stored_dtype)
-
-
-def _profile_names() -> set[str]:
-    from models.profiles import PROFILES
-
-    return set(PROFILES)

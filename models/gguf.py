@@ -1,0 +1,460 @@
+"""GGUF files (llama.cpp's format) read as a Hugging Face checkpoint, without torch.
+
+``load_gguf_checkpoint(path)`` gives the same ``Checkpoint`` as a safetensors directory:
+a ``GraniteConfig`` built from the file's metadata and every tensor as float32 with its
+Hugging Face name and shape, dequantized at load. Two architectures are served, ``llama``
+and ``granite`` (llama.cpp's names); tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K and Q6_K. Anything else is refused naming the tensor and its type, or the
+architecture, before any tensor is dequantized.
+
+Three things differ from a Hugging Face checkpoint:
+
+- Names: llama.cpp's ``token_embd``, ``blk.N.attn_q``, ..., ``output_norm``, ``output``.
+  A file without ``output.weight`` ties the LM head to the embedding.
+- Rotary layout: llama.cpp's converter permutes the rows of each head of ``q_proj`` and
+  ``k_proj`` from Hugging Face's half-split rotary layout (rotate x[i] with x[i + D/2]) to
+  GGML's interleaved one (x[2i] with x[2i + 1]). Our rope kernel is half-split, so those
+  rows are put back (``unpermute_rope_rows``), as transformers' GGUF loader does.
+- Metadata: the config is ``{arch}.*`` keys (llama.cpp's spellings, taken from the
+  ``gguf`` package's ``Keys``); Granite's multipliers are ``granite.embedding_scale``,
+  ``granite.residual_scale``, ``granite.attention.scale`` and ``granite.logit_scale``
+  (logits are divided by it, as llama.cpp's Granite graph does). A multiplier the file
+  does not give is neutral, as in llama.cpp (attention scale 1/sqrt(head_dim)).
+
+The header is parsed here rather than by ``gguf.GGUFReader``: that reader builds a numpy
+view per string, and SmolLM2's 98k vocabulary and merge strings take it 8-15 s on this
+machine against ~0.2 s with ``struct``. Tensor bytes stay in a read-only memory map and are
+dequantized with ``gguf.quants.dequantize``, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
+from gguf.quants import dequantize
+
+from models.checkpoint import Checkpoint, CheckpointError, check_shapes, expected_shapes
+from models.config import ConfigError, GraniteConfig
+
+GGUF_SUFFIX = ".gguf"
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+# llama.cpp's architecture name -> ours (the Hugging Face class name)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM"}
+
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K)
+_FLOAT_DTYPES = {Q.F32: "float32", Q.F16: "float16", Q.BF16: "bfloat16"}
+
+# Tensor names: llama.cpp's -> Hugging Face's, in block N for the per-layer ones.
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+
+# GGUF metadata value types: id -> struct format (scalars) or numpy dtype (arrays of them).
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file this server cannot serve: not GGUF, an architecture, a tensor or a tensor
+    type it does not run, metadata that does not describe the tensors."""
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor's entry in the header; its bytes stay in the file."""
+    name: str                 # llama.cpp's name, e.g. "blk.0.attn_q.weight"
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]    # numpy order (GGML's dims reversed): [rows, cols] = HF's [out, in]
+    offset: int               # byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+
+@dataclass(slots=True)
+class GGUFFile:
+    path: Path
+    version: int
+    metadata: dict[str, object]        # key -> int | float | bool | str | list of those
+    tensors: dict[str, GGUFTensor]     # by llama.cpp name, in file order
+    data: mmap.mmap                    # the whole file, read-only
+
+    @property
+    def architecture(self) -> str:
+        return require(self, Keys.General.ARCHITECTURE)
+
+    def arch_key(self, key: str) -> str:
+        """``Keys.LLM.BLOCK_COUNT`` ("{arch}.block_count") -> "llama.block_count"."""
+        return key.format(arch=self.architecture)
+
+
+def is_gguf_file(path) -> bool:
+    """A path names a GGUF file: by its suffix, as llama.cpp and transformers do."""
+    return str(path).lower().endswith(GGUF_SUFFIX)
+
+
+# ---------------------------------------------------------------- the header
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, advancing ``pos``."""
+
+    __slots__ = ("buf", "pos", "path")
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def unpack(self, fmt: str):
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise GGUFError(f"{self.path}: header ends at byte {len(self.buf)}, inside a value "
+                            f"at {self.pos} (a truncated file?)")
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise GGUFError(f"{self.path}: a string of {n} bytes at {self.pos} runs past the end "
+                            f"of the file ({len(self.buf)} bytes)")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{self.path}: a string at byte {self.pos - n} is not UTF-8: {e}") from e
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            return self.array()
+        if kind not in _SCALAR_FORMATS:
+            raise GGUFError(f"{self.path}: metadata value type {kind} at byte {self.pos} is not "
+                            "a GGUF type")
+        return self.unpack(_SCALAR_FORMATS[kind])
+
+    def array(self) -> list:
+        kind, n = self.unpack("<I"), self.unpack("<Q")
+        if kind in _SCALAR_FORMATS:   # numbers in one read
+            dtype = np.dtype(_SCALAR_FORMATS[kind].replace("?", "u1"))
+            if self.pos + n * dtype.itemsize > len(self.buf):
+                raise GGUFError(f"{self.path}: an array of {n} values at {self.pos} runs past "
+                                "the end of the file")
+            values = np.frombuffer(self.buf, dtype, n, self.pos)
+            self.pos += n * dtype.itemsize
+            return (values != 0).tolist() if kind == 7 else values.tolist()
+        return [self.value(kind) for _ in range(n)]
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """The header of a GGUF file (metadata and tensor entries); tensor data stays mapped."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"GGUF file {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        if f.read(4) != MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (it does not start with {MAGIC!r})")
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    cur = _Cursor(data, path)
+    cur.pos = 4
+    version = cur.unpack("<I")
+    if version not in VERSIONS:
+        swapped = struct.unpack(">I", struct.pack("<I", version))[0]
+        what = "a big-endian file" if swapped in VERSIONS else f"version {version}"
+        raise GGUFError(f"{path}: {what}; this reader takes little-endian GGUF "
+                        f"versions {list(VERSIONS)}")
+    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    metadata: dict[str, object] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("<I"))
+    entries = [_tensor_entry(cur) for _ in range(n_tensors)]
+    alignment = int(metadata.get(Keys.General.ALIGNMENT, DEFAULT_ALIGNMENT))
+    start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, GGUFTensor] = {}
+    for name, kind, shape, offset in entries:
+        if name in tensors:
+            raise GGUFError(f"{path}: tensor {name!r} appears twice")
+        tensors[name] = _place(path, name, kind, shape, start + offset, len(data))
+    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors, data=data)
+
+
+def _tensor_entry(cur: _Cursor) -> tuple[str, int, tuple[int, ...], int]:
+    name = cur.string()
+    dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
+    kind, offset = cur.unpack("<I"), cur.unpack("<Q")
+    return name, kind, tuple(reversed(dims)), offset
+
+
+def _place(path: Path, name: str, kind: int, shape: tuple[int, ...], offset: int,
+           file_size: int) -> GGUFTensor:
+    try:
+        ggml_type = GGMLQuantizationType(kind)
+    except ValueError:
+        raise GGUFError(f"{path}: tensor {name!r} has type id {kind}, which GGML does not "
+                        "define") from None
+    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if shape and shape[-1] % block:
+        raise GGUFError(f"{path}: tensor {name!r} {ggml_type.name}{list(shape)}: rows of "
+                        f"{shape[-1]} values are not whole blocks of {block}")
+    nbytes = math.prod(shape) // block * block_bytes
+    if offset + nbytes > file_size:
+        raise GGUFError(f"{path}: tensor {name!r} {ggml_type.name}{list(shape)} needs bytes "
+                        f"[{offset}, {offset + nbytes}) of a {file_size}-byte file")
+    return GGUFTensor(name, ggml_type, shape, offset, nbytes)
+
+
+def require(f: GGUFFile, key: str):
+    """A metadata value the model cannot do without."""
+    if key not in f.metadata:
+        raise GGUFError(f"{f.path}: metadata has no {key!r}")
+    return f.metadata[key]
+
+
+# ---------------------------------------------------------------- names and the config
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """llama.cpp's tensor name -> Hugging Face's, or None for a tensor we do not run."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    m = _LAYER_NAME.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.weight"
+    return None
+
+
+def gguf_name(name: str) -> str:
+    """Hugging Face's tensor name -> llama.cpp's (the inverse of ``hf_name``)."""
+    for g, h in _GLOBAL_TENSORS.items():
+        if h == name:
+            return g
+    m = _HF_LAYER_NAME.fullmatch(name)
+    for g, h in _LAYER_TENSORS.items():
+        if m and h == m.group(2):
+            return f"blk.{m.group(1)}.{g}.weight"
+    raise KeyError(name)
+
+
+def check_architecture(f: GGUFFile) -> str:
+    """Our architecture class for the file's, or the refusal naming it."""
+    arch = f.architecture
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{f.path}: GGUF architecture {arch!r} is not supported; supported: "
+                        f"{', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[arch]
+
+
+def check_tensors(f: GGUFFile) -> None:
+    """Every tensor is one we run, in a type we dequantize: else refuse naming the first."""
+    unknown = [t for t in f.tensors.values() if hf_name(t.name) is None]
+    if unknown:
+        t = unknown[0]
+        raise GGUFError(f"{f.path}: tensor {t.name!r} ({t.type_name}{list(t.shape)}) is not part of "
+                        f"a {f.architecture} model this server runs (no biases, experts or rope "
+                        f"frequency factors); {len(unknown)} such tensors in all")
+    bad = [t for t in f.tensors.values() if t.ggml_type not in SUPPORTED_TYPES]
+    if bad:
+        t = bad[0]
+        raise GGUFError(f"{f.path}: tensor {t.name!r} has type {t.type_name}, which this server "
+                        f"does not dequantize; supported: {', '.join(q.name for q in SUPPORTED_TYPES)}"
+                        f" ({len(bad)} tensors of unsupported types in all)")
+
+
+def _one_value(f: GGUFFile, key: str):
+    """A per-model value; llama.cpp allows a per-layer array, which we take if all equal."""
+    v = f.metadata[key]
+    if isinstance(v, list):
+        if not v or any(x != v[0] for x in v):
+            raise GGUFError(f"{f.path}: metadata {key!r} varies across layers ({v[:8]}...); "
+                            "only uniform layers are supported")
+        return v[0]
+    return v
+
+
+def gguf_config(f: GGUFFile) -> GraniteConfig:
+    """The GraniteConfig the metadata and tensors describe (llama.cpp's defaults where a key
+    is optional), checked by the same parser as a config.json."""
+    arch = check_architecture(f)
+    key = f.arch_key
+    for k in (Keys.LLM.EMBEDDING_LENGTH, Keys.LLM.BLOCK_COUNT, Keys.LLM.FEED_FORWARD_LENGTH,
+              Keys.Attention.HEAD_COUNT, Keys.LLM.CONTEXT_LENGTH):
+        require(f, key(k))
+    hidden = _one_value(f, key(Keys.LLM.EMBEDDING_LENGTH))
+    heads = _one_value(f, key(Keys.Attention.HEAD_COUNT))
+    kv_heads = _one_value(f, key(Keys.Attention.HEAD_COUNT_KV)) \
+        if key(Keys.Attention.HEAD_COUNT_KV) in f.metadata else heads
+    head_dim = _head_dim(f, hidden, heads)
+    _refuse_rope_scaling(f)
+    embed = f.tensors.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError(f"{f.path}: no tensor 'token_embd.weight'")
+    vocab = embed.shape[0]
+    declared = f.metadata.get(key(Keys.LLM.VOCAB_SIZE))
+    if declared is not None and declared != vocab:
+        raise GGUFError(f"{f.path}: metadata {key(Keys.LLM.VOCAB_SIZE)!r} is {declared}, but "
+                        f"'token_embd.weight' has {vocab} rows")
+    d = {
+        "architectures": [arch],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _one_value(f, key(Keys.LLM.FEED_FORWARD_LENGTH)),
+        "num_hidden_layers": f.metadata[key(Keys.LLM.BLOCK_COUNT)],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": f.metadata[key(Keys.LLM.CONTEXT_LENGTH)],
+        "rms_norm_eps": float(f.metadata.get(key(Keys.Attention.LAYERNORM_RMS_EPS), 1e-5)),
+        "rope_theta": float(f.metadata.get(key(Keys.Rope.FREQ_BASE), 10000.0)),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "torch_dtype": _dominant_dtype(f),
+        **_special_ids(f, vocab),
+    }
+    if arch == "GraniteForCausalLM":
+        d.update(_granite_multipliers(f, head_dim))
+    else:
+        d["head_dim"] = head_dim
+    try:
+        return GraniteConfig.from_dict(d)
+    except ConfigError as e:
+        raise GGUFError(f"{f.path}: the metadata gives a config this server cannot run: {e}") from e
+
+
+def _head_dim(f: GGUFFile, hidden: int, heads: int) -> int:
+    """``attention.key_length`` or hidden / heads (llama.cpp's rule); values and rotary
+    dims must be the same size: partial rotary is not implemented."""
+    key = f.arch_key
+    head_dim = f.metadata.get(key(Keys.Attention.KEY_LENGTH))
+    if head_dim is None:
+        if hidden % heads:
+            raise GGUFError(f"{f.path}: embedding_length {hidden} is not divisible by "
+                            f"head_count {heads} and there is no {key(Keys.Attention.KEY_LENGTH)!r}")
+        head_dim = hidden // heads
+    for k in (Keys.Attention.VALUE_LENGTH, Keys.Rope.DIMENSION_COUNT):
+        v = f.metadata.get(key(k))
+        if v is not None and v != head_dim:
+            raise GGUFError(f"{f.path}: metadata {key(k)!r} is {v}, the head dim is {head_dim}; "
+                            "only full rotary heads with equal key and value sizes are supported")
+    return head_dim
+
+
+def _refuse_rope_scaling(f: GGUFFile) -> None:
+    scaling = f.metadata.get(f.arch_key(Keys.Rope.SCALING_TYPE))
+    if scaling not in (None, "none"):
+        raise GGUFError(f"{f.path}: metadata {f.arch_key(Keys.Rope.SCALING_TYPE)!r} is "
+                        f"{scaling!r}; only no rope scaling is supported")
+
+
+def _granite_multipliers(f: GGUFFile, head_dim: int) -> dict[str, float]:
+    """Granite's four multipliers from llama.cpp's keys; absent ones neutral, as llama.cpp
+    computes them (its attention scale defaults to 1/sqrt(head_dim), not HF's 1.0)."""
+    key = f.arch_key
+    return {
+        "embedding_multiplier": float(f.metadata.get(key(Keys.LLM.EMBEDDING_SCALE), 1.0)),
+        "residual_multiplier": float(f.metadata.get(key(Keys.LLM.RESIDUAL_SCALE), 1.0)),
+        "attention_multiplier": float(f.metadata.get(key(Keys.Attention.SCALE),
+                                                     1.0 / math.sqrt(head_dim))),
+        "logits_scaling": float(f.metadata.get(key(Keys.LLM.LOGIT_SCALE), 1.0)),
+    }
+
+
+def _special_ids(f: GGUFFile, vocab: int) -> dict:
+    """bos/pad ids, and as eos ids every id generation ends on in llama.cpp: eos, end of
+    turn, end of message. An id outside the vocabulary is left out, as transformers does."""
+    t = Keys.Tokenizer
+    ids = {k: f.metadata.get(k) for k in (t.BOS_ID, t.EOS_ID, t.EOT_ID, t.EOM_ID, t.PAD_ID)}
+    ids = {k: v if isinstance(v, int) and 0 <= v < vocab else None for k, v in ids.items()}
+    eos = list(dict.fromkeys(v for k in (t.EOS_ID, t.EOT_ID, t.EOM_ID)
+                             if (v := ids[k]) is not None))
+    return {"bos_token_id": ids[t.BOS_ID], "eos_token_id": eos, "pad_token_id": ids[t.PAD_ID]}
+
+
+def _dominant_dtype(f: GGUFFile) -> str:
+    """The float type most of the weights are stored in; quantized weights are float32
+    once dequantized."""
+    by_type: dict = {}
+    for t in f.tensors.values():
+        by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + math.prod(t.shape)
+    main = max(by_type, key=by_type.get)
+    return _FLOAT_DTYPES.get(main, "float32")
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def dequantize_tensor(f: GGUFFile, t: GGUFTensor) -> np.ndarray:
+    """float32 array of ``t.shape``: F32 a read-only view of the file, others a new array."""
+    block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+    row_bytes = t.shape[-1] // block * block_bytes
+    raw = np.frombuffer(f.data, np.uint8, t.nbytes, t.offset)
+    raw = raw.reshape(*t.shape[:-1], row_bytes)           # [rows, bytes of a row]
+    out = dequantize(raw, t.ggml_type)                    # [rows, cols]
+    if out.dtype != np.float32:
+        out = out.astype(np.float32)
+    if out.shape != t.shape:
+        raise GGUFError(f"{f.path}: tensor {t.name!r} dequantized to {list(out.shape)}, "
+                        f"expected {list(t.shape)}")
+    return out
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter permutation of q_proj/k_proj rows (``n_heads`` of them:
+    query heads for q, KV heads for k). Within each head of D rows the converter writes
+    row 2i + j (j in 0, 1) from HF row j * D/2 + i; this puts every row back."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise GGUFError(f"{rows} rows do not split into {n_heads} heads of an even size")
+    half = rows // n_heads // 2
+    return np.ascontiguousarray(
+        w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def load_gguf_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a GGUF file into a Checkpoint: config from the metadata, every tensor refused
+    or dequantized to float32 under its Hugging Face name (q/k rows back in HF's rotary
+    layout). ``stored_dtypes`` holds each tensor's GGML type name ("Q4_1", "F32", ...)."""
+    f = read_gguf(path)
+    config = gguf_config(f)
+    check_tensors(f)
+    expected = {gguf_name(n): s for n, s in expected_shapes(config).items()}
+    check_shapes(f.path, expected, {n: t.shape for n, t in f.tensors.items()})
+    rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    tensors, stored = {}, {}
+    for t in f.tensors.values():
+        w = dequantize_tensor(f, t)
+        m = _LAYER_NAME.fullmatch(t.name)
+        if m and m.group(2) in rope_heads:
+            w = unpermute_rope_rows(w, rope_heads[m.group(2)])
+        tensors[hf_name(t.name)] = w
+        stored[hf_name(t.name)] = t.type_name
+    return Checkpoint(config=config, tensors=tensors, path=f.path, stored_dtypes=stored)
