@@ -30,6 +30,14 @@ import numba  # noqa: E402
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "threadsafe"  # tbb or omp, whichever is installed
 
+from pathlib import Path  # noqa: E402
+
+from device.cache import use_source_keyed_cache  # noqa: E402
+
+# Compiled kernels are cached on disk under a key of this package's sources (device/cache.py):
+# before any kernel module is imported, since Numba fixes a function's cache when decorating it.
+use_source_keyed_cache(Path(__file__).parent)
+
 from device.allocator import AllocatorStats, CachingAllocator  # noqa: E402
 from device.card import Card  # noqa: E402
 from device.counters import Counters  # noqa: E402

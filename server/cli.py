@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 import time
@@ -102,12 +101,13 @@ def build(s: Settings, progress: bool = True) -> Built:
 
     t0 = time.monotonic()
     card = _card(s)
-    model = load_model(s.model, card)
+    model = load_model(s.model, card, dtype=s.dtype)
     cfg = model.config
     log.info("model %s from %s: %d layers, hidden %d, %d heads (%d KV), vocab %d, stored %s",
              model.name, model.path, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
              cfg.num_key_value_heads, cfg.vocab_size, model.stored_dtype)
     runner = _runner(s, model, card)
+    log.info("weights %s on the card, GEMM inputs in %s", model.weights.dtype, runner.compute_dtype)
     log.info("%s", memory_plan_text(card, model, runner))
     if s.warmup:
         shapes = runner.bucket_shapes()
@@ -130,7 +130,8 @@ def _runner(s: Settings, model, card):
     from models import ModelRunner
 
     return ModelRunner(model, card, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                       block_size=s.block_size, num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len)
+                       block_size=s.block_size, num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len,
+                       compute_dtype=s.compute_dtype)
 
 
 def memory_plan_text(card, model, runner) -> str:
@@ -147,6 +148,8 @@ def memory_plan_text(card, model, runner) -> str:
 def warmup(s: Settings, progress: bool = True, out=None) -> int:
     """`spyre-serve warmup`: load the model, compile and prepare every step program (Numba
     writes the compiled code to its on-disk cache), print them and the memory plan; 0 when done."""
+    import numba
+
     from models import load_model
 
     out = out or sys.stdout
@@ -154,7 +157,7 @@ def warmup(s: Settings, progress: bool = True, out=None) -> int:
     t0 = time.monotonic()
     card = _card(s)
     try:
-        model = load_model(s.model, card)
+        model = load_model(s.model, card, dtype=s.dtype)
         cfg = model.config
         print(f"model {model.name} from {model.path}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
               f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV), vocab {cfg.vocab_size}, "
@@ -165,7 +168,7 @@ def warmup(s: Settings, progress: bool = True, out=None) -> int:
             shapes = runner.bucket_shapes()
             print(f"compiling and preparing {len(shapes)} step programs (token buckets {runner.t_buckets}, "
                   f"sequence buckets {runner.s_buckets}); Numba cache: "
-                  f"{os.environ.get('NUMBA_CACHE_DIR') or 'next to the sources (__pycache__)'}", file=out, flush=True)
+                  f"{numba.config.CACHE_DIR}", file=out, flush=True)
             before = card.counters.snapshot()
             t1 = time.monotonic()
             runner.warmup(progress=progress)
