@@ -32,33 +32,36 @@ from device import Card, DeviceTensor, Program, Slot
 from device.abi import ENTRY_ARGS, f32_at, i32_at, i64_at
 from device.kernels.activation import swiglu
 from device.kernels.attention import paged_attention, write_kv
-from device.kernels.embedding import embedding
-from device.kernels.gemm import gemm, gemm_bt
+from device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
 from device.kernels.norm import rmsnorm
 from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
 from device.kernels.sampling import sample
+from device.layout import format_code
 from models.kv_cache import KVCache
 from models.step_io import SeqWork
-from models.step_program import _gather_rows, _split_qkv
-from models.threads import layer_weight_bytes, set_step_threads, step_threads
-from models.weights import (
+from models.step_program import (
     CONST_ATTN_SCALE,
     CONST_EMB_MULT,
     CONST_EPS,
     CONST_INV_LOGIT_SCALE,
     CONST_RES_MULT,
+    N_CONSTS,
+    _gather_rows,
+    _split_qkv,
 )
+from models.threads import layer_weight_bytes, set_step_threads, step_threads
+from models.weights import resolve_compute_dtype
 
 # ---- one entry per op, with the device ABI: table slots in the order of the bindings ----
 
 
 @njit(nogil=True, cache=True)
 def op_embedding(f32, i32, i64, u16, t):
-    # out, embed, ids, consts | T, H, V
-    n, h, v = t[4], t[5], t[6]
-    embedding(f32_at(f32, t[0], n * h).reshape(n, h), f32_at(f32, t[1], v * h).reshape(v, h),
-              i32_at(i32, t[2], n), f32_at(f32, t[3], 8)[CONST_EMB_MULT])
+    # out, embed (E.T packed), ids, consts | T, H, V, WFMT
+    n, h, v, wfmt = t[4], t[5], t[6], t[7]
+    gather_columns_at(f32_at(f32, t[0], n * h).reshape(n, h), f32, u16, t[1],
+                      i32_at(i32, t[2], n), f32_at(f32, t[3], N_CONSTS)[CONST_EMB_MULT], h, v, wfmt)
 
 
 @njit(nogil=True, cache=True)
@@ -66,23 +69,16 @@ def op_rmsnorm(f32, i32, i64, u16, t):
     # out, x, w, consts | M, H
     m, h = t[4], t[5]
     rmsnorm(f32_at(f32, t[0], m * h).reshape(m, h), f32_at(f32, t[1], m * h).reshape(m, h),
-            f32_at(f32, t[2], h), f32_at(f32, t[3], 8)[CONST_EPS])
+            f32_at(f32, t[2], h), f32_at(f32, t[3], N_CONSTS)[CONST_EPS])
 
 
 @njit(nogil=True, cache=True)
 def op_gemm(f32, i32, i64, u16, t):
-    # out, a, b | M, K, N
-    m, k, n = t[3], t[4], t[5]
-    gemm(f32_at(f32, t[0], m * n).reshape(m, n), f32_at(f32, t[1], m * k).reshape(m, k),
-         f32_at(f32, t[2], k * n).reshape(k, n))
-
-
-@njit(nogil=True, cache=True)
-def op_gemm_bt(f32, i32, i64, u16, t):
-    # out, a, bt | M, K, N
-    m, k, n = t[3], t[4], t[5]
-    gemm_bt(f32_at(f32, t[0], m * n).reshape(m, n), f32_at(f32, t[1], m * k).reshape(m, k),
-            f32_at(f32, t[2], n * k).reshape(n, k))
+    # out, a, w (packed) | M, K, N, WFMT, CFMT   (a is rounded to CFMT in place first)
+    m, k, n, wfmt, cfmt = t[3], t[4], t[5], t[6], t[7]
+    a = f32_at(f32, t[1], m * k).reshape(m, k)
+    round_to_format(a, cfmt)
+    gemm_at(f32_at(f32, t[0], m * n).reshape(m, n), a, f32, u16, t[2], k, n, wfmt)
 
 
 @njit(nogil=True, cache=True)
@@ -123,14 +119,14 @@ def op_attention(f32, i32, i64, u16, t):
                     f32_at(f32, t[2], c).reshape(nb, bs, hkv, d),
                     f32_at(f32, t[3], c).reshape(nb, bs, hkv, d),
                     i32_at(i32, t[4], s * mb).reshape(s, mb), i32_at(i32, t[5], s + 1),
-                    i32_at(i32, t[6], s), f32_at(f32, t[7], 8)[CONST_ATTN_SCALE])
+                    i32_at(i32, t[6], s), f32_at(f32, t[7], N_CONSTS)[CONST_ATTN_SCALE])
 
 
 @njit(nogil=True, cache=True)
 def op_residual_add(f32, i32, i64, u16, t):
     # x, y, consts | N   (x += residual_multiplier * y)
     n = t[3]
-    residual_add(f32_at(f32, t[0], n), f32_at(f32, t[1], n), f32_at(f32, t[2], 8)[CONST_RES_MULT])
+    residual_add(f32_at(f32, t[0], n), f32_at(f32, t[1], n), f32_at(f32, t[2], N_CONSTS)[CONST_RES_MULT])
 
 
 @njit(nogil=True, cache=True)
@@ -153,7 +149,7 @@ def op_scale_logits(f32, i32, i64, u16, t):
     # logits, consts | N   (logits /= logits_scaling, as the step program does)
     n = t[2]
     x = f32_at(f32, t[0], n)
-    s = f32_at(f32, t[1], 8)[CONST_INV_LOGIT_SCALE]
+    s = f32_at(f32, t[1], N_CONSTS)[CONST_INV_LOGIT_SCALE]
     for i in range(n):
         x[i] *= s
 
@@ -173,16 +169,18 @@ def op_sample_greedy(f32, i32, i64, u16, t):
            i32_at(i32, pi + 4 * r, r + 1), i32_at(i32, pi, 0), i32_at(i32, pi, 0))
 
 
-OPS = (op_embedding, op_rmsnorm, op_gemm, op_gemm_bt, op_split_qkv, op_rope, op_write_kv,
+OPS = (op_embedding, op_rmsnorm, op_gemm, op_split_qkv, op_rope, op_write_kv,
        op_attention, op_residual_add, op_swiglu, op_gather_rows, op_scale_logits, op_sample_greedy)
 
 
 class EagerModel:
     """Greedy steps of `model` on `card`, one freshly prepared program per op, with its own KV cache."""
 
-    def __init__(self, model, card: Card, block_size: int = 64, num_kv_blocks: int = 64):
+    def __init__(self, model, card: Card, block_size: int = 64, num_kv_blocks: int = 64,
+                 compute_dtype: str = "auto"):
         self.config = model.config
         self.weights = model.weights
+        self.cfmt = format_code(resolve_compute_dtype(compute_dtype, model.weights.dtype))
         self.card = card
         self.block_size = block_size
         self.kv = KVCache(card, model.config, block_size, num_kv_blocks)
@@ -246,13 +244,13 @@ class EagerModel:
         nb = self.kv.k[0].shape[0]              # blocks in each cache tensor (padding block included)
 
         x = self._alloc((T, H))
-        op(op_embedding, out=x, embed=w.embed, ids=tok, consts=k, T=T, H=H, V=V)
+        op(op_embedding, out=x, embed=w.embed.tensor, ids=tok, consts=k, T=T, H=H, V=V, WFMT=w.fmt)
         for li, lw in enumerate(w.layers):
             kc, vc = self.kv.k[li], self.kv.v[li]
             h = self._alloc((T, H))
             op(op_rmsnorm, out=h, x=x, w=lw.in_norm, consts=k, M=T, H=H)
             qkv = self._alloc((T, QD + 2 * KD))
-            op(op_gemm, out=qkv, a=h, b=lw.qkv, M=T, K=H, N=QD + 2 * KD)
+            op(op_gemm, out=qkv, a=h, w=lw.qkv.tensor, M=T, K=H, N=QD + 2 * KD, WFMT=w.fmt, CFMT=self.cfmt)
             q, kk, v = self._alloc((T, QD)), self._alloc((T, KD)), self._alloc((T, KD))
             op(op_split_qkv, q=q, k=kk, v=v, qkv=qkv, T=T, QD=QD, KD=KD)
             op(op_rope, x=q, positions=pos, inv_freq=w.inv_freq, T=T, NH=HQ, D=D)
@@ -264,26 +262,23 @@ class EagerModel:
                query_start=qstart, context_lens=ctxl, consts=k, T=T, HQ=HQ, HKV=HKV, D=D, NB=nb,
                BS=bs, S=S, MB=mb)
             o = self._alloc((T, H))
-            op(op_gemm, out=o, a=a, b=lw.o, M=T, K=QD, N=H)
+            op(op_gemm, out=o, a=a, w=lw.o.tensor, M=T, K=QD, N=H, WFMT=w.fmt, CFMT=self.cfmt)
             op(op_residual_add, x=x, y=o, consts=k, N=T * H)
             h2 = self._alloc((T, H))
             op(op_rmsnorm, out=h2, x=x, w=lw.post_norm, consts=k, M=T, H=H)
             gu = self._alloc((T, 2 * I))
-            op(op_gemm, out=gu, a=h2, b=lw.gate_up, M=T, K=H, N=2 * I)
+            op(op_gemm, out=gu, a=h2, w=lw.gate_up.tensor, M=T, K=H, N=2 * I, WFMT=w.fmt, CFMT=self.cfmt)
             act = self._alloc((T, I))
             op(op_swiglu, out=act, gate_up=gu, T=T, I=I)
             dn = self._alloc((T, H))
-            op(op_gemm, out=dn, a=act, b=lw.down, M=T, K=I, N=H)
+            op(op_gemm, out=dn, a=act, w=lw.down.tensor, M=T, K=I, N=H, WFMT=w.fmt, CFMT=self.cfmt)
             op(op_residual_add, x=x, y=dn, consts=k, N=T * H)
         hs = self._alloc((R, H))
         op(op_gather_rows, out=hs, x=x, rows=rws, R=R, T=T, H=H)
         hn = self._alloc((R, H))
         op(op_rmsnorm, out=hn, x=hs, w=w.norm, consts=k, M=R, H=H)
         logits = self._alloc((R, V))
-        if w.tied:
-            op(op_gemm_bt, out=logits, a=hn, bt=w.lm_head, M=R, K=H, N=V)
-        else:
-            op(op_gemm, out=logits, a=hn, b=w.lm_head, M=R, K=H, N=V)
+        op(op_gemm, out=logits, a=hn, w=w.lm_head.tensor, M=R, K=H, N=V, WFMT=w.fmt, CFMT=self.cfmt)
         op(op_scale_logits, logits=logits, consts=k, N=R * V)
         # greedy sampling parameters: temperature 0, top_p 1, min_p 0, no penalties
         pf = np.zeros(6 * R, np.float32)

@@ -28,17 +28,20 @@ class LoadedModel:
     stored_dtype: str          # dtype the checkpoint stores ("float32", "bfloat16", "float16")
 
 
-def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = True) -> LoadedModel:
+def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = True,
+               dtype: str = "auto") -> LoadedModel:
     """Resolve, read the checkpoint (float32 on the host, bf16/fp16 widened), place it on
-    `card` once in the kernels' layout, and load its tokenizer."""
+    `card` once in the kernels' layout and in width `dtype` ("auto": the width the checkpoint
+    stores, as vLLM's --dtype auto), and load its tokenizer."""
     name = os.fspath(path_or_name)
     path = resolve_model(name)
     gguf = is_gguf_file(path)   # a GGUF file: dequantized to float32, tokenizer from its metadata
     ckpt = load_gguf_checkpoint(path) if gguf else load_checkpoint(path)
-    weights = place_weights(card, ckpt.config, ckpt.tensors)
     codes = set(ckpt.stored_dtypes.values())
     stored = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     stored_dtype = stored.get(codes.pop(), "float32") if len(codes) == 1 else ckpt.config.torch_dtype
+    weights = place_weights(card, ckpt.config, ckpt.tensors,
+                            stored_dtype if dtype == "auto" else dtype)
     del ckpt
     tok = None
     if tokenizer:

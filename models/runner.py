@@ -25,6 +25,7 @@ import numba
 import numpy as np
 
 from device import Card, DeviceTensor, LaunchHandle
+from device.layout import format_code
 from models.buffer_layout import Placement, length_slot
 from models.memory_plan import Capacity, StepMemory
 from models.programs import StepPrograms, bucket, buckets
@@ -32,6 +33,7 @@ from models.prompt_logprobs import PromptLogprobs
 from models.step_inputs import PackedStep, StepLimits, check_work, pack_step
 from models.step_io import SeqWork, StepOutput
 from models.threads import attention_threads, layer_weight_bytes, set_step_threads, step_threads
+from models.weights import resolve_compute_dtype
 
 
 class StepHandle:
@@ -76,8 +78,9 @@ class ModelRunner:
     def __init__(self, model, card: Card, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  block_size: int = 64, num_kv_blocks: int | None = None,
                  kv_cache_fraction: float = 0.9, max_model_len: int | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, compute_dtype: str = "auto"):
         cfg = model.config
+        self.compute_dtype = resolve_compute_dtype(compute_dtype, model.weights.dtype)
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be positive")
@@ -126,8 +129,10 @@ class ModelRunner:
             "H": cfg.hidden_size, "HQ": cfg.num_attention_heads, "HKV": cfg.num_key_value_heads,
             "D": cfg.head_dim, "I": cfg.intermediate_size, "V": cfg.vocab_size,
             "L": cfg.num_hidden_layers, "NBT": self.kv.num_blocks + 1, "BS": self.block_size,
-            "TIED": int(w.tied), "embed": w.embed, "norm": w.norm, "lm_head": w.lm_head,
+            "WFMT": w.fmt, "CFMT": format_code(self.compute_dtype),
+            "embed": w.embed.tensor, "norm": w.norm, "lm_head": w.lm_head.tensor,
             "inv_freq": w.inv_freq, "consts": w.consts, "layers": self.memory.layer_table,
+            "timers": 0, length_slot("timers"): 0,            # timing off (see `profile`)
             **self.memory.workspace_bindings(),
         }
 

@@ -38,32 +38,28 @@ from numba import njit
 from device.abi import f32_at, get_kernel_threads, i32_at, i64_at, set_kernel_threads
 from device.kernels.activation import swiglu
 from device.kernels.attention import paged_attention, write_kv
-from device.kernels.embedding import embedding
-from device.kernels.gemm import gemm, gemm_bt
+from device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
 from device.kernels.norm import rmsnorm
 from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
 from device.kernels.sampling import sample
 from device.kernels.softmax import log_softmax
+from device.profile import lap
 from models.buffer_layout import Field, Layout, length_slot
-from models.weights import (
-    COL_DOWN,
-    COL_GATE_UP,
-    COL_IN_NORM,
-    COL_K_CACHE,
-    COL_O,
-    COL_POST_NORM,
-    COL_QKV,
-    COL_V_CACHE,
-    CONST_ATTN_SCALE,
-    CONST_EMB_MULT,
-    CONST_EPS,
-    CONST_INV_LOGIT_SCALE,
-    CONST_RES_MULT,
-    LAYER_FIELDS,
-)
 
 KMAX = 5  # most top logprobs per sampled token (OpenAI's limit for completions)
+
+# Columns of the per-layer address table int64[L, LAYER_FIELDS] (models/weights.py builds it).
+COL_IN_NORM, COL_QKV, COL_O, COL_POST_NORM, COL_GATE_UP, COL_DOWN, COL_K_CACHE, COL_V_CACHE = range(8)
+LAYER_FIELDS = 8
+# Indexes into the model's float32 constants (models/weights.py places them).
+CONST_EPS, CONST_EMB_MULT, CONST_ATTN_SCALE, CONST_RES_MULT, CONST_INV_LOGIT_SCALE = range(5)
+N_CONSTS = 8
+# Kernel timers (`timers` field; device/profile.py): where a step's device time goes.
+TIMERS = ("embedding", "rmsnorm", "qkv", "rope", "write_kv", "attention", "o_proj", "residual",
+          "gate_up", "swiglu", "down", "lm_head", "log_softmax", "sampling")
+(K_EMBEDDING, K_RMSNORM, K_QKV, K_ROPE, K_WRITE_KV, K_ATTENTION, K_O_PROJ, K_RESIDUAL, K_GATE_UP,
+ K_SWIGLU, K_DOWN, K_LM_HEAD, K_LOG_SOFTMAX, K_SAMPLING) = range(len(TIMERS))
 I32, F32, I64 = np.int32, np.float32, np.int64
 
 # Written by the host at each launch (one copy). Dims: T token rows, S sequences, R logit
@@ -138,12 +134,15 @@ SLOTS = [
     ("NPEN", "dim"), ("NBAN", "dim"), ("ATHR", "dim"),
     # model shapes
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
-    ("L", "dim"), ("NBT", "dim"), ("BS", "dim"), ("TIED", "dim"),
+    ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
+    # number formats: the weights' (WFMT) and the GEMM inputs' (CFMT), device.kernels.gemm.FMT_*
+    ("WFMT", "dim"), ("CFMT", "dim"),
     # model
     ("embed", "address"), ("norm", "address"), ("lm_head", "address"), ("inv_freq", "address"),
     ("consts", "address"), ("layers", "address"),
-    # the previous launch's `sampled` (from-device decode tokens are read from it)
-    *_field_slots(["prev_sampled"]),
+    # the previous launch's `sampled` (from-device decode tokens are read from it), and the
+    # kernel timers (int64[len(TIMERS)]; length 0: timing off)
+    *_field_slots(["prev_sampled", "timers"]),
     # the fields of the three buffers
     *_field_slots(f.name for layout in (INPUTS, OUTPUTS, WORKSPACE) for f in layout.fields),
 ]
@@ -157,11 +156,12 @@ def _slots(names: str) -> tuple[int, ...]:
 
 
 S_T, S_S, S_R, S_NS, S_MB, S_K, S_NPEN, S_NBAN, S_ATHR = _slots("T S R NS MB K NPEN NBAN ATHR")
-S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L, S_NBT, S_BS, S_TIED = _slots("H HQ HKV D I V L NBT BS TIED")
+S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L, S_NBT, S_BS = _slots("H HQ HKV D I V L NBT BS")
+S_WFMT, S_CFMT = _slots("WFMT CFMT")
 A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS = _slots(
     "embed norm lm_head inv_freq consts layers")
-A_PREV_SAMPLED, A_SAMPLED, A_LOGPROB, A_TOP_IDS, A_TOP_LOGPROBS = _slots(
-    "prev_sampled sampled logprob top_ids top_logprobs")
+A_PREV_SAMPLED, A_TIMERS, A_SAMPLED, A_LOGPROB, A_TOP_IDS, A_TOP_LOGPROBS = _slots(
+    "prev_sampled timers sampled logprob top_ids top_logprobs")
 A_TOKENS, A_POSITIONS, A_SLOT_MAPPING, A_SRC_ROWS, A_QUERY_START, A_CONTEXT_LENS = _slots(
     "tokens positions slot_mapping src_rows query_start context_lens")
 A_BLOCK_TABLES, A_LOGIT_ROWS, A_TOP_K, A_PEN_START, A_PEN_EXTRA, A_PEN_IDS, A_PEN_COUNTS = _slots(
@@ -277,7 +277,7 @@ def step_entry(f32, i32, i64, u16, table):
     KD = HKV * D
     QKV = QD + 2 * KD
 
-    consts = f32_at(f32, table[A_CONSTS], 8)
+    consts = f32_at(f32, table[A_CONSTS], N_CONSTS)
     eps = consts[CONST_EPS]
     emb_mult = consts[CONST_EMB_MULT]
     attn_scale = consts[CONST_ATTN_SCALE]
@@ -342,55 +342,71 @@ def step_entry(f32, i32, i64, u16, table):
     v3 = vf.reshape(T, HKV, D)
     a3 = attn.reshape(T, HQ, D)
 
-    embed = f32_at(f32, table[A_EMBED], V * H).reshape(V, H)
     inv_freq = f32_at(f32, table[A_INV_FREQ], D // 2)
     layers = i64_at(i64, table[A_LAYERS], L * LAYER_FIELDS).reshape(L, LAYER_FIELDS)
+    wfmt = table[S_WFMT]                     # weights: float32 or 16-bit, widened in the GEMM
+    cfmt = table[S_CFMT]                     # GEMM inputs rounded to this format (16-bit compute)
+    timers = i64_at(i64, table[A_TIMERS], table[A_TIMERS + 1])
+    t = lap(timers, -1, 0)
 
     # ---- the model
-    embedding(x, embed, tokens, emb_mult)
+    gather_columns_at(x, f32, u16, table[A_EMBED], tokens, emb_mult, H, V, wfmt)
+    t = lap(timers, K_EMBEDDING, t)
     for layer in range(L):
         in_norm = f32_at(f32, layers[layer, COL_IN_NORM], H)
-        w_qkv = f32_at(f32, layers[layer, COL_QKV], H * QKV).reshape(H, QKV)
-        w_o = f32_at(f32, layers[layer, COL_O], QD * H).reshape(QD, H)
         post_norm = f32_at(f32, layers[layer, COL_POST_NORM], H)
-        w_gu = f32_at(f32, layers[layer, COL_GATE_UP], H * 2 * INTER).reshape(H, 2 * INTER)
-        w_down = f32_at(f32, layers[layer, COL_DOWN], INTER * H).reshape(INTER, H)
         k_cache = f32_at(f32, layers[layer, COL_K_CACHE], NBT * BS * KD).reshape(NBT, BS, HKV, D)
         v_cache = f32_at(f32, layers[layer, COL_V_CACHE], NBT * BS * KD).reshape(NBT, BS, HKV, D)
 
         rmsnorm(hbuf, x, in_norm, eps)
-        gemm(qkv, hbuf, w_qkv)
+        round_to_format(hbuf, cfmt)
+        t = lap(timers, K_RMSNORM, t)
+        gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV, wfmt)
+        t = lap(timers, K_QKV, t)
         _split_qkv(qf, kf, vf, qkv, QD, KD)
         rope_inplace(q3, positions, inv_freq)
         rope_inplace(k3, positions, inv_freq)
+        t = lap(timers, K_ROPE, t)
         write_kv(k_cache, v_cache, k3, v3, slot_mapping)
+        t = lap(timers, K_WRITE_KV, t)
         if ATHR > 0:
             set_kernel_threads(ATHR)
         paged_attention(a3, q3, k_cache, v_cache, block_tables, query_start, context_lens,
                         attn_scale)
         if ATHR > 0:
             set_kernel_threads(step_thr)
-        gemm(y, attn, w_o)
+        round_to_format(attn, cfmt)
+        t = lap(timers, K_ATTENTION, t)
+        gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H, wfmt)
+        t = lap(timers, K_O_PROJ, t)
         residual_add(x, y, res_mult)
+        t = lap(timers, K_RESIDUAL, t)
         rmsnorm(hbuf, x, post_norm, eps)
-        gemm(gu, hbuf, w_gu)
+        round_to_format(hbuf, cfmt)
+        t = lap(timers, K_RMSNORM, t)
+        gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER, wfmt)
+        t = lap(timers, K_GATE_UP, t)
         swiglu(act, gu)
-        gemm(y, act, w_down)
+        round_to_format(act, cfmt)
+        t = lap(timers, K_SWIGLU, t)
+        gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H, wfmt)
+        t = lap(timers, K_DOWN, t)
         residual_add(x, y, res_mult)
+        t = lap(timers, K_RESIDUAL, t)
 
     # ---- logits only for the rows that need them
     norm = f32_at(f32, table[A_NORM], H)
     _gather_rows(hsel, x, logit_rows)
     rmsnorm(hn, hsel, norm, eps)
-    if table[S_TIED] != 0:
-        gemm_bt(logits, hn, f32_at(f32, table[A_LM_HEAD], V * H).reshape(V, H))
-    else:
-        gemm(logits, hn, f32_at(f32, table[A_LM_HEAD], H * V).reshape(H, V))
+    round_to_format(hn, cfmt)
+    gemm_at(logits, hn, f32, u16, table[A_LM_HEAD], H, V, wfmt)
     lf = logits.reshape(R * V)
     for i in range(R * V):
         lf[i] *= inv_logit_scale
+    t = lap(timers, K_LM_HEAD, t)
     if R > S:
         log_softmax(lsm, logits)          # every token row asked for (prompt logprobs, debug)
+    t = lap(timers, K_LOG_SOFTMAX, t)
 
     # ---- sampling rows 0..NS-1: penalties, bans, temperature, filters, a draw; raw logprobs, top-K
     sampled = _i32(i32, table, A_SAMPLED, NS)
@@ -404,3 +420,4 @@ def step_entry(f32, i32, i64, u16, table):
                top_p[:NS], min_p[:NS], seeds[:NS], counters[:NS], presence[:NS],
                frequency[:NS], repetition[:NS], pen_off, pen_ids2, pen_cnt2, ban_start[:NS + 1],
                ban_ids)
+    lap(timers, K_SAMPLING, t)

@@ -1,14 +1,19 @@
-"""A checkpoint's tensors placed on the card once, in the layout the kernels want.
+"""A checkpoint's tensors placed on the card once, in the layout and width the kernels read.
 
-Hugging Face stores linears as [out, in]; `gemm(out, a, b)` wants b as [K, N] = [in, out],
-so every projection is transposed once here, and the projections that read the same input
-are fused: Q, K and V into one [H, (Hq + 2 Hkv) D] matrix, gate and up into one [H, 2I].
-The tied LM head is the embedding itself ([V, H], read through `gemm_bt`); an untied one is
-stored transposed, [H, V], like the other projections.
+Every projection is a GEMM weight W[K, N] (out = a @ W) handed to the card's layout
+(device/layout.py: panels of 16 columns, float32 or 16-bit), which places it once; nothing
+is repacked at run time. Hugging Face stores linears as [out, in], so each is transposed
+here, and the projections that read the same input are fused: Q, K and V into one
+W[H, (Hq + 2 Hkv) D], gate and up into one W[H, 2I].
 
-`layer_table` is an int64 device array [L, LAYER_FIELDS] of byte addresses, one row per
-layer (see the column constants below): the step program reads a layer's weights and
-KV cache through it, so a whole model is one address slot.
+The embedding is stored once, as the K x N weight of the LM head, E.T [H, V]: the step's
+lookup gathers its columns, and a tied model's LM head is that same weight. An untied LM head
+is its own [H, V] weight (lm_head.weight.T); the embedding then stays E.T for the lookup.
+
+`dtype` is the width of every weight on the card: "float32", "bfloat16" or "float16". A
+16-bit width rounds each value to nearest even (a checkpoint stored in that width is placed
+bit for bit); the norms and constants stay float32 arrays holding the rounded values, so the
+model on the card is exactly the checkpoint rounded to `dtype`.
 """
 
 from __future__ import annotations
@@ -18,50 +23,69 @@ from dataclasses import dataclass
 import numpy as np
 
 from device import Card, DeviceTensor
+from device.layout import GemmWeight, decode, encode, format_code, place_gemm_weight
 from models.config import GraniteConfig
+from models.step_program import (
+    COL_DOWN,
+    COL_GATE_UP,
+    COL_IN_NORM,
+    COL_K_CACHE,
+    COL_O,
+    COL_POST_NORM,
+    COL_QKV,
+    COL_V_CACHE,
+    CONST_ATTN_SCALE,
+    CONST_EMB_MULT,
+    CONST_EPS,
+    CONST_INV_LOGIT_SCALE,
+    CONST_RES_MULT,
+    LAYER_FIELDS,
+    N_CONSTS,
+)
 
-# Columns of the per-layer address table.
-COL_IN_NORM, COL_QKV, COL_O, COL_POST_NORM, COL_GATE_UP, COL_DOWN, COL_K_CACHE, COL_V_CACHE = range(8)
-LAYER_FIELDS = 8
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
 class LayerWeights:
-    in_norm: DeviceTensor      # [H]
-    qkv: DeviceTensor          # [H, (Hq + 2 Hkv) D]  columns: q heads, k heads, v heads
-    o: DeviceTensor            # [Hq D, H]
-    post_norm: DeviceTensor    # [H]
-    gate_up: DeviceTensor      # [H, 2I]  columns: gate, up
-    down: DeviceTensor         # [I, H]
+    in_norm: DeviceTensor      # float32 [H]
+    qkv: GemmWeight            # [H, (Hq + 2 Hkv) D]  columns: q heads, k heads, v heads
+    o: GemmWeight              # [Hq D, H]
+    post_norm: DeviceTensor    # float32 [H]
+    gate_up: GemmWeight        # [H, 2I]  columns: gate, up
+    down: GemmWeight           # [I, H]
 
 
 @dataclass(slots=True)
 class ModelWeights:
     config: GraniteConfig
-    embed: DeviceTensor        # [V, H]
+    dtype: str                 # width of the weights on the card: float32, bfloat16, float16
+    embed: GemmWeight          # E.T [H, V]: the lookup reads its columns
     layers: list[LayerWeights]
-    norm: DeviceTensor         # [H]
-    lm_head: DeviceTensor      # tied: the embedding [V, H]; untied: [H, V]
+    norm: DeviceTensor         # float32 [H]
+    lm_head: GemmWeight        # [H, V]; tied: `embed` itself
     tied: bool
     inv_freq: DeviceTensor     # [D/2] RoPE inverse frequencies, float32 as transformers computes them
-    consts: DeviceTensor       # float32[8]: eps, embedding x, attention scale, residual x, 1/logits_scaling
+    consts: DeviceTensor       # float32[N_CONSTS]: eps, embedding x, attention scale, residual x, 1/logits_scaling
     nbytes: int                # bytes of parameters on the card (what one decode step reads, about)
 
+    @property
+    def fmt(self) -> int:
+        """The kernels' format code of `dtype` (device.kernels.gemm.FMT_*)."""
+        return format_code(self.dtype)
+
     def tensors(self) -> list[DeviceTensor]:
-        out = [self.embed, self.norm, self.inv_freq, self.consts]
+        out = [self.embed.tensor, self.norm, self.inv_freq, self.consts]
         if not self.tied:
-            out.append(self.lm_head)
+            out.append(self.lm_head.tensor)
         for lw in self.layers:
-            out += [lw.in_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down]
+            out += [lw.in_norm, lw.qkv.tensor, lw.o.tensor, lw.post_norm, lw.gate_up.tensor,
+                    lw.down.tensor]
         return out
 
     def free(self, card: Card) -> None:
         for t in self.tensors():
             card.free(t)
-
-
-# Indexes into ModelWeights.consts.
-CONST_EPS, CONST_EMB_MULT, CONST_ATTN_SCALE, CONST_RES_MULT, CONST_INV_LOGIT_SCALE = range(5)
 
 
 def rope_inv_freq(config: GraniteConfig) -> np.ndarray:
@@ -71,70 +95,104 @@ def rope_inv_freq(config: GraniteConfig) -> np.ndarray:
     return (1.0 / (np.float32(config.rope_theta) ** exps)).astype(np.float32)
 
 
-def _put(card: Card, host: np.ndarray) -> DeviceTensor:
-    t = card.empty(host.shape, np.float32)
-    t.numpy()[...] = host
-    return t
+def model_constants(config: GraniteConfig) -> np.ndarray:
+    """float32[N_CONSTS] the step reads: eps and Granite's four multipliers."""
+    consts = np.zeros(N_CONSTS, np.float32)
+    consts[CONST_EPS] = config.rms_norm_eps
+    consts[CONST_EMB_MULT] = config.embedding_multiplier
+    consts[CONST_ATTN_SCALE] = config.attention_multiplier
+    consts[CONST_RES_MULT] = config.residual_multiplier
+    consts[CONST_INV_LOGIT_SCALE] = 1.0 / config.logits_scaling
+    return consts
 
 
-def place_weights(card: Card, config: GraniteConfig, tensors: dict[str, np.ndarray]) -> ModelWeights:
-    """Copy HF-named float32 tensors (shapes checked by models.checkpoint) onto `card`."""
-    c = config
-    H, I, QD, KD = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size  # noqa: E741
-    placed: list[DeviceTensor] = []
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"weight dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
 
-    def put(host):
-        t = _put(card, np.asarray(host, dtype=np.float32))
-        placed.append(t)
+
+def resolve_compute_dtype(compute_dtype: str, weight_dtype: str) -> str:
+    """The format GEMM inputs are rounded to: "auto" is the weights' width (16-bit weights
+    compute in 16 bits, as vLLM's --dtype does); "float32" keeps activations exact (16-bit
+    weights are then only widened); a 16-bit compute format needs weights of that format."""
+    if compute_dtype == "auto":
+        return weight_dtype
+    check_dtype(compute_dtype)
+    if compute_dtype != "float32" and compute_dtype != weight_dtype:
+        raise ValueError(f"compute dtype {compute_dtype} needs weights in {compute_dtype}; "
+                         f"the weights are {weight_dtype}")
+    return compute_dtype
+
+
+class _Placer:
+    """Places tensors on the card, remembering them so a failure frees every one."""
+
+    def __init__(self, card: Card, dtype: str):
+        self.card, self.dtype, self.fmt = card, dtype, format_code(dtype)
+        self.placed: list[DeviceTensor] = []
+
+    def vector(self, host: np.ndarray, rounded: bool = True) -> DeviceTensor:
+        """A float32 array; `rounded`: its values rounded to the weights' width first."""
+        host = np.asarray(host, np.float32)
+        if rounded:
+            host = decode(encode(host, self.fmt), self.fmt)
+        t = self.card.empty(host.shape, np.float32)
+        t.numpy()[...] = host
+        self.placed.append(t)
         return t
 
+    def gemm(self, *blocks: np.ndarray) -> GemmWeight:
+        """A GEMM weight W[K, N]: the blocks [K, n_i] side by side (a fused projection)."""
+        w = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+        gw = place_gemm_weight(self.card, w, self.dtype)
+        self.placed.append(gw.tensor)
+        return gw
+
+    def free(self) -> None:
+        for t in self.placed:
+            self.card.free(t)
+
+
+def place_weights(card: Card, config: GraniteConfig, tensors: dict[str, np.ndarray],
+                  dtype: str = "float32") -> ModelWeights:
+    """Place HF-named float32 tensors (shapes checked by models.checkpoint) on `card` in
+    width `dtype`."""
+    c = config
+    put = _Placer(card, check_dtype(dtype))
     try:
-        embed = put(tensors["model.embed_tokens.weight"])                         # [V, H]
+        embed = put.gemm(tensors["model.embed_tokens.weight"].T)                  # [H, V]
         layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = card.empty((H, QD + 2 * KD), np.float32)                         # [H, QD+2KD]
-            placed.append(qkv)
-            q = qkv.numpy()
-            q[:, :QD] = tensors[p + "self_attn.q_proj.weight"].T
-            q[:, QD:QD + KD] = tensors[p + "self_attn.k_proj.weight"].T
-            q[:, QD + KD:] = tensors[p + "self_attn.v_proj.weight"].T
-            gate_up = card.empty((H, 2 * I), np.float32)                          # [H, 2I]
-            placed.append(gate_up)
-            g = gate_up.numpy()
-            g[:, :I] = tensors[p + "mlp.gate_proj.weight"].T
-            g[:, I:] = tensors[p + "mlp.up_proj.weight"].T
             layers.append(LayerWeights(
-                in_norm=put(tensors[p + "input_layernorm.weight"]),
-                qkv=qkv,
-                o=put(tensors[p + "self_attn.o_proj.weight"].T),                   # [QD, H]
-                post_norm=put(tensors[p + "post_attention_layernorm.weight"]),
-                gate_up=gate_up,
-                down=put(tensors[p + "mlp.down_proj.weight"].T),                   # [I, H]
+                in_norm=put.vector(tensors[p + "input_layernorm.weight"]),
+                qkv=put.gemm(tensors[p + "self_attn.q_proj.weight"].T,             # [H, QD+2KD]
+                             tensors[p + "self_attn.k_proj.weight"].T,
+                             tensors[p + "self_attn.v_proj.weight"].T),
+                o=put.gemm(tensors[p + "self_attn.o_proj.weight"].T),              # [QD, H]
+                post_norm=put.vector(tensors[p + "post_attention_layernorm.weight"]),
+                gate_up=put.gemm(tensors[p + "mlp.gate_proj.weight"].T,           # [H, 2I]
+                                 tensors[p + "mlp.up_proj.weight"].T),
+                down=put.gemm(tensors[p + "mlp.down_proj.weight"].T),              # [I, H]
             ))
-        norm = put(tensors["model.norm.weight"])
+        norm = put.vector(tensors["model.norm.weight"])
         tied = c.tie_word_embeddings
-        lm_head = embed if tied else put(tensors["lm_head.weight"].T)             # [H, V]
-        inv_freq = put(rope_inv_freq(c))
-        consts = np.zeros(8, np.float32)
-        consts[CONST_EPS] = c.rms_norm_eps
-        consts[CONST_EMB_MULT] = c.embedding_multiplier
-        consts[CONST_ATTN_SCALE] = c.attention_multiplier
-        consts[CONST_RES_MULT] = c.residual_multiplier
-        consts[CONST_INV_LOGIT_SCALE] = 1.0 / c.logits_scaling
-        consts_t = put(consts)
+        lm_head = embed if tied else put.gemm(tensors["lm_head.weight"].T)       # [H, V]
+        inv_freq = put.vector(rope_inv_freq(c), rounded=False)
+        consts = put.vector(model_constants(c), rounded=False)
     except BaseException:
-        for t in placed:
-            card.free(t)
+        put.free()
         raise
-    nbytes = sum(t.nbytes for t in placed) - inv_freq.nbytes - consts_t.nbytes
-    return ModelWeights(config=c, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
-                        tied=tied, inv_freq=inv_freq, consts=consts_t, nbytes=nbytes)
+    nbytes = sum(t.nbytes for t in put.placed) - inv_freq.nbytes - consts.nbytes
+    return ModelWeights(config=c, dtype=dtype, embed=embed, layers=layers, norm=norm,
+                        lm_head=lm_head, tied=tied, inv_freq=inv_freq, consts=consts, nbytes=nbytes)
 
 
 def build_layer_table(card: Card, weights: ModelWeights, k_caches: list[DeviceTensor],
                       v_caches: list[DeviceTensor]) -> DeviceTensor:
-    """int64[L, LAYER_FIELDS] of byte addresses: each layer's weights and its KV cache."""
+    """int64[L, LAYER_FIELDS] of byte addresses: each layer's weights and its KV cache
+    (columns COL_* of models/step_program.py, which reads it)."""
     L = len(weights.layers)
     if len(k_caches) != L or len(v_caches) != L:
         raise ValueError(f"KV cache has {len(k_caches)}/{len(v_caches)} layers, model has {L}")

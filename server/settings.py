@@ -31,6 +31,17 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_dtype(text: str) -> str:
+    """A weight or compute width: auto, float32, bfloat16 or float16 (vLLM's --dtype names)."""
+    value = text.strip().lower()
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(DTYPES)}")
+    return value
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 def _flag(default, help: str, parse: Callable[[str], object] = str, sizing: bool = False):
     return field(default=default, metadata={"help": help, "parse": parse, "sizing": sizing})
 
@@ -47,6 +58,12 @@ class Settings:
     max_num_seqs: int = _flag(32, "most sequences in one step (running requests)", int, sizing=True)
     max_num_batched_tokens: int = _flag(512, "token budget of one step (prefill chunk size)", int,
                                         sizing=True)
+    dtype: str = _flag("auto", "width of the weights on the card: auto (the checkpoint's), float32, "
+                       "bfloat16 or float16; 16-bit weights are widened to float32 in the kernels",
+                       parse_dtype, sizing=True)
+    compute_dtype: str = _flag("auto", "format GEMM inputs are rounded to: auto (the weights' width, "
+                               "as vLLM's --dtype), or float32 to keep activations exact with 16-bit "
+                               "weights", parse_dtype, sizing=True)
     block_size: int = _flag(64, "tokens per KV cache block", int, sizing=True)
     num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: what fits in 90%% of the free "
                                       "device memory)", int, sizing=True)

@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from device.abi import get_kernel_threads
+from device.abi import f32_at, get_kernel_threads, u16_at
 
 NR = 16          # columns per panel
 VW = 8           # float32 lanes per LLVM vector (a ymm register on AVX2)
@@ -273,6 +273,26 @@ def gather_columns(out, w, cols, scale, k, n, fmt):
         base = (c // NR) * k * NR + c % NR
         for kk in range(k):
             out[t, kk] = _widen(w[base + kk * NR], fmt) * s
+
+
+# ---- on the arena: a weight by its address, as the card's programs reach it ----------------
+
+@njit(nogil=True, cache=True)
+def gemm_at(out, a, f32, u16, address, k, n, fmt):
+    """gemm_packed with the weight at byte `address` of the arena (f32 / u16: its views)."""
+    if fmt == FMT_F32:
+        gemm_packed(out, a, f32_at(f32, address, packed_size(k, n)), k, n, fmt)
+    else:
+        gemm_packed(out, a, u16_at(u16, address, packed_size(k, n)), k, n, fmt)
+
+
+@njit(nogil=True, cache=True)
+def gather_columns_at(out, f32, u16, address, cols, scale, k, n, fmt):
+    """gather_columns with the weight at byte `address` of the arena."""
+    if fmt == FMT_F32:
+        gather_columns(out, f32_at(f32, address, packed_size(k, n)), cols, scale, k, n, fmt)
+    else:
+        gather_columns(out, u16_at(u16, address, packed_size(k, n)), cols, scale, k, n, fmt)
 
 # ---- 16-bit compute: GEMM inputs rounded to the weights' format -----------------------------
 

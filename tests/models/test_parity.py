@@ -35,9 +35,11 @@ class Setup:
         self.ref = load_reference_model(path)
         self.card = Card(256 << 20)
         self.model = load_model(path, self.card, tokenizer=False)
+        # the bf16 checkpoint is placed in bf16 (its stored width) and computed in fp32:
+        # transformers widens it to fp32, so the kernels' exact widening must match it
         self.runner = ModelRunner(self.model, self.card, max_num_seqs=16,
                                   max_num_batched_tokens=128, block_size=BLOCK,
-                                  num_kv_blocks=96, seed=1)
+                                  num_kv_blocks=96, seed=1, compute_dtype="float32")
 
     def close(self):
         self.runner.close()
