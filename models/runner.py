@@ -26,12 +26,14 @@ import numpy as np
 
 from device import Card, DeviceTensor, LaunchHandle
 from device.layout import format_code
+from device.profile import ticks_per_second
 from models.buffer_layout import Placement, length_slot
 from models.memory_plan import Capacity, StepMemory
 from models.programs import StepPrograms, bucket, buckets
 from models.prompt_logprobs import PromptLogprobs
 from models.step_inputs import PackedStep, StepLimits, check_work, pack_step
 from models.step_io import SeqWork, StepOutput
+from models.step_program import TIMERS
 from models.threads import attention_threads, layer_weight_bytes, set_step_threads, step_threads
 from models.weights import resolve_compute_dtype
 
@@ -121,6 +123,8 @@ class ModelRunner:
         self._last_rows: dict[int, int] = {}       # seq_id -> sample row in the previous launch
         self._prev_sampled = (self.memory.outputs[1].address, 0)  # its `sampled`: address, length
         self._prompt_logprobs = PromptLogprobs()
+        self._timers: DeviceTensor | None = None      # int64[len(TIMERS)] while profiling
+        self._timer_bindings: dict = {}
 
     def _static_bindings(self) -> dict:
         """Slots every launch shares: model shapes and addresses, the workspace fields."""
@@ -197,7 +201,7 @@ class ModelRunner:
         want = self.step_threads(t)
         attn_flops = 4 * self.config.num_attention_heads * self.config.head_dim * packed.attn_pairs
         prev_address, prev_len = self._prev_sampled
-        bindings = {**dims, "ATHR": attention_threads(want[0], attn_flops),
+        bindings = {**dims, "ATHR": attention_threads(want[0], attn_flops), **self._timer_bindings,
                     **packed.placement.bindings(mem.inputs.address),
                     **outputs.bindings(out_dev.address),
                     "prev_sampled": prev_address, length_slot("prev_sampled"): prev_len}
@@ -229,6 +233,32 @@ class ModelRunner:
                           for w, r0 in zip(step.work, p.row_start, strict=True)}
         return out
 
+    # ---- profiling ------------------------------------------------------------------
+    def profile(self, enabled: bool = True) -> None:
+        """Time every kernel of the steps launched from now on (device/profile.py): the step
+        adds each kernel's ticks to its timer on the card; `kernel_seconds()` reads them."""
+        self.stream.synchronize()
+        if enabled and self._timers is None:
+            self._timers = self.card.zeros((len(TIMERS),), np.int64)
+            self._timer_bindings = {"timers": self._timers,
+                                    length_slot("timers"): len(TIMERS)}
+        elif not enabled and self._timers is not None:
+            self.card.free(self._timers)
+            self._timers, self._timer_bindings = None, {}
+
+    def kernel_seconds(self, reset: bool = True) -> dict[str, float]:
+        """Device seconds per kernel (names: step_program.TIMERS) over the steps timed since the
+        last reset; empty when not profiling."""
+        if self._timers is None:
+            return {}
+        ticks = np.empty(len(TIMERS), np.int64)
+        self.stream.copy_d2h(ticks, self._timers)
+        if reset:
+            self.stream.copy_h2d(self._timers, np.zeros(len(TIMERS), np.int64))
+        self.stream.synchronize()
+        rate = ticks_per_second()
+        return {name: float(t) / rate for name, t in zip(TIMERS, ticks, strict=True)}
+
     def forget(self, seq_id: int) -> None:
         """Drop what the runner keeps for a sequence between steps (a stashed prompt-logprob
         row of an unfinished prefill); call it when a sequence ends or is aborted."""
@@ -237,6 +267,6 @@ class ModelRunner:
     # ---- lifetime -------------------------------------------------------------------
     def close(self) -> None:
         """Wait for the stream, then give the programs, buffers and KV cache back to the card."""
-        self.stream.synchronize()
+        self.profile(False)
         self._programs.release()
         self.memory.free()
