@@ -1,7 +1,8 @@
 """Model benchmark: this runtime against transformers and against the eager baseline, and
 against the machine's own limits, all measured in one run on the same checkpoint.
 
-    .venv/bin/python benchmarks/model.py [--model granite-tiny|granite-8b-layers] [--quick]
+    .venv/bin/python benchmarks/model.py [--model granite-tiny|granite-8b-layers|DIR] [--quick]
+        [--dtype auto|float32|bfloat16|float16] [--compute-dtype ...] [--profile]
 
 Figures (printed as a table, written to benchmarks/results/model.json under the model name):
   - prefill of a 512-token prompt (tokens/s): program path, eager baseline, transformers forward;
@@ -37,9 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.device import bench_bandwidth, best_of  # noqa: E402
+from benchmarks.limits import bandwidth, gemm_peak  # noqa: E402
 from device import Card  # noqa: E402
-from device.kernels.gemm import gemm  # noqa: E402
 from models import ModelRunner, SamplingParams, SeqWork, load_model  # noqa: E402
 from models.eager import EagerModel  # noqa: E402
 
@@ -121,22 +121,12 @@ def hf_decode(ref, prompts, steps):
 
 # ---- machine limits --------------------------------------------------------------------
 
-def gemm_peak(card, cfg):
-    """Best GFLOP/s of the device GEMM at this model's layer shapes (M = 512) and 2048^3."""
+def peak_shapes(cfg):
+    """The GEMMs the machine's peak is measured on: this model's layers at M = 512, and a
+    square 2048 GEMM (what BLAS does best)."""
     H, I, QKV = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size  # noqa: E741
-    shapes = {(512, H, QKV), (512, cfg.q_size, H), (512, H, 2 * I), (512, I, H), (2048, 2048, 2048)}
-    rng = np.random.default_rng(0)
-    best = {}
-    for m, k, n in sorted(shapes):
-        ts = [card.empty(s, np.float32) for s in ((m, k), (k, n), (m, n))]
-        a, b, out = (t.numpy() for t in ts)
-        a[:] = rng.standard_normal(a.shape, dtype=np.float32)
-        b[:] = rng.standard_normal(b.shape, dtype=np.float32) * 0.02
-        s = best_of(lambda a=a, b=b, out=out: gemm(out, a, b), min_reps=3, budget=1.0)
-        best[f"{m}x{k}x{n}"] = 2.0 * m * k * n / s / 1e9
-        for t in ts:
-            card.free(t)
-    return max(best.values()), best
+    return sorted({(512, H, QKV), (512, cfg.q_size, H), (512, H, 2 * I), (512, I, H),
+                   (2048, 2048, 2048)})
 
 
 def step_flops(cfg, tokens, logit_rows, context):
@@ -156,12 +146,43 @@ def decode_weight_bytes(model):
     return layer + w.norm.nbytes + w.lm_head.nbytes
 
 
+def profile_steps(runner, prompt512, prompts32, steps=4):
+    """Device ms per kernel of one prefill of 512 tokens, one batch-1 and one batch-32 decode
+    step (the step program's timers, device/profile.py). A decode step's share is the
+    difference between runs of 1 + steps and of 1 decode steps (both include the prefills)."""
+    def timed(run):
+        runner.kernel_seconds()                  # reset
+        run()
+        return runner.kernel_seconds()
+
+    out = {}
+    runner.profile(True)
+    run_prefill = runtime_prefill(runner, prompt512)
+    run_prefill()
+    out["prefill_512"] = {k: 1e3 * v for k, v in timed(run_prefill).items()}
+    for what, n in (("decode_b1", 1), ("decode_b32", 32)):
+        long = timed(lambda n=n: runtime_decode(runner, prompts32[:n], 1 + steps))
+        short = timed(lambda n=n: runtime_decode(runner, prompts32[:n], 1))
+        out[what] = {k: 1e3 * max(0.0, long[k] - short[k]) / steps for k in long}
+    runner.profile(False)
+    print("\nkernel ms per step (device timers):")
+    print(f"{'kernel':14s}" + "".join(f"{w:>14s}" for w in out))
+    for k in out["prefill_512"]:
+        print(f"{k:14s}" + "".join(f"{out[w][k]:14.3f}" for w in out))
+    print(f"{'total':14s}" + "".join(f"{sum(out[w].values()):14.3f}" for w in out))
+    return out
+
+
 # ---- the run ---------------------------------------------------------------------------
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="granite-tiny")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
+    ap.add_argument("--dtype", default="auto", help="weights on the card (as spyre-serve --dtype)")
+    ap.add_argument("--compute-dtype", default="auto", help="as spyre-serve --compute-dtype")
+    ap.add_argument("--profile", action="store_true",
+                    help="also time every kernel of a prefill, a batch-1 and a batch-32 decode step")
     args = ap.parse_args()
     import torch
 
@@ -177,11 +198,14 @@ def main():
     fp32_bytes = ckpt_bytes * (2 if "8b" in args.model else 1)
     card = Card(int(fp32_bytes * 1.3) + (3 << 30))
     t0 = time.perf_counter()
-    model = load_model(args.model, card)
+    model = load_model(args.model, card, dtype=args.dtype)
     load_s = time.perf_counter() - t0
     cfg = model.config
     runner = ModelRunner(model, card, max_num_seqs=32, max_num_batched_tokens=PREFILL,
-                         block_size=BLOCK, num_kv_blocks=160, seed=0)
+                         block_size=BLOCK, num_kv_blocks=160, seed=0,
+                         compute_dtype=args.compute_dtype)
+    key = args.model if model.weights.dtype == "float32" and runner.compute_dtype == "float32" \
+        else f"{args.model} ({model.weights.dtype} weights, {runner.compute_dtype} compute)"
     t0 = time.perf_counter()
     runner.warmup(progress=True)
     warm_s = time.perf_counter() - t0
@@ -191,7 +215,7 @@ def main():
     rng = np.random.default_rng(0)
     prompt512 = rng.integers(1, vocab, PREFILL).tolist()
     prompts32 = [rng.integers(1, vocab, DECODE_PROMPT).tolist() for _ in range(32)]
-    r = {"model": args.model, "config": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
+    r = {"model": key, "weights": model.weights.dtype, "compute": runner.compute_dtype, "config": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
                                          "heads": cfg.num_attention_heads,
                                          "kv_heads": cfg.num_key_value_heads,
                                          "intermediate": cfg.intermediate_size,
@@ -210,14 +234,18 @@ def main():
 
     def measure_limits():
         nonlocal bw_gbs, peak, peak_shapes
-        bw_gbs = max(bw_gbs, bench_bandwidth(512 << 20)["machine_gbs"])
-        p, shapes = gemm_peak(card, cfg)
+        bw_gbs = max(bw_gbs, bandwidth(512 << 20)["machine_gbs"])
+        p, shapes = gemm_peak(peak_shapes(cfg))
         if p > peak:
             peak, peak_shapes = p, shapes
     from transformers import AutoModelForCausalLM
 
-    eager = EagerModel(model, card, block_size=BLOCK, num_kv_blocks=160)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eager = EagerModel(model, card, block_size=BLOCK, num_kv_blocks=160,
+                       compute_dtype=args.compute_dtype)
+    # transformers computes in the width our GEMM inputs are rounded to (like with like)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[runner.compute_dtype]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
     ids512 = torch.tensor([prompt512])
     blocks = list(range(PREFILL // BLOCK))
 
@@ -260,6 +288,8 @@ def main():
             + f"; bandwidth {bw_gbs:.1f} GB/s, GEMM peak {peak:.1f} GFLOP/s", flush=True)
     r["limits"] = {"bandwidth_gbs": bw_gbs, "gemm_peak_gflops": peak,
                    "gemm_gflops_by_shape": peak_shapes}
+    if args.profile:
+        r["kernel_ms_per_step"] = profile_steps(runner, prompt512, prompts32)
     compiles_after_run = card.counters.snapshot()["compiles"]
     prefill_s, e_prefill_s, h_prefill_s = (best["prefill"][n] for n in ("runtime", "eager", "transformers"))
     dec1_s, e_dec1_s, h_dec1_s = (best["decode1"][n] for n in ("runtime", "eager", "transformers"))
@@ -291,15 +321,15 @@ def main():
                            "runtime_over_eager": e_dec32_s / dec32_s}
     r["compiles"] = {"after_warmup": compiles_after_warmup, "after_run": compiles_after_run}
     r["targets"] = {
-        "decode_b1_within_1.3x_floor": dec1_s / floor_s <= 1.3,
+        "decode_b1_within_1.2x_floor": dec1_s / floor_s <= 1.2,
         "prefill_80pct_gemm_peak": prefill_gflops / peak >= 0.8,
-        "decode_b32_50pct_gemm_peak": dec32_gflops / peak >= 0.5,
+        "decode_b32_60pct_gemm_peak": dec32_gflops / peak >= 0.6,
         "prefill_1.7x_eager": e_prefill_s / prefill_s >= 1.7,
         "decode_2.4x_eager": e_dec1_s / dec1_s >= 2.4,
     }
     print_table(r)
     all_results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    all_results[args.model] = r
+    all_results[key] = r
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(all_results, indent=2) + "\n")
     print(f"wrote {RESULTS}")

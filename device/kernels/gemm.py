@@ -13,7 +13,10 @@ or uint16 holding bfloat16 or float16 bits (`fmt`), widened to float32 right aft
 
 The loops follow BLIS: the panels are split across the card's cores (`prange` over chunks
 of panels); a panel's k-block of KC rows (16 KiB in fp32) stays in L1 while every row tile
-of MR rows passes over it, so each weight byte comes from memory once per call. The
+of MR rows passes over it, so each weight byte comes from memory once per block of MC rows.
+Up to MC rows (every decode) that is one pass and one parallel region; for more, the rows
+come in blocks of MC and the k-blocks go outside the panels, so that an [MC, KC] block of
+`a` stays in L2 while all the panels stream past it. The
 innermost loop is a microkernel emitted as LLVM vector IR (`_microkernel`): it keeps an
 MR x NR block of `out` in registers, and for each k loads the NR weights of that row,
 broadcasts one value of `a` per row and does MR x NR fused multiply-adds. With NR = 16 and
@@ -184,25 +187,26 @@ def packed_size(k, n):
 
 
 @njit(nogil=True, cache=True)
-def _panels(af, of, w, k, n, m0, mc, p0, p1, fmt, tmp):
-    """Rows m0..m0+mc of out for panels p0..p1-1 (one core's share of one block of rows)."""
+def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp):
+    """Rows m0..m0+mc of out, panels p0..p1-1, k rows k0..k0+kc_all (one core's share of one
+    block): per panel, per k-block of KC, every row tile of MR rows."""
     for p in range(p0, p1):
         n0 = p * NR
         cols = min(NR, n - n0)
-        for k0 in range(0, k, KC):
-            kc = min(KC, k - k0)
-            acc = 1 if k0 > 0 else 0
-            w_off = p * k * NR + k0 * NR
+        for kb in range(k0, k0 + kc_all, KC):
+            kc = min(KC, k0 + kc_all - kb)
+            acc = 1 if kb > 0 else 0
+            w_off = p * k * NR + kb * NR
             for r0 in range(m0, m0 + mc, MR):
                 mr = min(MR, m0 + mc - r0)
                 if cols == NR:
-                    _tile(mr, af, r0 * k + k0, k, w, w_off, of, r0 * n + n0, n, kc, acc, fmt)
+                    _tile(mr, af, r0 * k + kb, k, w, w_off, of, r0 * n + n0, n, kc, acc, fmt)
                     continue
                 # the last panel is partial: compute the whole tile into tmp, copy its columns
                 for i in range(mr):
                     for j in range(cols):
                         tmp[i * NR + j] = of[(r0 + i) * n + n0 + j]
-                _tile(mr, af, r0 * k + k0, k, w, w_off, tmp, 0, NR, kc, acc, fmt)
+                _tile(mr, af, r0 * k + kb, k, w, w_off, tmp, 0, NR, kc, acc, fmt)
                 for i in range(mr):
                     for j in range(cols):
                         of[(r0 + i) * n + n0 + j] = tmp[i * NR + j]
@@ -229,12 +233,23 @@ def gemm_packed(out, a, w, k, n, fmt):
     of = out.reshape(m * n)
     n_panels = (n + NR - 1) // NR
     chunks = min(n_panels, CHUNKS_PER_THREAD * get_kernel_threads())
-    for m0 in range(0, m, MC):
-        mc = min(MC, m - m0)
+    if m <= MC:
+        # decode-sized: all of a fits in L2; one parallel region over the panels
         for c in prange(chunks):
             tmp = np.empty(MR * NR, np.float32)
-            _panels(af, of, w, k, n, m0, mc, c * n_panels // chunks, (c + 1) * n_panels // chunks,
-                    fmt, tmp)
+            _panels(af, of, w, k, n, 0, m, 0, k, c * n_panels // chunks,
+                    (c + 1) * n_panels // chunks, fmt, tmp)
+        return
+    # prefill-sized: a block of MC rows x KC columns of a stays in L2 while every panel's
+    # [KC, NR] slab passes (BLIS's order: k-blocks outside the panels)
+    for m0 in range(0, m, MC):
+        mc = min(MC, m - m0)
+        for k0 in range(0, k, KC):
+            kc = min(KC, k - k0)
+            for c in prange(chunks):
+                tmp = np.empty(MR * NR, np.float32)
+                _panels(af, of, w, k, n, m0, mc, k0, kc, c * n_panels // chunks,
+                        (c + 1) * n_panels // chunks, fmt, tmp)
 
 
 
@@ -329,9 +344,7 @@ def round_to_format(x, fmt):
                 u = bits[i]
                 bits[i] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
 
-# ---- BLAS kernels (np.dot): the model's path until the packed kernels replace them --------
-_TILE_N = 256  # columns of b per work item: 256 floats = 1 KiB of each b row
-_TILE_M = 8  # rows of a per work item
+# ---- activations times activations: BLAS (np.dot), which packs its operands per call --------
 
 
 @njit(nogil=True, cache=True)
@@ -361,28 +374,3 @@ def gemm_bt(out, a, bt):
     """
     _check(out, a, bt.shape[1], bt.shape[0])
     np.dot(a, bt.T, out)
-
-
-@njit(nogil=True, cache=True, parallel=True, fastmath=True)
-def gemm_tiled(out, a, b):
-    """out[M, N] = a[M, K] @ b[K, N], hand-written: tiles of rows x columns
-    in parallel, each accumulating a row of b scaled by a[i, k] (the inner
-    loop runs over contiguous columns and vectorizes)."""
-    _check(out, a, b.shape[0], b.shape[1])
-    m, k = a.shape
-    n = b.shape[1]
-    n_tiles_n = (n + _TILE_N - 1) // _TILE_N
-    n_tiles_m = (m + _TILE_M - 1) // _TILE_M
-    for tile in prange(n_tiles_m * n_tiles_n):
-        i0 = (tile // n_tiles_n) * _TILE_M
-        j0 = (tile % n_tiles_n) * _TILE_N
-        i1 = min(i0 + _TILE_M, m)
-        j1 = min(j0 + _TILE_N, n)
-        acc = np.zeros((i1 - i0, j1 - j0), dtype=np.float32)
-        for kk in range(k):
-            brow = b[kk, j0:j1]
-            for i in range(i1 - i0):
-                aik = a[i0 + i, kk]
-                for j in range(j1 - j0):
-                    acc[i, j] += aik * brow[j]
-        out[i0:i1, j0:j1] = acc
