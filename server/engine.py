@@ -162,6 +162,7 @@ class Engine:
         self.error: BaseException | None = None  # why the loop died
         self.accepting = True  # false while draining for shutdown
         self._counts = (0, 0)  # (running, waiting) requests, published by the engine thread
+        self._waiting_seqs = 0  # sequences in the waiting queue, published by the engine thread
 
     # ---- public, any thread ---------------------------------------------------
 
@@ -183,6 +184,15 @@ class Engine:
         return queued + self._counts[1]
 
     @property
+    def num_waiting_sequences(self) -> int:
+        """Sequences not admitted yet: every choice of every request in the inbox, plus the
+        sequences in the waiting queue (preempted ones included). What a limit on waiting
+        work counts: a request with n choices and p prompts waits as n * p sequences."""
+        with self._lock:
+            queued = sum(len(item.seqs) for kind, item in self._inbox if kind == "add")
+        return queued + self._waiting_seqs
+
+    @property
     def num_running_requests(self) -> int:
         return self._counts[0]
 
@@ -191,6 +201,7 @@ class Engine:
         running = {s.request_id for s in self.scheduler.running}
         waiting = {s.request_id for s in self.scheduler.waiting} - running
         self._counts = (len(running), len(waiting))
+        self._waiting_seqs = len(self.scheduler.waiting)
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Refuse up front what can never run: raise ``RequestRejected`` with the numbers."""
@@ -278,6 +289,7 @@ class Engine:
             log.exception("engine loop died")
             self._fail_all(f"the engine stopped: {type(exc).__name__}: {exc}")
         self._counts = (0, 0)
+        self._waiting_seqs = 0
 
     def _device_seconds(self) -> float:
         if self.card is None:

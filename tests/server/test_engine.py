@@ -369,3 +369,13 @@ def test_a_second_start_is_refused_instead_of_running_two_loops(make_engine):
     assert c.token_ids == reference(TOK.encode("hello"), 4)
     assert runner.violations == []
 
+
+
+def test_waiting_sequences_count_every_choice_of_every_queued_request():
+    engine = Engine(FakeRunner(), TOK)          # not started: requests stay queued
+    engine.add_request("a", TOK.encode("one"), [params()] * 3, Collector())
+    engine.add_request("b", TOK.encode("two"), [params()], Collector())
+    assert (engine.num_waiting_requests, engine.num_waiting_sequences) == (2, 4)
+    engine._drain_inbox()                       # into the scheduler's waiting queue
+    engine._publish_counts()
+    assert (engine.num_waiting_requests, engine.num_waiting_sequences) == (2, 4)
