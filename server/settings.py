@@ -78,6 +78,8 @@ class Settings:
     max_n: int = _flag(8, "largest n (choices per prompt) a request may ask for", int)
     max_body_bytes: int = _flag(1 << 20, "largest request body; larger gets 413", parse_size)
     drain_timeout: float = _flag(30.0, "seconds to finish running requests after SIGTERM", float)
+    step_timeout: float = _flag(120.0, "seconds a step may take before the engine is declared dead "
+                                "(in-flight requests fail, the server exits 1 to be restarted)", float)
     warmup: bool = _flag(True, "compile and prepare every step program before listening", parse_bool)
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
 
