@@ -1,10 +1,16 @@
-"""On-device sampling for a batch of rows of logits.
+"""On-device sampling for a batch of rows of logits, and the per-sequence penalty state.
 
     sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs,
            logits, temperature, top_k, top_p, min_p, seeds, counters,
            presence_penalty, frequency_penalty, repetition_penalty,
            penalty_offsets, penalty_ids, penalty_counts,
            ban_offsets=None, ban_ids=None)
+    sample_with_state(out_ids, out_logprobs, out_top_ids, out_top_logprobs,
+           logits, temperature, top_k, top_p, min_p, seeds, counters,
+           presence_penalty, frequency_penalty, repetition_penalty,
+           pen_slot, output_counts, prompt_mask, ban_offsets, ban_ids)
+    count_tokens(output_counts, prompt_mask, count_slot, prompt_lens,
+                 query_start, positions, tokens)
 
 Outputs (first):
     out_ids            int32[S]      sampled token of each row
@@ -21,25 +27,41 @@ Inputs:
     min_p              float32[S]    in [0, 1]; 0 -> off
     seeds              uint64[S]     per-request seed
     counters           int64[S]      tokens the request generated so far
-    presence_penalty   float32[S]    OpenAI: logit -= presence * (count > 0)
-    frequency_penalty  float32[S]    OpenAI: logit -= frequency * count
-    repetition_penalty float32[S]    HF/vLLM: logit / r if logit > 0 else logit * r; 1 -> off
+    presence_penalty   float32[S]    OpenAI: logit -= presence if the token was generated
+    frequency_penalty  float32[S]    OpenAI: logit -= frequency * times it was generated
+    repetition_penalty float32[S]    vLLM: a token seen in the prompt or generated has its
+                                     logit scaled by 1/r if > 0, else by r; 1 -> off
+  the tokens a row has seen, as lists (`sample`):
     penalty_offsets    int32[S+1]    row s owns penalty_ids[offsets[s]:offsets[s+1]]
     penalty_ids        int32[N]      tokens seen in the prompt or the output, unique per row
     penalty_counts     int32[N]      occurrences of each in the output (0: prompt only)
-    ban_offsets        int32[S+1]    optional (both or neither): row s may not sample
-    ban_ids            int32[M]      ban_ids[ban_offsets[s]:ban_offsets[s+1]] (vLLM's
+  or as per-sequence tables kept on the card (`sample_with_state`):
+    pen_slot           int32[S]      the table row of each sampling row, -1: no penalties
+    output_counts      int32[P, V]   per slot: times each token was generated
+    prompt_mask        int32[P, V]   per slot: 1 where the token is in the prompt
+  the bans:
+    ban_offsets        int32[S+1]    optional in `sample` (both or neither): row s may not
+    ban_ids            int32[M]      sample ban_ids[ban_offsets[s]:ban_offsets[s+1]] (vLLM's
                                      min_tokens: EOS and stop tokens); duplicates allowed
 
-Order per row, as vLLM v1: penalties (repetition, then frequency and
-presence); the ban (those logits are set to -inf, in fact the lowest float32,
-so neither greedy nor a draw can pick them; if a row bans every token of the
-vocabulary its ban is ignored and it samples the unbanned distribution,
-rather than failing the whole batch); temperature; min_p (drop tokens whose
-probability is below min_p times the top one's); top_k (keep the k most likely); top_p (keep the
-smallest set of most likely tokens whose mass reaches top_p of what is left);
-then one draw from what remains, renormalized. Ties at a top_k boundary are
-broken arbitrarily but deterministically. Tokens whose probability is below
+`count_tokens` fills the tables: for each sequence s of a step with count_slot[s] >= 0,
+its token rows query_start[s]..query_start[s+1]-1 are counted into its slot, a row at a
+position below prompt_lens[s] into prompt_mask, the others (generated tokens fed back, or
+recomputed after a preemption) into output_counts; a chunk starting at position 0 clears
+the slot first. So a step counts the tokens it computes, a from-device decode token
+included, and the penalties of its samples see every token before them: the host sends
+a slot number per sequence, never the token history.
+
+Order per row, vLLM v1's (vllm/model_executor/layers/utils.py apply_penalties, in float32):
+the repetition scale (x * (1/r) for x > 0, x * r otherwise, on tokens of the prompt or the
+output), then x -= frequency * count, then x -= presence on generated tokens; the ban
+(those logits are set to -inf, in fact the lowest float32, so neither greedy nor a draw
+can pick them; if a row bans every token of the vocabulary its ban is ignored and it
+samples the unbanned distribution, rather than failing the whole batch); temperature;
+min_p (drop tokens whose probability is below min_p times the top one's); top_k (keep the
+k most likely); top_p (keep the smallest set of most likely tokens whose mass reaches
+top_p of what is left); then one draw from what remains, renormalized. Ties at a top_k
+boundary are broken arbitrarily but deterministically. Tokens whose probability is below
 e^-87 of the top one (float32 underflow) are never drawn.
 
 Randomness: u = uniform(seed, counter), a splitmix64 hash of the pair, so a
@@ -215,18 +237,51 @@ def _top_raw(out_ids, out_lp, row, lse):
 
 
 @njit(nogil=True, cache=True)
+def _penalized(x, count, in_prompt, presence, frequency, repetition, inv_repetition):
+    """One logit with vLLM's penalties: count times generated, in_prompt whether the prompt
+    holds it. The same float32 operations, in the same order, as vLLM's apply_penalties."""
+    if count > 0 or in_prompt:
+        x = x * inv_repetition if x > 0 else x * repetition
+    if count > 0:
+        x = x - frequency * np.float32(count)
+        x = x - presence
+    return x
+
+
+@njit(nogil=True, cache=True)
 def _penalize(z, row, presence, frequency, repetition, pen_ids, pen_counts):
-    """z[:] = row with the penalties applied to the listed tokens."""
+    """z[:] = row with the penalties applied to the listed tokens (count 0: prompt only)."""
     z[:] = row
+    inv = np.float32(1.0) / repetition
     for j in range(pen_ids.shape[0]):
         t = pen_ids[j]
-        x = z[t]
-        if repetition != 1.0:
-            x = x / repetition if x > 0 else x * repetition
-        c = pen_counts[j]
-        if c > 0:
-            x -= frequency * np.float32(c) + presence
-        z[t] = x
+        z[t] = _penalized(z[t], pen_counts[j], True, presence, frequency, repetition, inv)
+
+
+@njit(nogil=True, cache=True)
+def _penalize_table(z, row, presence, frequency, repetition, counts, prompt):
+    """z[:] = row with the penalties of a sequence's tables (counts, prompt: int32[V])."""
+    inv = np.float32(1.0) / repetition
+    for t in range(row.shape[0]):
+        z[t] = _penalized(row[t], counts[t], prompt[t] != 0, presence, frequency, repetition, inv)
+
+
+@njit(nogil=True, cache=True)
+def _ban(z, ban, marks):
+    """Set the banned logits of z to _BANNED, unless the ban covers every token (then the
+    row samples without it). marks: int32[V] scratch, used only when the ban may cover all."""
+    v_n = z.shape[0]
+    if ban.shape[0] >= v_n:
+        marks[:] = 0
+        distinct = 0
+        for j in range(ban.shape[0]):
+            if marks[ban[j]] == 0:
+                marks[ban[j]] = 1
+                distinct += 1
+        if distinct == v_n:
+            return
+    for j in range(ban.shape[0]):
+        z[ban[j]] = _BANNED
 
 
 @njit(nogil=True, cache=True)
@@ -242,18 +297,11 @@ def _argmax(z):
 
 
 @njit(nogil=True, cache=True)
-def _sample_row(row, temperature, top_k, top_p, min_p, seed, counter,
-                presence, frequency, repetition, pen_ids, pen_counts, ban, z, w, idx, bits):
-    """One row: returns the sampled token id. row float32[V] raw logits; ban int32[m]
-    tokens not to sample; z, w float32[V], idx, bits int32[V] scratch."""
-    v_n = row.shape[0]
-    _penalize(z, row, presence, frequency, repetition, pen_ids, pen_counts)
-    for j in range(ban.shape[0]):
-        z[ban[j]] = _BANNED
+def _sample_row(z, temperature, top_k, top_p, min_p, seed, counter, w, idx, bits):
+    """One row: returns the sampled token id. z float32[V]: the logits, penalized and
+    banned; w float32[V], idx, bits int32[V] scratch."""
+    v_n = z.shape[0]
     arg, zmax = _argmax(z)
-    if ban.shape[0] > 0 and zmax <= _BANNED:   # every token banned: sample without the ban
-        _penalize(z, row, presence, frequency, repetition, pen_ids, pen_counts)
-        arg, zmax = _argmax(z)
     if temperature <= 0.0 or top_k == 1:
         return arg
     inv_t = np.float32(1.0) / temperature
@@ -385,18 +433,117 @@ def _sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temper
            repetition_penalty, penalty_offsets, penalty_ids, penalty_counts, ban_offsets, ban_ids)
     s_n, v_n = logits.shape
     for s in prange(s_n):
-        row = logits[s]
         z = np.empty(v_n, np.float32)
-        w = np.empty(v_n, np.float32)
-        idx = np.empty(v_n, np.int32)
-        bits = np.empty(v_n, np.int32)
-        lse = _log_sum_exp(row, w, bits)
-        _top_raw(out_top_ids[s], out_top_logprobs[s], row, lse)
         p0 = penalty_offsets[s]
         p1 = penalty_offsets[s + 1]
-        tok = _sample_row(row, temperature[s], top_k[s], top_p[s], min_p[s], seeds[s], counters[s],
-                          presence_penalty[s], frequency_penalty[s], repetition_penalty[s],
-                          penalty_ids[p0:p1], penalty_counts[p0:p1],
-                          ban_ids[ban_offsets[s]:ban_offsets[s + 1]], z, w, idx, bits)
-        out_ids[s] = tok
-        out_logprobs[s] = row[tok] - lse
+        _penalize(z, logits[s], presence_penalty[s], frequency_penalty[s], repetition_penalty[s],
+                  penalty_ids[p0:p1], penalty_counts[p0:p1])
+        _finish_row(s, out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits[s], z,
+                    temperature[s], top_k[s], top_p[s], min_p[s], seeds[s], counters[s],
+                    ban_ids[ban_offsets[s]:ban_offsets[s + 1]])
+
+
+@njit(nogil=True, cache=True)
+def _finish_row(s, out_ids, out_logprobs, out_top_ids, out_top_logprobs, row, z, temperature,
+                top_k, top_p, min_p, seed, counter, ban):
+    """Row s from its penalized logits z: the ban, the draw, the raw logprob and top-K."""
+    v_n = row.shape[0]
+    w = np.empty(v_n, np.float32)
+    idx = np.empty(v_n, np.int32)
+    bits = np.empty(v_n, np.int32)
+    lse = _log_sum_exp(row, w, bits)
+    _top_raw(out_top_ids[s], out_top_logprobs[s], row, lse)
+    _ban(z, ban, bits)
+    tok = _sample_row(z, temperature, top_k, top_p, min_p, seed, counter, w, idx, bits)
+    out_ids[s] = tok
+    out_logprobs[s] = row[tok] - lse
+
+
+@njit(nogil=True, cache=True)
+def _check_state(logits, pen_slot, output_counts, prompt_mask):
+    s_n, v_n = logits.shape
+    if pen_slot.shape[0] != s_n:
+        raise ValueError("sample_with_state: pen_slot's length differs from the rows of logits",
+                         pen_slot.shape[0], s_n)
+    if output_counts.shape != prompt_mask.shape or output_counts.shape[1] != v_n:
+        raise ValueError("sample_with_state: want output_counts and prompt_mask [P, V] (P, V, V of logits)",
+                         output_counts.shape[0], output_counts.shape[1], v_n)
+    for s in range(s_n):
+        if pen_slot[s] < -1 or pen_slot[s] >= output_counts.shape[0]:
+            raise IndexError("sample_with_state: pen_slot out of range (row, slot, slots)",
+                             s, pen_slot[s], output_counts.shape[0])
+
+
+@njit(nogil=True, cache=True)
+def sample_with_state(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature,
+                      top_k, top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+                      repetition_penalty, pen_slot, output_counts, prompt_mask, ban_offsets,
+                      ban_ids):
+    """`sample`, the penalties read from each row's slot of the tables `count_tokens` keeps
+    (pen_slot -1: none); see the module docstring."""
+    s_n = logits.shape[0]
+    no_lists = np.zeros(s_n + 1, np.int32)
+    _check(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
+           top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+           repetition_penalty, no_lists, no_lists[:0], no_lists[:0], ban_offsets, ban_ids)
+    _check_state(logits, pen_slot, output_counts, prompt_mask)
+    _sample_state(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature,
+                  top_k, top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+                  repetition_penalty, pen_slot, output_counts, prompt_mask, ban_offsets, ban_ids)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _sample_state(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature,
+                  top_k, top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
+                  repetition_penalty, pen_slot, output_counts, prompt_mask, ban_offsets, ban_ids):
+    s_n, v_n = logits.shape
+    for s in prange(s_n):
+        z = np.empty(v_n, np.float32)
+        slot = pen_slot[s]
+        if slot >= 0:
+            _penalize_table(z, logits[s], presence_penalty[s], frequency_penalty[s],
+                            repetition_penalty[s], output_counts[slot], prompt_mask[slot])
+        else:
+            z[:] = logits[s]
+        _finish_row(s, out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits[s], z,
+                    temperature[s], top_k[s], top_p[s], min_p[s], seeds[s], counters[s],
+                    ban_ids[ban_offsets[s]:ban_offsets[s + 1]])
+
+
+@njit(nogil=True, cache=True)
+def count_tokens(output_counts, prompt_mask, count_slot, prompt_lens, query_start, positions,
+                 tokens):
+    """Count each sequence's token rows of a step into its slot; see the module docstring.
+
+    output_counts, prompt_mask int32[P, V]; count_slot, prompt_lens int32[S] (slot -1: the
+    sequence has no penalties); query_start int32[S+1]; positions, tokens int32[T]."""
+    p_n, v_n = output_counts.shape
+    if prompt_mask.shape[0] != p_n or prompt_mask.shape[1] != v_n:
+        raise ValueError("count_tokens: output_counts and prompt_mask differ in shape")
+    if query_start.shape[0] != count_slot.shape[0] + 1 or prompt_lens.shape[0] != count_slot.shape[0]:
+        raise ValueError("count_tokens: want count_slot, prompt_lens [S] and query_start [S+1] (S, S+1)",
+                         count_slot.shape[0], query_start.shape[0])
+    for s in range(count_slot.shape[0]):
+        slot = count_slot[s]
+        if slot < 0:
+            continue
+        r0 = query_start[s]
+        r1 = query_start[s + 1]
+        if slot >= p_n or r0 < 0 or r1 > tokens.shape[0] or r1 > positions.shape[0]:
+            raise IndexError("count_tokens: slot or rows out of range (seq, slot, slots, first, end)",
+                             s, slot, p_n, r0, r1)
+        if r1 <= r0:
+            continue
+        counts = output_counts[slot]
+        prompt = prompt_mask[slot]
+        if positions[r0] == 0:
+            counts[:] = 0
+            prompt[:] = 0
+        for r in range(r0, r1):
+            t = tokens[r]
+            if t < 0 or t >= v_n:
+                raise IndexError("count_tokens: token id out of range (row, id, vocab)", r, t, v_n)
+            if positions[r] < prompt_lens[s]:
+                prompt[t] = 1
+            else:
+                counts[t] += 1

@@ -2,7 +2,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from device.kernels.sampling import sample, uniform
+from device.kernels.sampling import (
+    _penalize_table,
+    count_tokens,
+    sample,
+    sample_with_state,
+    uniform,
+)
 
 V = 1000
 
@@ -232,11 +238,30 @@ def test_draws_match_softmax_chi_square(temperature):
 # --- penalties --------------------------------------------------------------
 
 def _penalized(row, pen, presence, frequency, repetition):
-    z = row.astype(np.float64).copy()
-    for t, c in pen.items():
-        z[t] = z[t] / repetition if z[t] > 0 else z[t] * repetition
-        z[t] -= frequency * c + presence * (c > 0)
-    return z
+    """vLLM's rule on one row, pen {token: output count} (count 0: prompt only)."""
+    prompt = [t for t, c in pen.items() if c == 0]
+    output = [t for t, c in pen.items() for _ in range(c)]
+    return vllm_apply_penalties(row[None], [prompt], [output], [presence], [frequency],
+                                [repetition])[0]
+
+
+def vllm_apply_penalties(logits, prompt_ids, output_ids, presence, frequency, repetition):
+    """vLLM's apply_penalties (vllm/model_executor/layers/utils.py, with the torch form of
+    apply_repetition_penalties) in numpy float32: logits [S, V]; per row the prompt's and
+    the output's token ids and the three penalties."""
+    out = np.array(logits, np.float32)
+    s_n, v_n = out.shape
+    for s in range(s_n):
+        prompt_mask = np.zeros(v_n, bool)
+        prompt_mask[np.asarray(prompt_ids[s], np.int64)] = True
+        counts = np.bincount(np.asarray(output_ids[s], np.int64), minlength=v_n)
+        output_mask = counts > 0
+        penalties = np.where(prompt_mask | output_mask, np.float32(repetition[s]), np.float32(1.0))
+        penalties = penalties.astype(np.float32)
+        out[s] *= np.where(out[s] > 0, np.float32(1.0) / penalties, penalties).astype(np.float32)
+        out[s] -= np.float32(frequency[s]) * counts.astype(np.float32)
+        out[s] -= np.float32(presence[s]) * output_mask.astype(np.float32)
+    return out
 
 
 @pytest.mark.parametrize("presence,frequency,repetition", [(1.5, 0.0, 1.0), (0.0, 0.7, 1.0),
@@ -447,3 +472,148 @@ def test_sample_with_a_ban_is_callable_from_njit_code():
          np.arange(4, dtype=np.int32), top)
     ref = [int(np.argmax(_banned(logits[s], [top[s]]))) for s in range(3)]
     assert ids.tolist() == ref
+
+
+# --- penalty state on the card: count_tokens and sample_with_state ----------
+
+def _state_call(logits, pen_slot, counts, prompt, temperature=0.0, presence=0.0, frequency=0.0,
+                repetition=1.0, bans=None, seed=7):
+    s, _ = logits.shape
+
+    def col(x, dt):
+        return np.full(s, x, dt) if np.isscalar(x) else np.asarray(x, dt)
+
+    bans = bans or [[] for _ in range(s)]
+    ban_offsets = np.zeros(s + 1, np.int32)
+    ban_offsets[1:] = np.cumsum([len(b) for b in bans])
+    ids, lp = np.full(s, -5, np.int32), np.full(s, np.nan, np.float32)
+    sample_with_state(ids, lp, np.zeros((s, 0), np.int32), np.zeros((s, 0), np.float32), logits,
+                      col(temperature, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
+                      np.zeros(s, np.float32), col(seed, np.uint64), np.arange(s, dtype=np.int64),
+                      col(presence, np.float32), col(frequency, np.float32),
+                      col(repetition, np.float32), np.asarray(pen_slot, np.int32), counts, prompt,
+                      ban_offsets, np.array([t for b in bans for t in b], np.int32))
+    return ids, lp
+
+
+def _count(counts, prompt, steps):
+    """Run count_tokens over steps: each a list of (slot, prompt_len, start_pos, tokens)."""
+    for step in steps:
+        tokens = np.array([t for _, _, _, toks in step for t in toks], np.int32)
+        positions = np.array([p + j for _, _, p, toks in step for j in range(len(toks))], np.int32)
+        query_start = np.zeros(len(step) + 1, np.int32)
+        query_start[1:] = np.cumsum([len(toks) for *_, toks in step])
+        count_tokens(counts, prompt, np.array([slot for slot, *_ in step], np.int32),
+                     np.array([n for _, n, *_ in step], np.int32), query_start, positions, tokens)
+
+
+def test_count_tokens_puts_the_prompt_in_the_mask_and_generated_tokens_in_the_counts():
+    v = 50
+    counts, prompt = np.full((3, v), 77, np.int32), np.full((3, v), 77, np.int32)  # stale slots
+    p0, out0 = [4, 5, 4, 9, 1], [9, 9, 12, 4]       # slot 2: a prompt of 5, 4 generated
+    p1 = [30, 31, 32, 33, 34, 35]                   # slot 0: a prompt of 6 in two chunks
+    _count(counts, prompt, [
+        [(2, 5, 0, p0), (0, 6, 0, p1[:4]), (-1, 3, 0, [7, 7, 7])],  # -1: no penalties, untouched
+        [(2, 5, 5, out0[:1]), (0, 6, 4, p1[4:])],
+        [(2, 5, 6, out0[1:3])],
+        [(2, 5, 8, out0[3:]), (0, 6, 6, [30])],
+    ])
+    assert prompt[2].tolist() == np.isin(np.arange(v), p0).astype(np.int32).tolist()
+    assert counts[2].tolist() == np.bincount(out0, minlength=v).tolist()
+    assert prompt[0].tolist() == np.isin(np.arange(v), p1).astype(np.int32).tolist()
+    assert counts[0].tolist() == np.bincount([30], minlength=v).tolist()
+    assert (counts[1] == 77).all() and (prompt[1] == 77).all()
+
+
+def test_a_recompute_from_position_zero_rebuilds_the_slot_without_double_counting():
+    v = 20
+    counts, prompt = np.zeros((1, v), np.int32), np.zeros((1, v), np.int32)
+    _count(counts, prompt, [[(0, 3, 0, [1, 2, 3])], [(0, 3, 3, [5])], [(0, 3, 4, [5])]])
+    before = counts.copy(), prompt.copy()
+    _count(counts, prompt, [[(0, 3, 0, [1, 2, 3, 5, 5])]])   # preempted, recomputed whole
+    assert counts.tolist() == before[0].tolist() and prompt.tolist() == before[1].tolist()
+    assert counts[0, 5] == 2 and prompt[0, [1, 2, 3]].tolist() == [1, 1, 1]
+
+
+def test_count_tokens_rejects_a_slot_or_token_out_of_range():
+    counts, prompt = np.zeros((2, 10), np.int32), np.zeros((2, 10), np.int32)
+    with pytest.raises(IndexError, match="slot or rows"):
+        _count(counts, prompt, [[(2, 1, 0, [1])]])
+    with pytest.raises(IndexError, match="token id"):
+        _count(counts, prompt, [[(0, 1, 0, [10])]])
+
+
+def _random_history(rng, v, n_prompt, n_out):
+    return rng.integers(0, v, n_prompt).tolist(), rng.integers(0, v, n_out).tolist()
+
+
+@pytest.mark.parametrize("presence,frequency,repetition", [(1.5, 0.0, 1.0), (0.0, 0.7, 1.0),
+                                                           (0.0, 0.0, 1.7), (0.4, 0.3, 1.3),
+                                                           (-0.5, -0.2, 0.8)])
+def test_penalties_from_the_tables_are_vllms_bit_for_bit(presence, frequency, repetition):
+    rng = np.random.default_rng(31)
+    v, s = 64, 24
+    logits = _logits(s, v=v, seed=32, spread=1.0)
+    counts, prompt = np.zeros((s, v), np.int32), np.zeros((s, v), np.int32)
+    hist = [_random_history(rng, v, int(rng.integers(1, 20)), int(rng.integers(0, 12)))
+            for _ in range(s)]
+    _count(counts, prompt, [[(i, len(p), 0, p + o) for i, (p, o) in enumerate(hist)]])
+    want = vllm_apply_penalties(logits, [p for p, _ in hist], [o for _, o in hist],
+                                [presence] * s, [frequency] * s, [repetition] * s)
+    for i in range(s):
+        z = np.empty(v, np.float32)
+        _penalize_table(z, logits[i], np.float32(presence), np.float32(frequency),
+                        np.float32(repetition), counts[i], prompt[i])
+        np.testing.assert_array_equal(z, want[i])
+    ids, _ = _state_call(logits, np.arange(s), counts, prompt, presence=presence,
+                         frequency=frequency, repetition=repetition)
+    assert ids.tolist() == want.argmax(1).tolist()
+    assert ids.tolist() != logits.argmax(1).tolist()  # the penalties changed something
+
+
+def test_presence_and_frequency_count_generated_tokens_only_whatever_the_repetition():
+    # token 0 is in the prompt only, token 1 was generated once: presence and frequency hit
+    # token 1 alone, even with a repetition penalty (which hits both)
+    row = np.array([[2.0, 1.9, 1.5]], np.float32)
+    counts, prompt = np.zeros((1, 3), np.int32), np.zeros((1, 3), np.int32)
+    _count(counts, prompt, [[(0, 1, 0, [0, 1])]])
+    for repetition in (1.0, 1.05):
+        ids, _ = _state_call(row, [0], counts, prompt, presence=5.0, repetition=repetition)
+        assert ids[0] == 0
+        ids, _ = _state_call(row, [0], counts, prompt, frequency=5.0, repetition=repetition)
+        assert ids[0] == 0
+    ids, _ = _state_call(row, [0], counts, prompt, repetition=1.5)   # 1.9/1.5 < 2/1.5 < 1.5
+    assert ids[0] == 2
+
+
+def test_a_row_without_a_slot_is_not_penalized_and_its_logprob_stays_raw():
+    logits = _logits(3, v=40, seed=33)
+    counts, prompt = np.zeros((1, 40), np.int32), np.zeros((1, 40), np.int32)
+    counts[0, logits.argmax(1)] = 1
+    ids, lp = _state_call(logits, [-1, 0, -1], counts, prompt, presence=100.0)
+    assert ids[[0, 2]].tolist() == logits[[0, 2]].argmax(1).tolist()
+    assert ids[1] != logits[1].argmax()
+    np.testing.assert_allclose(lp, _log_softmax(logits)[np.arange(3), ids], atol=1e-5)
+
+
+def test_sample_with_state_bans_after_the_penalties_and_samples_the_same_as_the_lists():
+    logits = _logits(6, v=30, seed=34)
+    rng = np.random.default_rng(35)
+    hist = [_random_history(rng, 30, 5, 6) for _ in range(6)]
+    counts, prompt = np.zeros((6, 30), np.int32), np.zeros((6, 30), np.int32)
+    _count(counts, prompt, [[(i, 5, 0, p + o) for i, (p, o) in enumerate(hist)]])
+    pens = [{**{t: 0 for t in p}, **{int(t): int(c) for t, c in zip(*np.unique(o, return_counts=True),
+                                                                     strict=True)}}
+            for p, o in hist]
+    bans = [[int(logits[i].argmax())] for i in range(6)]
+    kw = dict(temperature=0.8, presence=0.3, frequency=0.4, repetition=1.2, bans=bans)
+    lists, _, _, _ = _call(logits, counter=np.arange(6), penalties=pens, **kw)
+    tables, _ = _state_call(logits, np.arange(6), counts, prompt, **kw)
+    assert tables.tolist() == lists.tolist()
+    assert all(t != b[0] for t, b in zip(tables, bans, strict=True))
+
+
+def test_sample_with_state_rejects_a_slot_out_of_range():
+    counts = np.zeros((2, 10), np.int32)
+    with pytest.raises(IndexError, match="pen_slot"):
+        _state_call(_logits(1, v=10), [2], counts, counts.copy())
