@@ -117,6 +117,16 @@ class Stream:
         with self._done:
             return self._completed >= self._submitted
 
+    @property
+    def position(self) -> int:
+        """The number of the last command enqueued so far (0 before any): a point of this
+        stream that `reached` can test later without enqueueing an event."""
+        return self._submitted
+
+    def reached(self, position: int) -> bool:
+        """True once every command up to `position` has run."""
+        return self._completed >= position
+
     def close(self) -> None:
         """Finish pending commands and stop the worker thread."""
         if self._closed:

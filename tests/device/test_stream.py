@@ -204,3 +204,14 @@ def test_concurrent_waiters_on_one_stream_are_all_woken(card):
         t.join(60)
     assert not any(t.is_alive() for t in threads), "a waiter was never woken"
     assert errors == []
+
+
+def test_a_position_is_reached_once_the_commands_before_it_have_run(card):
+    s = card.new_stream("s")
+    gate = _gate(s)
+    at = s.position
+    assert at == 1 and not s.reached(at)
+    s.enqueue(lambda: None)
+    gate.set()
+    s.synchronize()
+    assert s.reached(at) and s.reached(s.position)
