@@ -3,13 +3,18 @@
 The endpoints read their bodies themselves (not through FastAPI's body parameters) so that
 each refusal is made here, where it is found, in the OpenAI error shape: 413 for a body
 over ``--max-body-bytes`` (by its Content-Length before reading, or while reading one sent
-without), 400 for a body that is not JSON or not an object, 400 naming the field for a
-value the endpoint's pydantic model refuses.
+without), 400 for a body that is not JSON (a Content-Type that is not JSON, bytes that are
+not UTF-8, text that is not JSON, NaN or Infinity, a number no float or int holds, nesting
+deeper than ``MAX_DEPTH``) or not an object, 400 naming the field for a value the endpoint's
+pydantic model refuses. Every message is in the user's words: no exception's name or text
+reaches the client.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import sys
 from typing import TypeVar
 
 from fastapi import Request
@@ -18,6 +23,14 @@ from pydantic import BaseModel, ValidationError
 from server.openai.errors import APIError, validation_error
 
 Body = TypeVar("Body", bound=BaseModel)
+
+# Deepest nesting of arrays and objects a body may have. The deepest field any endpoint reads
+# is 4 levels down (messages[i].content[j].text); chat_template_kwargs may carry a little
+# structure. Deeper bodies are refused here so that nothing after parsing (pydantic's error
+# messages, json.dumps, a template) can run out of Python's recursion limit on them.
+MAX_DEPTH = 32
+# Python refuses to convert longer integer literals (CVE-2020-10735); json.loads raises then.
+MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -33,19 +46,79 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def json_object(body: bytes) -> dict:
-    """The body as a JSON object (an empty body is not one)."""
+def check_content_type(content_type: str | None) -> None:
+    """400 unless the body is declared JSON in UTF-8 (``application/json``, ``*/*+json``, any
+    case, charset utf-8 if named), or not declared at all (curl without -H, some clients)."""
+    if content_type is None:
+        return
+    media, _, params = content_type.partition(";")
+    media = media.strip().lower()
+    charset = next((v.strip().strip('"').lower() for k, _, v in (p.partition("=") for p in params.split(";"))
+                    if k.strip().lower() == "charset"), "utf-8")
+    if (media == "application/json" or media.endswith("+json")) and charset in ("utf-8", "utf8"):
+        return
+    raise APIError(400, f"request body must be JSON (Content-Type: application/json, in UTF-8), "
+                        f"got Content-Type: {content_type[:100]}")
+
+
+def _no_constant(name: str):
+    raise APIError(400, f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise APIError(400, f"request body holds the number {text[:40]}, outside what a 64-bit float holds")
+    return value
+
+
+def _parse(text: str):
     try:
-        data = json.loads(body or b"null")
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except json.JSONDecodeError as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        raise APIError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+                            f"column {exc.colno}") from None
+    except ValueError:  # the only other ValueError json.loads raises: int() of a too long literal
+        raise APIError(400, f"request body holds a number over {MAX_INT_DIGITS} digits long") from None
+    except RecursionError:
+        raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels") from None
+
+
+def nests_deeper_than(data, limit: int) -> bool:
+    """Whether arrays and objects in ``data`` nest more than ``limit`` levels (walked without
+    recursion: the data may be deep enough to exhaust it)."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
+
+
+def json_object(body: bytes) -> dict:
+    """The body as a JSON object: UTF-8, strict JSON (no NaN or Infinity, finite numbers),
+    at most ``MAX_DEPTH`` levels deep."""
+    if not body.strip():
+        raise APIError(400, "request body is empty: send a JSON object")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not valid UTF-8: byte 0x{body[exc.start]:02x} at position "
+                            f"{exc.start}") from None
+    data = _parse(text)
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    if nests_deeper_than(data, MAX_DEPTH):
+        raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels")
     return data
 
 
 async def read_request(request: Request, model: type[Body], limit: int) -> Body:
     """The body read, parsed and validated as ``model``."""
+    check_content_type(request.headers.get("content-type"))
     data = json_object(await read_body(request, limit))
     try:
         return model.model_validate(data)

@@ -2,29 +2,60 @@
 
 Whatever refuses a request raises ``APIError`` where it finds the problem, with the status
 that says why (400, 401, 404, 413, 500, 503 + Retry-After) and ``param`` naming the request
-field at fault; the handlers ``install_error_handlers`` puts on the app turn it, or any
-other exception (as a 500), into the response. ``validation_error`` says in one line which
-field of a body pydantic refused and why.
+field at fault; the handlers ``install_error_handlers`` puts on the app turn it, Starlette's
+own refusals (404 no such route, 405 wrong method) and any other exception into the
+response. Any other exception is a 500 that names only a request id: its class and text
+are the server's business, so they go to the log under that id, never to the client
+(``internal_error``). ``validation_error`` says in one line which field of a body pydantic
+refused and why.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("spyre_serve.api")
 
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+# What the OpenAPI document lists under each route's error responses.
+ERROR_DESCRIPTIONS = {
+    400: "the request is malformed or asks for something this server does not do; `param` names the field",
+    401: "no API key, or a wrong one (with --api-key)",
+    404: "`model` names a model this server does not serve",
+    413: "the body is over --max-body-bytes",
+    500: "the server failed; the message names a request id to find in the server's log",
+    503: "the engine is down, draining, or its waiting queue is full: retry after Retry-After seconds",
+}
 # pydantic adds a union member's type name to an error's location; they are not fields
 _NOT_FIELDS = {"str", "int", "list"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error (the OpenAPI document's schema for it)."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -48,28 +79,55 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.status, err.message, err.param), status_code=err.status, headers=headers)
 
 
+def _quoted(value) -> str | None:
+    """``value`` as JSON, cut to 100 characters; None when it cannot be (too deep to encode)."""
+    try:
+        return json.dumps(value)[:100]
+    except (RecursionError, TypeError, ValueError):
+        return None
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """A 400 for the first error pydantic found: ``"<field path>: <why>, got <value>"``, with
-    ``param`` the top-level field (list indices and union member names left out)."""
+    ``param`` the top-level field (list indices and union member names left out). A field
+    the request model does not have is refused by name: nothing a client sends is ignored."""
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
     loc = [p for p in loc if p.isidentifier() and p not in _NOT_FIELDS]
-    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-    if "input" in err and err.get("type") not in {"value_error", "missing"}:
-        msg = f"{msg}, got {json.dumps(err['input'])[:100]}"
     where = ".".join(loc)
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"{where}: this server does not know the field `{loc[-1]}`", loc[0])
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    quoted = _quoted(err["input"]) if "input" in err and err.get("type") not in {"value_error", "missing"} else None
+    if quoted is not None:
+        msg = f"{msg}, got {quoted}"
     return APIError(400, f"{where}: {msg}" if where else msg, loc[0] if loc else None)
+
+
+def internal_error(what: str, request_id: str | None = None, exc: BaseException | None = None) -> APIError:
+    """The 500 a client sees when the server failed: a request id and nothing else. ``what``
+    (the engine's message, the route that failed) and ``exc``'s traceback go to the log under
+    that id."""
+    request_id = request_id or uuid.uuid4().hex
+    log.error("internal error (request id %s): %s", request_id, what, exc_info=exc)
+    return APIError(500, f"internal error (request id {request_id}): the server's log says what failed")
 
 
 async def _api_error(_request: Request, err: APIError) -> JSONResponse:
     return error_response(err)
 
 
-async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    return error_response(APIError(exc.status_code, str(exc.detail)))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(internal_error(f"{request.method} {request.url.path} raised", exc=exc))
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """``APIError`` as its own status; anything else a handler raises as a 500 naming it."""
+    """``APIError`` as its own status, Starlette's 404/405 in the same shape, anything else
+    as a 500 that names a request id (the traceback is logged under it)."""
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

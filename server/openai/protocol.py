@@ -1,16 +1,22 @@
 """OpenAI request bodies (vLLM's field set), validated with pydantic.
 
 Each check says what was asked and what is allowed; ``body.py`` turns a
-validation failure into a 400 with ``param`` naming the field.
+validation failure into a 400 with ``param`` naming the field. Nothing a client sends is
+dropped: a field no model here declares is refused by name (``extra="forbid"``), and a
+field the server knows but does not act on yet is accepted only at its neutral value
+(``UNSUPPORTED``). The ranges are also written into the JSON schema (``/openapi.json``),
+so that ``/docs`` and API tools show them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 MAX_LOGPROBS = 5
+INT64 = (-(2**63), 2**63 - 1)
 
 # The sampling fields with a range: (low, high, whether low itself is allowed); high is.
 RANGES = {
@@ -24,34 +30,109 @@ RANGES = {
 # The integer sampling fields with a floor: (the floor, how a refusal says it).
 FLOORS = {"n": (1, "at least 1"), "min_tokens": (0, ">= 0")}
 
+# Fields a client may send that this server does not act on yet: each is accepted at its
+# neutral values (what leaving it out means) and refused otherwise, naming it. Issue 12
+# (structured output, tool calling, logit_bias, stop strings kept, special tokens shown)
+# lifts them one by one: implement the field, then delete its row here.
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "response_format": ((None, {"type": "text"}), "structured output (response_format)"),
+    "structured_outputs": ((None,), "structured output (structured_outputs)"),
+    "guided_json": ((None,), "structured output (guided_json)"),
+    "guided_regex": ((None,), "structured output (guided_regex)"),
+    "guided_choice": ((None,), "structured output (guided_choice)"),
+    "guided_grammar": ((None,), "structured output (guided_grammar)"),
+    "tools": ((None, []), "tool calling (tools)"),
+    "tool_choice": ((None, "none"), "tool calling (tool_choice)"),
+    "tool_calls": ((None, []), "tool calling (tool_calls)"),  # on a chat message
+    "tool_call_id": ((None,), "tool calling (tool_call_id)"),  # on a chat message
+    "logit_bias": ((None, {}), "logit_bias"),
+    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output: true"),
+    "skip_special_tokens": ((None, True), "skip_special_tokens: false"),
+    "continuous_usage_stats": ((None, False), "usage in every chunk (continuous_usage_stats)"),  # stream_options'
+    "suffix": ((None, ""), "suffix (insertion)"),
+}
 
-class StreamOptions(BaseModel):
+# the rows above that are not the request's own fields but a chat message's or stream_options'
+NESTED_FIELDS = ("tool_calls", "tool_call_id", "continuous_usage_stats")
+
+
+def refuse_unless_neutral(v, info):
+    """Refuse a value of an ``UNSUPPORTED`` field other than its neutral ones."""
+    neutral, what = UNSUPPORTED[info.field_name]
+    if any(v == n and type(v) is type(n) for n in neutral):
+        return v
+    shown = [json.dumps(n) for n in neutral if n is not None]
+    also = f", or send {' or '.join(shown)}" if shown else ""
+    raise ValueError(f"{what} is not supported yet: leave {info.field_name} out{also}")
+
+
+def schema(**keywords) -> Any:
+    """A field's JSON-schema keywords (minimum, maximum...) for the OpenAPI document; the
+    validators below make the checks, with their own messages."""
+    return Field(json_schema_extra=keywords)
+
+
+def _range_schema(name: str) -> Any:
+    low, high, low_included = RANGES[name]
+    return schema(**{"minimum" if low_included else "exclusiveMinimum": low, "maximum": high})
+
+
+class StrictModel(BaseModel):
+    """A request body or part of one: a field it does not declare is refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+
+    continuous_usage_stats: bool = False  # not acted on yet (UNSUPPORTED)
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _unsupported(cls, v, info):
+        return refuse_unless_neutral(v, info)
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="allow")
-
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: StrictInt | None = None
-    min_p: float | None = None
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
+    temperature: Annotated[float | None, _range_schema("temperature")] = None
+    top_p: Annotated[float | None, _range_schema("top_p")] = None
+    top_k: Annotated[StrictInt | None, schema(minimum=-1)] = None
+    min_p: Annotated[float | None, _range_schema("min_p")] = None
+    seed: Annotated[StrictInt | None, schema(minimum=INT64[0], maximum=INT64[1])] = None
+    stop: str | list[Annotated[str, schema(minLength=1)]] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    n: StrictInt = 1
+    n: Annotated[StrictInt, schema(minimum=1)] = 1
+    best_of: Annotated[StrictInt | None, schema(minimum=1)] = None
     ignore_eos: bool = False
-    min_tokens: StrictInt = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    user: str | None = None
+    min_tokens: Annotated[StrictInt, schema(minimum=0)] = 0
+    presence_penalty: Annotated[float, _range_schema("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[float, _range_schema("frequency_penalty")] = 0.0
+    repetition_penalty: Annotated[float, _range_schema("repetition_penalty")] = 1.0
+    truncate_prompt_tokens: Annotated[StrictInt | None, schema(minimum=-1)] = None
+    user: str | None = None  # OpenAI's end-user id, for the caller's own records: no effect
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # not acted on yet: only their neutral values are accepted (UNSUPPORTED)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator(*(f for f in UNSUPPORTED if f not in NESTED_FIELDS), check_fields=False)
+    @classmethod
+    def _unsupported(cls, v, info):
+        return refuse_unless_neutral(v, info)
 
     @field_validator(*RANGES)
     @classmethod
@@ -69,12 +150,38 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {v}")
         return v
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if v is not None and not INT64[0] <= v <= INT64[1]:
+            raise ValueError(f"seed must be a 64-bit integer, got {v}")
+        return v
+
     @field_validator(*FLOORS)
     @classmethod
     def _at_least(cls, v, info):
         low, words = FLOORS[info.field_name]
         if v < low:
             raise ValueError(f"{info.field_name} must be {words}, got {v}")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v, info):
+        """vLLM's best_of: that many candidates, the n best returned. best_of = n is what
+        every request does; more candidates than n are not generated here."""
+        n = info.data.get("n")
+        if v is None or n is None or v == n:
+            return v
+        if v < n:
+            raise ValueError(f"best_of must be at least n ({n}), got {v}")
+        raise ValueError(f"best_of larger than n ({v} > {n}) is not supported: leave best_of out or make it n")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v is not None and v != -1 and v < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got {v}")
         return v
 
     @field_validator("stop")
@@ -86,17 +193,26 @@ class SamplingRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v, info):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options are only for streams: set stream to true")
+        return v
+
     @property
     def stream_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
+    prompt: str | Annotated[list[str], schema(minItems=1)] | Annotated[list[StrictInt], schema(minItems=1)] \
+        | Annotated[list[list[StrictInt]], schema(minItems=1)]
+    max_tokens: Annotated[StrictInt | None, schema(minimum=0)] = 16
+    logprobs: Annotated[StrictInt | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # not acted on (UNSUPPORTED)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
 
     @field_validator("prompt")
     @classmethod
@@ -119,24 +235,23 @@ class CompletionRequest(SamplingRequest):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {v}")
         return v
 
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
 
-
-class TextPart(BaseModel):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # handed to the chat template with the message, as vLLM does
+    tool_calls: list[dict[str, Any]] | None = None  # not acted on yet (UNSUPPORTED)
+    tool_call_id: str | None = None  # not acted on yet (UNSUPPORTED)
+
+    @field_validator("tool_calls", "tool_call_id")
+    @classmethod
+    def _unsupported(cls, v, info):
+        return refuse_unless_neutral(v, info)
 
     def text(self) -> str:
         if self.content is None:
@@ -145,14 +260,22 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def for_template(self) -> dict:
+        """The message as the chat template reads it: role, content as text, name if given."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: Annotated[StrictInt | None, schema(minimum=1)] = None
+    max_completion_tokens: Annotated[StrictInt | None, schema(minimum=1)] = None
     logprobs: bool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Annotated[StrictInt | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's: the chat template writes the special tokens itself
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("max_tokens", "max_completion_tokens")
@@ -176,24 +299,31 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: as the endpoint would (prompt yes, messages no)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_of(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.chat_template_kwargs is not None and self.messages is None:
+            raise ValueError("chat_template_kwargs are for messages, not a prompt")
         return self
 
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens, as the completion (prompt) or the
+        chat (messages) endpoint would unless told."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.prompt is not None
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[StrictInt]

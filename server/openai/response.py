@@ -16,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from server.engine import SeqUpdate
 from server.openai.bridge import Choice, Submission, collect
-from server.openai.errors import APIError
+from server.openai.errors import internal_error
 from server.openai.sse import MEDIA_TYPE, sse_stream
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
@@ -30,13 +30,14 @@ def new_head(id_prefix: str, object_name: str, model: str) -> dict:
 
 async def full_response(sub: Submission, is_disconnected: Callable[[], Awaitable[bool]], head: dict,
                         choice_of: Callable[[int, Choice], dict]) -> dict | Response:
-    """Wait for every choice (499 if the client left first, 500 if a step failed), then the
-    body: ``head``, one choice per ``Choice``, the token usage."""
+    """Wait for every choice (499 if the client left first, 500 naming the request id if a
+    step failed: the engine's message goes to the log), then the body: ``head``, one choice
+    per ``Choice``, the token usage."""
     await collect(sub, is_disconnected)
     if not sub.done:
         return Response(status_code=CLIENT_CLOSED)
     if sub.error:
-        raise APIError(500, sub.error)
+        raise internal_error(sub.error, sub.request_id)
     choices = [choice_of(idx, c) for idx, c in enumerate(sub.choices)]
     return {**head, "choices": choices, "usage": sub.usage()}
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from server.engine import SeqUpdate
 from server.openai.bridge import Submission
-from server.openai.errors import error_body
+from server.openai.errors import APIError, error_body, internal_error
 
 MEDIA_TYPE = "text/event-stream"
 DONE = "[DONE]"  # OpenAI's last event
@@ -29,23 +29,31 @@ async def sse_stream(sub: Submission, head: dict, include_usage: bool,
 
     One chunk ``{**head, "choices": [choice]}`` per choice of ``opening``, then one per
     engine update with the choice ``choice_of(index, update)`` makes; then the usage
-    chunk when ``include_usage``, and ``[DONE]``. An update carrying an error ends the
-    stream with an error chunk (no usage) and ``[DONE]``. Whatever ends the stream
-    early (an error, the client going away) aborts what is left of the submission."""
+    chunk when ``include_usage``, and ``[DONE]``. An update carrying an error, or a chunk
+    that cannot be made, ends the stream with an error chunk naming the request id (no
+    usage; what failed goes to the log) and ``[DONE]``: the response has started, so a
+    status can no longer say it. Whatever ends the stream early (an error, the client
+    going away) aborts what is left of the submission."""
     try:
-        for choice in opening:
-            yield sse({**head, "choices": [choice]})
-        while not sub.done:
-            idx, u = await sub.next()
-            if u.error:
-                yield sse(error_body(500, u.error))
-                sub.abort()
-                break
-            yield sse({**head, "choices": [choice_of(idx, u)]})
-        else:
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": sub.usage()})
+        try:
+            for choice in opening:
+                yield sse({**head, "choices": [choice]})
+            while not sub.done:
+                idx, u = await sub.next()
+                if u.error:
+                    yield error_event(internal_error(u.error, sub.request_id))
+                    break
+                yield sse({**head, "choices": [choice_of(idx, u)]})
+            else:
+                if include_usage:
+                    yield sse({**head, "choices": [], "usage": sub.usage()})
+        except Exception as exc:  # a chunk that cannot be made: the client still gets an end
+            yield error_event(internal_error("a stream chunk failed", sub.request_id, exc))
         yield sse(DONE)
     finally:
         if not sub.done:
             sub.abort()
+
+
+def error_event(err: APIError) -> str:
+    return sse(error_body(err.status, err.message, err.param))

@@ -39,11 +39,11 @@ async def list_models(request: Request):
 
 @open_router.get("/health")
 async def health(request: Request):
-    """200 while the engine loop runs and admits requests; 503 saying why otherwise."""
+    """200 while the engine loop runs and admits requests; 503 otherwise. What stopped the
+    engine is in the server's log (the engine logs it as it dies), not in the answer."""
     engine = serving_of(request).engine
     if not engine.alive:
-        reason = f": {type(engine.error).__name__}: {engine.error}" if engine.error else ""
-        return error_response(APIError(503, f"the engine loop is not running{reason}"))
+        return error_response(APIError(503, "the engine loop is not running (the server's log says why)"))
     if not engine.accepting:
         return error_response(APIError(503, "the server is shutting down", retry_after=RETRY_AFTER_SECONDS))
     return Response(status_code=200)

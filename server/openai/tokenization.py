@@ -23,7 +23,7 @@ async def tokenize(request: Request):
     if req.messages is not None:
         ids = chat_prompt(serving.tokenizer, req.messages, req.add_generation_prompt, None)
     else:
-        ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.special_tokens)
     return {"count": len(ids), "max_model_len": serving.engine.max_model_len, "tokens": ids}
 
 

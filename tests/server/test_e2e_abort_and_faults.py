@@ -76,24 +76,32 @@ def faulty_runner(real_server, monkeypatch):
     return state
 
 
-def test_a_failing_step_is_a_500_and_the_server_keeps_serving(client, faulty_runner, greedy):
+def internal_error_logged(message: str, caplog, fault: str) -> None:
+    """The client's message names a request id and nothing of the fault; the log has the fault
+    under that id."""
+    assert message.startswith("internal error (request id ") and "injected" not in message
+    request_id = message.split("request id ")[1].split(")")[0]
+    assert any(request_id in rec.getMessage() and fault in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_failing_step_is_a_500_and_the_server_keeps_serving(client, faulty_runner, greedy, caplog):
     r = client.post("/v1/completions", json={"prompt": [MARK, 1, 2], "max_tokens": 4, "ignore_eos": True})
     assert r.status_code == 500
-    assert "injected fault at position 3" in r.json()["error"]["message"]
+    internal_error_logged(r.json()["error"]["message"], caplog, "injected fault at position 3")
     ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
                                               "ignore_eos": True})
     assert ok.status_code == 200
     assert greedy["choices"][0]["text"].startswith(ok.json()["choices"][0]["text"])
 
 
-def test_a_step_failing_mid_stream_sends_an_error_chunk_then_done(client, faulty_runner, real_server):
+def test_a_step_failing_mid_stream_sends_an_error_chunk_then_done(client, faulty_runner, real_server, caplog):
     faulty_runner["from_decode"] = 2
     body = {"prompt": [MARK, 1, 2], "max_tokens": 8, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         events = sse_events(r)
     assert events[-1] == "[DONE]"
-    assert "injected fault at position 5" in events[-2]["error"]["message"]
+    internal_error_logged(events[-2]["error"]["message"], caplog, "injected fault at position 5")
     assert any("choices" in e for e in events[:-2])  # tokens came before the error
     wait_until(lambda: idle(real_server.built.engine), "the failed request's blocks to be freed")
     assert client.get("/health").status_code == 200
@@ -103,7 +111,7 @@ CHAT = [{"role": "user", "content": "Tell me about the river."}]
 
 
 def test_a_step_failing_mid_chat_stream_sends_an_error_chunk_then_done_and_no_usage(client, faulty_runner,
-                                                                                     real_server):
+                                                                                     real_server, caplog):
     ids = client.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
     assert len(ids) <= real_settings().max_num_batched_tokens, "the fault needs a one-chunk prompt"
     faulty_runner["mark"] = ids[-1]  # no other request runs meanwhile
@@ -115,7 +123,7 @@ def test_a_step_failing_mid_chat_stream_sends_an_error_chunk_then_done_and_no_us
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == 500
-    assert f"injected fault at position {len(ids) + 2}" in events[-2]["error"]["message"]
+    internal_error_logged(events[-2]["error"]["message"], caplog, f"injected fault at position {len(ids) + 2}")
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     chunks = events[1:-2]
     assert chunks and all(e["object"] == "chat.completion.chunk" and "usage" not in e for e in chunks)

@@ -56,13 +56,60 @@ def test_json_object_reads_an_object():
 
 
 def test_json_object_refuses_text_that_is_not_json():
-    with pytest.raises(APIError, match="request body is not valid JSON: Expecting") as info:
+    with pytest.raises(APIError, match="request body is not valid JSON: Expecting property name") as info:
         json_object(b"{not json")
     assert info.value.status == 400
 
 
-@pytest.mark.parametrize("body", [b"[1, 2]", b'"text"', b"3", b""])
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"text"', b"3", b"null"])
 def test_json_object_refuses_json_that_is_not_an_object(body):
     with pytest.raises(APIError, match="request body must be a JSON object") as info:
         json_object(body)
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    (b'{"prompt": "caf\xe9"}', "request body is not valid UTF-8: byte 0xe9 at position 15"),
+    (b"[" * 100_000, "request body nests deeper than 32 levels"),
+    (b'{"a": ' * 40 + b"1" + b"}" * 40, "request body nests deeper than 32 levels"),
+    (b'{"temperature": NaN}', "request body is not valid JSON: NaN is not a JSON number"),
+    (b'{"temperature": Infinity}', "request body is not valid JSON: Infinity is not a JSON number"),
+    (b'{"temperature": -Infinity}', "request body is not valid JSON: -Infinity is not a JSON number"),
+    (b'{"temperature": 1e400}', "request body holds the number 1e400, outside what a 64-bit float holds"),
+    (b'{"seed": ' + b"9" * 5000 + b"}", "request body holds a number over 4300 digits long"),
+    (b"", "request body is empty: send a JSON object"),
+    (b"  \n", "request body is empty: send a JSON object"),
+])
+def test_a_malformed_body_is_a_400_in_the_users_words(body, words):
+    with pytest.raises(APIError) as info:
+        json_object(body)
+    assert (info.value.status, info.value.message) == (400, words)
+
+
+def test_the_json_syntax_error_says_where_without_the_exceptions_name():
+    with pytest.raises(APIError) as info:
+        json_object(b'{"a": 1,}')
+    assert info.value.message == "request body is not valid JSON: Expecting property name enclosed in double " \
+                                 "quotes at line 1 column 9"
+
+
+def test_nesting_up_to_the_limit_is_read():
+    deep = b'{"a": ' * 31 + b"1" + b"}" * 31
+    assert json_object(deep)["a"]["a"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          "application/json; charset=latin-1"])
+def test_a_body_that_is_not_declared_json_is_a_400_naming_its_type(client, content_type):
+    r = client.post("/detokenize", content=b'{"tokens": [1]}', headers={"content-type": content_type})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("request body must be JSON (Content-Type: application/json, in UTF-8), got ")
+    assert content_type in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "application/json", "application/json; charset=utf-8",
+                                          "application/vnd.api+json", "APPLICATION/JSON"])
+def test_json_content_types_and_none_are_read(client, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    r = client.post("/detokenize", content=b'{"tokens": [1]}', headers=headers)
+    assert r.status_code == 200, r.text

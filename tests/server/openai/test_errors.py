@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 from fastapi import FastAPI
@@ -90,7 +92,35 @@ def test_the_handlers_answer_an_api_error_with_its_status_and_shape():
     assert r.status_code == 401 and r.json() == error_body(401, "who are you")
 
 
-def test_the_handlers_answer_any_other_exception_with_a_500_naming_it():
-    r = app_raising(RuntimeError("boom")).get("/")
+def test_the_handlers_answer_any_other_exception_with_a_500_that_names_only_a_request_id(caplog):
+    with caplog.at_level(logging.ERROR, logger="spyre_serve.api"):
+        r = app_raising(RuntimeError("secret detail")).get("/")
     assert r.status_code == 500
-    assert r.json()["error"]["message"] == "internal error: RuntimeError: boom"
+    message = r.json()["error"]["message"]
+    assert re.fullmatch(r"internal error \(request id [0-9a-f]{32}\): the server's log says what failed", message)
+    assert "RuntimeError" not in r.text and "secret detail" not in r.text
+    request_id = message.split("request id ")[1].split(")")[0]
+    logged = [rec for rec in caplog.records if request_id in rec.getMessage()]
+    assert logged and logged[0].exc_info[1].args == ("secret detail",)
+
+
+def test_an_unknown_route_and_a_wrong_method_answer_in_the_openai_shape():
+    client = app_raising(RuntimeError("x"))
+    r = client.get("/nowhere")
+    assert r.status_code == 404 and r.json() == error_body(404, "Not Found")
+    r = client.post("/")
+    assert r.status_code == 405 and r.json() == error_body(405, "Method Not Allowed")
+
+
+def test_an_unknown_field_is_refused_as_not_supported():
+    err = refusal(CompletionRequest, prompt="x", temprature=0.5)
+    assert (err.param, err.message) == ("temprature", "temprature: this server does not know the field "
+                                                      "`temprature`")
+
+
+def test_a_value_too_deep_to_quote_is_left_unquoted():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    err = refusal(CompletionRequest, prompt="x", top_k=deep)
+    assert err.param == "top_k" and err.message.startswith("top_k: ")

@@ -62,8 +62,112 @@ def test_a_message_reads_its_text_parts_joined():
 
 def test_stream_usage_needs_stream_and_include_usage():
     assert CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True}).stream_usage
-    assert not CompletionRequest(prompt="x", stream_options={"include_usage": True}).stream_usage
+    assert not CompletionRequest(prompt="x", stream=True).stream_usage
 
 
 def test_tokenize_wants_exactly_one_of_prompt_and_messages():
     assert "exactly one of prompt or messages" in message(TokenizeRequest)
+
+
+def refusal(model, **body) -> tuple[tuple, str]:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    err = info.value.errors()[0]
+    return err["loc"], err["msg"].removeprefix("Value error, ")
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("response_format", {"type": "json_object"}, "structured output (response_format) is not supported yet"),
+    ("structured_outputs", {"json": {}}, "structured output (structured_outputs) is not supported yet"),
+    ("guided_json", {"type": "object"}, "structured output (guided_json) is not supported yet"),
+    ("guided_regex", "a+", "structured output (guided_regex) is not supported yet"),
+    ("guided_choice", ["a"], "structured output (guided_choice) is not supported yet"),
+    ("guided_grammar", "root ::= 'a'", "structured output (guided_grammar) is not supported yet"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "tool calling (tools) is not supported yet"),
+    ("tool_choice", "auto", "tool calling (tool_choice) is not supported yet"),
+    ("logit_bias", {"5": 10}, "logit_bias is not supported yet"),
+    ("include_stop_str_in_output", True, "include_stop_str_in_output: true is not supported yet"),
+    ("skip_special_tokens", False, "skip_special_tokens: false is not supported yet"),
+])
+@pytest.mark.parametrize("model", ["completion", "chat"])
+def test_a_field_the_server_does_not_act_on_is_refused_by_name(model, field, value, words):
+    req = (CompletionRequest, {"prompt": "x"}) if model == "completion" else (ChatCompletionRequest, CHAT)
+    loc, msg = refusal(req[0], **req[1], **{field: value})
+    assert loc == (field,) and msg.startswith(words)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"), ("logit_bias", {}),
+    ("include_stop_str_in_output", False), ("skip_special_tokens", True), ("response_format", None),
+])
+def test_the_neutral_value_of_an_unsupported_field_is_what_leaving_it_out_means(field, value):
+    ChatCompletionRequest(**CHAT, **{field: value})
+    CompletionRequest(prompt="x", **{field: value})
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+def test_an_unknown_field_is_refused_not_ignored():
+    loc, _ = refusal(CompletionRequest, prompt="x", temprature=0.5)
+    assert loc == ("temprature",)
+    loc, _ = refusal(ChatCompletionRequest, **CHAT, max_token=3)
+    assert loc == ("max_token",)
+    loc, _ = refusal(ChatCompletionRequest, messages=[{"role": "user", "content": "x", "reasoning": "y"}])
+    assert loc == ("messages", 0, "reasoning")
+
+
+def test_best_of_is_n_or_refused():
+    assert CompletionRequest(prompt="x", n=2, best_of=2).best_of == 2
+    loc, msg = refusal(CompletionRequest, prompt="x", n=2, best_of=1)
+    assert loc == ("best_of",) and msg == "best_of must be at least n (2), got 1"
+    loc, msg = refusal(CompletionRequest, prompt="x", n=1, best_of=3)
+    assert loc == ("best_of",) and msg.startswith("best_of larger than n (3 > 1) is not supported")
+
+
+def test_stream_options_need_stream():
+    loc, msg = refusal(CompletionRequest, prompt="x", stream_options={"include_usage": True})
+    assert loc == ("stream_options",) and msg == "stream_options are only for streams: set stream to true"
+    loc, _ = refusal(ChatCompletionRequest, **CHAT, stream=False, stream_options={"include_usage": True})
+    assert loc == ("stream_options",)
+
+
+def test_add_special_tokens_defaults_as_vllms_true_for_completions_false_for_chat():
+    assert CompletionRequest(prompt="x").add_special_tokens is True
+    assert ChatCompletionRequest(**CHAT).add_special_tokens is False
+
+
+def test_truncate_prompt_tokens_is_minus_one_or_positive():
+    assert CompletionRequest(prompt="x", truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    loc, msg = refusal(CompletionRequest, prompt="x", truncate_prompt_tokens=0)
+    assert msg == "truncate_prompt_tokens must be -1 (the context length) or at least 1, got 0"
+
+
+def test_a_message_may_carry_a_name_but_not_tool_calls_yet():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x", "name": "ann"}])
+    assert req.messages[0].name == "ann"
+    loc, msg = refusal(ChatCompletionRequest, messages=[{"role": "assistant", "tool_calls": [{"id": "1"}]}])
+    assert loc == ("messages", 0, "tool_calls") and msg.startswith("tool calling (tool_calls) is not supported yet")
+    loc, _ = refusal(ChatCompletionRequest, messages=[{"role": "tool", "content": "4", "tool_call_id": "1"}])
+    assert loc == ("messages", 0, "tool_call_id")
+
+
+def test_a_seed_must_fit_64_bits():
+    assert CompletionRequest(prompt="x", seed=-(2**63)).seed == -(2**63)
+    loc, msg = refusal(CompletionRequest, prompt="x", seed=2**63)
+    assert loc == ("seed",) and msg == f"seed must be a 64-bit integer, got {2**63}"
+
+
+def test_tokenize_takes_chat_template_kwargs_and_special_tokens_per_form():
+    assert TokenizeRequest(prompt="x").add_special_tokens is None
+    assert TokenizeRequest(**CHAT, chat_template_kwargs={"a": 1}).chat_template_kwargs == {"a": 1}
+    loc, _ = refusal(TokenizeRequest, prompt="x", return_token_strs=True)
+    assert loc == ("return_token_strs",)
+
+
+def test_a_suffix_and_usage_in_every_chunk_are_refused_as_not_supported():
+    loc, msg = refusal(CompletionRequest, prompt="x", suffix="end")
+    assert loc == ("suffix",) and msg.startswith("suffix (insertion) is not supported yet")
+    assert CompletionRequest(prompt="x", suffix="").suffix == ""
+    loc, _ = refusal(CompletionRequest, prompt="x", stream=True, stream_options={"continuous_usage_stats": True})
+    assert loc == ("stream_options", "continuous_usage_stats")

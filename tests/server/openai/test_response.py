@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 
 import pytest
@@ -56,10 +57,14 @@ def test_a_client_gone_before_the_end_gets_499():
     assert isinstance(r, Response) and r.status_code == 499
 
 
-def test_a_failed_choice_makes_the_response_a_500_with_the_engines_message():
-    with pytest.raises(APIError) as info:
-        respond([update(0, "", [], finish="error", error="device fault"), update(1, "b", [3], finish="length")])
-    assert (info.value.status, info.value.message) == (500, "device fault")
+def test_a_failed_choice_makes_the_response_a_500_naming_the_request_not_the_engines_message(caplog):
+    with pytest.raises(APIError) as info, caplog.at_level(logging.ERROR, logger="spyre_serve.api"):
+        respond([update(0, "", [], finish="error", error="OverflowError: device fault"),
+                 update(1, "b", [3], finish="length")])
+    assert info.value.status == 500
+    assert info.value.message == "internal error (request id r): the server's log says what failed"
+    assert any("OverflowError: device fault" in rec.getMessage() and "request id r" in rec.getMessage()
+               for rec in caplog.records)
 
 
 def test_a_stream_response_is_server_sent_events():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from server.openai.bridge import Submission
 from server.openai.sse import sse, sse_stream
@@ -58,10 +59,29 @@ def test_without_include_usage_the_last_chunk_is_followed_by_done():
 
 
 def test_an_error_update_ends_the_stream_with_an_error_chunk_and_done_and_no_usage():
-    out, aborted = events([update(0, "a", [1]), update(1, "", [], finish="error", error="device fault")])
-    assert out[1] == {"error": {"message": "device fault", "type": "InternalServerError", "param": None, "code": 500}}
+    out, aborted = events([update(0, "a", [1]), update(1, "", [], finish="error", error="KeyError: device fault")])
+    assert out[1] == {"error": {"message": "internal error (request id x-1): the server's log says what failed",
+                                "type": "InternalServerError", "param": None, "code": 500}}
     assert out[2:] == ["[DONE]"]
     assert set(aborted) == {"x-1-0"}  # choice 0 was still running
+
+
+def test_a_chunk_that_cannot_be_made_ends_the_stream_with_an_error_chunk_and_done(caplog):
+    def broken(idx, u):
+        raise KeyError("secret")
+
+    async def main():
+        engine = RecordingEngine()
+        sub = Submission(engine, "x-1", [[5]], ["a"])
+        engine.deliver["x-1-0"](update(0, "a", [1]))
+        return [e async for e in sse_stream(sub, HEAD, False, broken)], engine.aborted
+
+    with caplog.at_level(logging.ERROR, logger="spyre_serve.api"):
+        out, aborted = asyncio.run(main())
+    assert json.loads(out[0][len("data: "):])["error"]["message"].startswith("internal error (request id x-1)")
+    assert "secret" not in "".join(out) and out[-1] == "data: [DONE]\n\n"
+    assert aborted == ["x-1-0"]
+    assert any(rec.exc_info and rec.exc_info[0] is KeyError for rec in caplog.records)
 
 
 def test_a_consumer_that_stops_early_aborts_the_submission():
