@@ -54,6 +54,10 @@ class PromptLogprobs:
         lp = mat[np.arange(len(idx)), idx].astype(np.float32)
         return (lp, *top_k_of_rows(mat, k))
 
+    def __len__(self) -> int:
+        """Sequences with a row kept."""
+        return len(self._pending)
+
     def forget(self, seq_id: int) -> None:
         """Drop the row kept for a sequence (an unfinished prefill that ended or was aborted)."""
         self._pending.pop(seq_id, None)

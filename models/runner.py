@@ -5,6 +5,7 @@ The runner glues the pieces of a step together, each in its own module:
     models/memory_plan.py      the device memory, planned once (workspace, I/O, KV cache)
     models/programs.py         the buckets and the prepared program of each; warm-up
     models/step_inputs.py      SeqWork list -> checked, packed into the step's input buffer
+    models/penalty_slots.py    which row of the card's penalty tables a sequence owns
     models/step_program.py     the compiled step and the layout of its buffers
     models/prompt_logprobs.py  prompt logprobs, and the row they keep between chunks
     models/threads.py          how many cores a step's kernels and BLAS calls use
@@ -29,6 +30,7 @@ from device.layout import format_code
 from device.profile import ticks_per_second
 from models.buffer_layout import Placement, length_slot
 from models.memory_plan import Capacity, StepMemory
+from models.penalty_slots import PenaltySlots
 from models.programs import StepPrograms, bucket, buckets
 from models.prompt_logprobs import PromptLogprobs
 from models.step_inputs import PackedStep, StepLimits, check_work, pack_step
@@ -101,7 +103,7 @@ class ModelRunner:
         want_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         tmax, smax = self.t_buckets[-1], self.s_buckets[-1]
         cap = Capacity(tmax=tmax, smax=smax, rmax=tmax + smax, mbmax=-(-want_len // block_size),
-                       npen_max=smax * want_len, nban_max=smax * cfg.vocab_size)
+                       npen_max=0, nban_max=smax * cfg.vocab_size)
         self.memory = StepMemory(card, cfg, self.weights, cap, block_size, num_kv_blocks,
                                  kv_cache_fraction)
         self.kv = self.memory.kv
@@ -111,7 +113,7 @@ class ModelRunner:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=block_size,
             num_kv_blocks=self.num_kv_blocks, trash_slot=self.kv.trash_block * block_size,
-            max_blocks_per_seq=cap.mbmax, max_penalty_ids=cap.npen_max,
+            max_blocks_per_seq=cap.mbmax, num_penalty_slots=2 * smax,
             vocab_size=cfg.vocab_size,
             seed=random.randrange(1 << 62) if seed is None else int(seed))
         self.stream = card.new_stream("compute")
@@ -123,6 +125,9 @@ class ModelRunner:
         self._last_rows: dict[int, int] = {}       # seq_id -> sample row in the previous launch
         self._prev_sampled = (self.memory.outputs[1].address, 0)  # its `sampled`: address, length
         self._prompt_logprobs = PromptLogprobs()
+        # WORKSPACE's penalty tables have 2 * SMAX rows: a step's sequences plus those of the
+        # step before it, which may end (and be forgotten) only once it is read back
+        self._pen_slots = PenaltySlots(self.limits.num_penalty_slots)
         self._timers: DeviceTensor | None = None      # int64[len(TIMERS)] while profiling
         self._timer_bindings: dict = {}
 
@@ -174,16 +179,18 @@ class ModelRunner:
     def launch(self, work: list[SeqWork], return_logits: bool = False) -> StepHandle:
         """Launch one step for `work`; returns at once. Results come from `handle.result()`."""
         n_tok = check_work(work, self.limits, self._last_rows)
+        pen_slots = self._pen_slots.assign(work)
         t = bucket(self.t_buckets, n_tok)
         s = bucket(self.s_buckets, len(work))
         extra = return_logits or any(w.prompt_logprobs for w in work)
-        return self._launch(t, s, work, return_rows=extra, return_logits=return_logits)
+        return self._launch(t, s, work, return_rows=extra, return_logits=return_logits,
+                            pen_slots=pen_slots)
 
     def _launch(self, t: int, s: int, work: list[SeqWork], return_rows: bool,
-                return_logits: bool) -> StepHandle:
+                return_logits: bool, pen_slots: dict[int, int] | None = None) -> StepHandle:
         mem, stream = self.memory, self.stream
         packed = pack_step(mem.inputs_layout, work, t, s, return_rows, self.limits,
-                           self._last_rows)
+                           self._last_rows, pen_slots)
         dims = packed.dims
         stream.copy_h2d(mem.inputs_prefix(packed.placement.nbytes), packed.host)
         out_dev = mem.outputs[self._launches & 1]
@@ -261,8 +268,16 @@ class ModelRunner:
 
     def forget(self, seq_id: int) -> None:
         """Drop what the runner keeps for a sequence between steps (a stashed prompt-logprob
-        row of an unfinished prefill); call it when a sequence ends or is aborted."""
+        row of an unfinished prefill, its penalty slot); call it once no launched step that
+        holds the sequence is still to be read back, whenever the sequence ends (finished,
+        aborted, failed) or is preempted (a recompute starts again from position 0)."""
         self._prompt_logprobs.forget(seq_id)
+        self._pen_slots.forget(seq_id)
+
+    def held(self) -> dict[str, int]:
+        """Sequences the runner keeps state for between steps, by kind: all 0 once every
+        sequence it saw was forgotten."""
+        return {"prompt_logprob_rows": len(self._prompt_logprobs), "penalty_slots": len(self._pen_slots)}
 
     # ---- lifetime -------------------------------------------------------------------
     def close(self) -> None:

@@ -1,16 +1,23 @@
 """The host side of a step: a list of SeqWork checked, then packed into one INPUTS buffer.
 
     limits = StepLimits(...)                       # what the runner was built for
-    n_tokens = check_work(work, limits, last_rows) # ValueError with the numbers, or the token count
-    step = pack_step(INPUTS, work, t, s, return_rows, limits, last_rows)
+    n_tokens = check_work(work, limits, last_rows) # the token count, or SeqWorkError naming the
+                                                   # items at fault (ValueError: the list itself)
+    step = pack_step(INPUTS, work, t, s, return_rows, limits, last_rows, pen_slots)
     step.host                                      # uint8[step.placement.nbytes]: copy it to the card
-    step.dims                                      # the launch's dim slots (T, S, R, NS, MB, K, NPEN, NBAN)
+    step.dims                                      # the launch's dim slots (T, S, R, NS, MB, K, NBAN)
 
 The buffer holds every field of the INPUTS table (models/step_program.py) placed for this
 launch's dims; the packing writes it through the placement's named views, so it follows the
 table wherever its fields sit. Token rows are the work items' tokens one after the other
 (padding rows up to the bucket write the KV cache's trash block); sampling rows are the
 sampling sequences in work order, then, when `return_rows`, every token row (prompt logprobs).
+
+Every value a client chose is checked against the field that holds it (int32 token ids and
+top_k, float32 sampling parameters, int64 seeds: SamplingParams.check) before anything is
+written, so packing never overflows a host array; an item that does not fit is named in a
+SeqWorkError, and the engine fails that sequence alone. The penalties cost O(1) per
+sequence: its slot number and prompt length (models/penalty_slots.py).
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.buffer_layout import Layout, Placement
-from models.step_io import SeqWork
+from models.step_io import INT32_MAX, INT64_MAX, SeqWork, SeqWorkError
 
 _SEED_MASK = (1 << 63) - 1
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily (1 / t would overflow float32)
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +45,7 @@ class StepLimits:
     num_kv_blocks: int
     trash_slot: int           # KV slot where padding rows write (first slot of the trash block)
     max_blocks_per_seq: int   # block-table width the input buffer holds (MB's largest)
-    max_penalty_ids: int      # penalty entries the input buffer holds (NPEN's largest)
+    num_penalty_slots: int    # sequences with penalties the card keeps state for at once
     vocab_size: int
     seed: int                 # the runner's seed: per-sequence seeds derive from it
 
@@ -45,7 +54,7 @@ class StepLimits:
 class PackedStep:
     host: np.ndarray          # uint8[placement.nbytes]: the INPUTS buffer of this launch
     placement: Placement      # where each INPUTS field sits in it
-    dims: dict[str, int]      # dim slots: T, S, R, NS, MB, K, NPEN, NBAN
+    dims: dict[str, int]      # dim slots: T, S, R, NS, MB, K, NBAN
     row_start: list[int]      # token row of each work item's first token
     sample_seq_ids: list[int]  # the sequences that sample, in sampling-row order
     sample_rows: dict[int, int]  # seq_id -> its sampling row (what a from_device decode reads next)
@@ -55,12 +64,23 @@ class PackedStep:
 # ---- checks ------------------------------------------------------------------------------
 
 def check_work(work: list[SeqWork], limits: StepLimits, last_rows: dict[int, int]) -> int:
-    """Tokens in `work`, once every item is known to fit the runner; ValueError otherwise."""
+    """Tokens in `work`, once every item is known to fit the runner: SeqWorkError naming every
+    item that does not (the others are fine), ValueError when the list as a whole does not."""
     if not work:
         raise ValueError("launch: empty work list")
     if len(work) > limits.max_num_seqs:
         raise ValueError(f"launch: {len(work)} sequences exceed max_num_seqs {limits.max_num_seqs}")
-    n_tok = sum(check_seq(w, limits, last_rows) for w in work)
+    ids = [w.seq_id for w in work]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"launch: a sequence appears twice in one step: {sorted(ids)}")
+    n_tok, bad = 0, []
+    for w in work:
+        try:
+            n_tok += check_seq(w, limits, last_rows)
+        except (ValueError, TypeError, OverflowError) as exc:
+            bad.append((w.seq_id, str(exc)))
+    if bad:
+        raise SeqWorkError([i for i, _ in bad], "; ".join(m for _, m in bad))
     if n_tok > limits.max_num_batched_tokens:
         raise ValueError(f"launch: {n_tok} tokens exceed max_num_batched_tokens "
                          f"{limits.max_num_batched_tokens}")
@@ -68,11 +88,16 @@ def check_work(work: list[SeqWork], limits: StepLimits, last_rows: dict[int, int
 
 
 def check_seq(w: SeqWork, limits: StepLimits, last_rows: dict[int, int]) -> int:
-    """Tokens of one work item, once its positions, blocks, device token, sampling and bans
-    are valid; ValueError naming the sequence otherwise."""
+    """Tokens of one work item, once its tokens, positions, blocks, device token, sampling,
+    penalties and bans are valid; ValueError naming the sequence otherwise."""
     n = len(w.token_ids)
     if n < 1:
         raise ValueError(f"seq {w.seq_id}: no tokens to compute")
+    if not w.from_device:
+        lo, hi = min(w.token_ids), max(w.token_ids)
+        if lo < 0 or hi >= limits.vocab_size:
+            raise ValueError(f"seq {w.seq_id}: token id {lo if lo < 0 else hi} is outside the "
+                             f"vocabulary (0..{limits.vocab_size - 1})")
     end = w.start_pos + n
     if w.start_pos < 0 or end > limits.max_model_len:
         raise ValueError(f"seq {w.seq_id}: positions {w.start_pos}..{end - 1} exceed "
@@ -92,8 +117,15 @@ def check_seq(w: SeqWork, limits: StepLimits, last_rows: dict[int, int]) -> int:
         if w.seq_id not in last_rows:
             raise ValueError(f"seq {w.seq_id}: from_device, but it did not sample in the "
                              f"previous launch")
+    if w.sampling.uses_penalties and not (isinstance(w.num_prompt, int)
+                                          and 0 <= w.num_prompt <= INT32_MAX):
+        raise ValueError(f"seq {w.seq_id}: penalties need num_prompt (the prompt's length, "
+                         f"0..{INT32_MAX}), got {w.num_prompt!r}")
     if w.sample:
         w.sampling.check()
+        if not 0 <= w.num_generated <= INT64_MAX:
+            raise ValueError(f"seq {w.seq_id}: num_generated must be in 0..{INT64_MAX}, "
+                             f"got {w.num_generated}")
         if w.banned_token_ids:
             lo, hi = min(w.banned_token_ids), max(w.banned_token_ids)
             if lo < 0 or hi >= limits.vocab_size:
@@ -103,35 +135,15 @@ def check_seq(w: SeqWork, limits: StepLimits, last_rows: dict[int, int]) -> int:
 
 
 def _check_vocab(v: dict[str, np.ndarray], vocab_size: int) -> None:
-    """Token and penalty ids as packed must index the vocabulary (the kernels do not check)."""
-    pen_ids, tokens = v["pen_ids"], v["tokens"]
-    if len(pen_ids) and (pen_ids.min() < 0 or pen_ids.max() >= vocab_size):
-        raise ValueError(f"launch: a penalty token id is outside the vocabulary ({vocab_size})")
+    """Token ids as packed must index the vocabulary (the embedding does not check); what
+    check_seq let through is in range, so this only guards the packing itself."""
+    tokens = v["tokens"]
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
         bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
         raise ValueError(f"launch: token id {bad} is outside the vocabulary ({vocab_size})")
 
 
 # ---- per-sequence lists ------------------------------------------------------------------
-
-def _penalty_lists(samplers: list[SeqWork], capacity: int) -> list[tuple]:
-    """(unique ids, their counts, penalties active) per sampling sequence; ids only when a
-    penalty is active. ValueError when they exceed the buffer's `capacity` entries."""
-    out = []
-    for w in samplers:
-        sp = w.sampling
-        active = (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
-                  or sp.repetition_penalty != 1.0)
-        if active and w.penalty_token_ids:
-            ids, counts = np.unique(np.asarray(w.penalty_token_ids, np.int64), return_counts=True)
-        else:
-            ids = counts = np.zeros(0, np.int64)
-        out.append((ids, counts, active))
-    npen = sum(len(p[0]) for p in out)
-    if npen > capacity:
-        raise ValueError(f"launch: {npen} penalty tokens exceed the buffer of {capacity}")
-    return out
-
 
 def _ban_lists(samplers: list[SeqWork]) -> list[np.ndarray]:
     """Unique banned ids per sampling sequence (at most V each, so they fit NBAN's largest)."""
@@ -149,22 +161,27 @@ def seed_of(w: SeqWork, runner_seed: int) -> int:
 # ---- packing -----------------------------------------------------------------------------
 
 def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: bool,
-              limits: StepLimits, last_rows: dict[int, int]) -> PackedStep:
+              limits: StepLimits, last_rows: dict[int, int],
+              pen_slots: dict[int, int] | None = None) -> PackedStep:
     """The INPUTS buffer of a launch of bucket (t, s) for `work` (already checked; empty for
-    a padding launch). `last_rows` are the previous launch's sample_rows."""
+    a padding launch). `last_rows` are the previous launch's sample_rows; `pen_slots` the
+    penalty slot of each sequence with penalties (models/penalty_slots.py)."""
+    pen_slots = pen_slots or {}
+    missing = [w.seq_id for w in work if w.sampling.uses_penalties and w.seq_id not in pen_slots]
+    if missing:
+        raise SeqWorkError(missing, f"launch: seqs {missing} have penalties but no penalty slot")
     samplers = [w for w in work if w.sample]
-    pens = _penalty_lists(samplers, limits.max_penalty_ids)
     bans = _ban_lists(samplers)
     mb = min(max([len(w.block_table) for w in work] + [1]), limits.max_blocks_per_seq) if work else 1
     dims = {"T": t, "S": s, "R": s + t if return_rows else s, "NS": len(samplers), "MB": mb,
             "K": max([w.sampling.logprobs for w in work] + [0]),
-            "NPEN": sum(len(p[0]) for p in pens), "NBAN": sum(len(b) for b in bans)}
+            "NBAN": sum(len(b) for b in bans)}
     placement = layout.place(dims)
     host = np.zeros(placement.nbytes, np.uint8)
     v = placement.views(host)
     _write_defaults(v, limits.trash_slot)
-    row_start = _write_rows(v, work, limits.block_size, last_rows)
-    sample_rows = _write_sampling(v, work, row_start, pens, bans, limits.seed)
+    row_start = _write_rows(v, work, limits.block_size, last_rows, pen_slots)
+    sample_rows = _write_sampling(v, work, row_start, bans, limits.seed, pen_slots)
     if return_rows:
         v["logit_rows"][s:s + t] = np.arange(t, dtype=np.int32)
     _check_vocab(v, limits.vocab_size)
@@ -180,14 +197,16 @@ def _write_defaults(v: dict[str, np.ndarray], trash_slot: int) -> None:
     nothing, and their neutral parameters keep the kernels' arithmetic finite."""
     v["slot_mapping"][:] = trash_slot
     v["src_rows"][:] = -1
-    v["pen_extra"][:] = -1
+    v["count_slot"][:] = -1
+    v["pen_slot"][:] = -1
     v["top_p"][:] = 1.0
     v["repetition"][:] = 1.0
 
 
 def _write_rows(v: dict[str, np.ndarray], work: list[SeqWork], bs: int,
-                last_rows: dict[int, int]) -> list[int]:
-    """Token rows and per-sequence attention inputs; returns each item's first row."""
+                last_rows: dict[int, int], pen_slots: dict[int, int]) -> list[int]:
+    """Token rows, per-sequence attention inputs and penalty slots (the device counts the
+    rows of a sequence with one); returns each item's first row."""
     tokens, positions, slots, src_rows = v["tokens"], v["positions"], v["slot_mapping"], v["src_rows"]
     query_start, context_lens, block_tables = v["query_start"], v["context_lens"], v["block_tables"]
     mb = block_tables.shape[1]
@@ -208,24 +227,28 @@ def _write_rows(v: dict[str, np.ndarray], work: list[SeqWork], bs: int,
         query_start[i] = row
         context_lens[i] = end
         block_tables[i, :len(bt)] = bt[:mb]
+        if w.seq_id in pen_slots:
+            v["count_slot"][i] = pen_slots[w.seq_id]
+            v["prompt_lens"][i] = w.num_prompt
         row += n
     query_start[len(work):] = row
     return row_start
 
 
 def _write_sampling(v: dict[str, np.ndarray], work: list[SeqWork], row_start: list[int],
-                    pens: list[tuple], bans: list[np.ndarray], runner_seed: int) -> dict[int, int]:
-    """Sampling rows 0..NS-1 (parameters, penalty and ban lists); returns seq_id -> row."""
-    pen_ids, pen_counts, ban_ids = v["pen_ids"], v["pen_counts"], v["ban_ids"]
+                    bans: list[np.ndarray], runner_seed: int,
+                    pen_slots: dict[int, int]) -> dict[int, int]:
+    """Sampling rows 0..NS-1 (parameters, penalty slot, ban list); returns seq_id -> row."""
+    ban_ids = v["ban_ids"]
     samplers = [(w, r0) for w, r0 in zip(work, row_start, strict=True) if w.sample]
-    pen_pos = ban_pos = 0
+    ban_pos = 0
     rows: dict[int, int] = {}
     for j, (w, r0) in enumerate(samplers):
         sp = w.sampling
         last = r0 + len(w.token_ids) - 1
         v["logit_rows"][j] = last
         v["top_k"][j] = sp.top_k
-        v["temperature"][j] = sp.temperature
+        v["temperature"][j] = sp.temperature if sp.temperature >= GREEDY_BELOW else 0.0
         v["top_p"][j] = sp.top_p
         v["min_p"][j] = sp.min_p
         v["presence"][j] = sp.presence_penalty
@@ -233,17 +256,10 @@ def _write_sampling(v: dict[str, np.ndarray], work: list[SeqWork], row_start: li
         v["repetition"][j] = sp.repetition_penalty
         v["seeds"][j] = seed_of(w, runner_seed)
         v["counters"][j] = w.num_generated
-        ids, counts, active = pens[j]
-        v["pen_start"][j] = pen_pos
-        pen_ids[pen_pos:pen_pos + len(ids)] = ids
-        pen_counts[pen_pos:pen_pos + len(ids)] = counts
-        pen_pos += len(ids)
+        v["pen_slot"][j] = pen_slots.get(w.seq_id, -1)
         v["ban_start"][j] = ban_pos
         ban_ids[ban_pos:ban_pos + len(bans[j])] = bans[j]
         ban_pos += len(bans[j])
-        if w.from_device and active:
-            v["pen_extra"][j] = last       # the device counts the token it reads
         rows[w.seq_id] = j
-    v["pen_start"][len(samplers):] = pen_pos
     v["ban_start"][len(samplers):] = ban_pos
     return rows

@@ -14,6 +14,39 @@ import numpy as np
 from models.step_program import KMAX
 
 MAX_LOGPROBS = KMAX
+INT32_MAX = 2**31 - 1             # the step's integer fields (top_k, token ids, ...) are int32
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)   # its real ones are float32
+
+
+class ParamError(ValueError):
+    """A sampling parameter the step cannot take: `field` names it, the message says why."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class SeqWorkError(ValueError):
+    """Work items a launch refuses, named by `seq_ids`: the rest of the step is not at fault."""
+
+    def __init__(self, seq_ids: list[int], message: str) -> None:
+        super().__init__(message)
+        self.seq_ids = tuple(seq_ids)
+
+
+def _real(name: str, value, low: float, high: float, interval: str) -> None:
+    """ParamError unless value is a number in [low, high] that float32 holds (finite)."""
+    if not (isinstance(value, (int, float, np.number)) and math.isfinite(value)
+            and low <= value <= high and abs(value) <= FLOAT32_MAX):
+        raise ParamError(name, f"{name} must be a finite number in {interval}, got {value!r}")
+
+
+def _integer(name: str, value, low: int, high: int, meaning: str = "") -> None:
+    """ParamError unless value is an integer in [low, high]."""
+    if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            and low <= value <= high):
+        raise ParamError(name, f"{name} must be an integer in {low}..{high}{meaning}, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -28,19 +61,29 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int = 0             # top-n alternatives per sampled token (0..5)
 
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
     def check(self) -> None:
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        """ParamError (a ValueError naming the field) unless every value fits the step's
+        int32/int64/float32 fields and means something."""
+        _real("temperature", self.temperature, 0.0, FLOAT32_MAX, "[0, 3.4e38]")
+        _integer("top_k", self.top_k, 0, INT32_MAX, " (0 = off)")
+        _real("top_p", self.top_p, 0.0, 1.0, "(0, 1]")
+        if self.top_p == 0.0:
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        _real("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
+        if self.seed is not None:
+            _integer("seed", self.seed, INT64_MIN, INT64_MAX)
+        _real("presence_penalty", self.presence_penalty, -FLOAT32_MAX, FLOAT32_MAX, "float32's range")
+        _real("frequency_penalty", self.frequency_penalty, -FLOAT32_MAX, FLOAT32_MAX, "float32's range")
+        _real("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, "(0, 3.4e38]")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+            raise ParamError("repetition_penalty", f"repetition_penalty must be > 0, got "
+                             f"{self.repetition_penalty!r}")
+        _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 
 
 @dataclass(slots=True)
@@ -54,7 +97,8 @@ class SeqWork:                    # one sequence's share of a step
     num_generated: int = 0        # tokens generated so far: the RNG counter for seeded sampling
     from_device: bool = False     # decode token is the one this seq sampled in the previous launch
     prompt_logprobs: bool = False # return logprobs of this chunk's prompt tokens (echo)
-    penalty_token_ids: list[int] | None = None  # tokens counted by the penalties
+    num_prompt: int | None = None # prompt length, needed when sampling has penalties: tokens at
+                                  # positions below it count as the prompt's, the others as output
     banned_token_ids: list[int] | None = None   # tokens this step's sample may not pick (the
                                                 # server's min_tokens: EOS and stop tokens)
 

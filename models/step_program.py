@@ -12,6 +12,7 @@ A step (T token rows, S sequences, R logit rows, NS of them sampling):
     per layer: rmsnorm, qkv = h @ Wqkv, split, rope(q, k), write_kv, paged attention,
                x += res * (attn @ Wo), rmsnorm, gu = h @ Wgu, swiglu, x += res * (act @ Wdown)
     hsel[R, H] = rmsnorm(x[logit_rows]);   logits[R, V] = hsel @ lm_head / logits_scaling
+    count each penalized sequence's tokens into its slot of the penalty tables (on the card)
     sample rows 0..NS-1 (penalties, bans, temperature, top-k/p, min-p, seeded draw) with the
     sampled id, its raw logprob and the top-K raw logprobs; rows NS.. only when asked
     (R > S: every token row, for prompt logprobs) get a log-softmax.
@@ -42,7 +43,7 @@ from device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
 from device.kernels.norm import rmsnorm
 from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
-from device.kernels.sampling import sample
+from device.kernels.sampling import count_tokens, sample_with_state
 from device.kernels.softmax import log_softmax
 from device.profile import lap
 from models.buffer_layout import Field, Layout, length_slot
@@ -63,7 +64,7 @@ TIMERS = ("embedding", "rmsnorm", "qkv", "rope", "write_kv", "attention", "o_pro
 I32, F32, I64 = np.int32, np.float32, np.int64
 
 # Written by the host at each launch (one copy). Dims: T token rows, S sequences, R logit
-# rows, MB block-table width, NPEN penalty entries, NBAN banned ids, all of this launch.
+# rows, MB block-table width, NBAN banned ids, all of this launch.
 INPUTS = Layout("inputs", [
     Field("tokens", I32, ("T",)),               # (rows with src_rows >= 0: read on the card)
     Field("positions", I32, ("T",)),
@@ -73,11 +74,10 @@ INPUTS = Layout("inputs", [
     Field("context_lens", I32, ("S",)),
     Field("block_tables", I32, ("S", "MB")),
     Field("logit_rows", I32, ("R",)),           # sampling rows first, then (R > S) every row
+    Field("count_slot", I32, ("S",)),           # per sequence: penalty slot its tokens count in, or -1
+    Field("prompt_lens", I32, ("S",)),          # per sequence: positions below are prompt tokens
     Field("top_k", I32, ("S",)),                # per sampling row, like the fields below
-    Field("pen_start", I32, ("S+1",)),          # pen_ids / pen_counts of row n: [start[n], start[n+1])
-    Field("pen_extra", I32, ("S",)),            # token row also counted (from-device), or -1
-    Field("pen_ids", I32, ("NPEN",)),           # unique per row
-    Field("pen_counts", I32, ("NPEN",)),
+    Field("pen_slot", I32, ("S",)),             # penalty slot the row's penalties read, or -1
     Field("ban_start", I32, ("S+1",)),
     Field("ban_ids", I32, ("NBAN",)),           # not to sample (min_tokens)
     Field("temperature", F32, ("S",)),
@@ -99,8 +99,8 @@ OUTPUTS = Layout("outputs", [
 ])
 
 # The step's activations, placed once for the largest bucket and shared by every bucket
-# (a bucket's views are prefixes). Dims: TMAX, RMAX, SMAX, NPENMAX (the largest T, R, S,
-# NPEN), H, QD = Hq D, KD = Hkv D, I, V.
+# (a bucket's views are prefixes; the penalty tables are state kept between launches).
+# Dims: TMAX, RMAX, SMAX (the largest T, R, S), H, QD = Hq D, KD = Hkv D, I, V.
 WORKSPACE = Layout("workspace", [
     Field("x", F32, ("TMAX", "H")),             # residual stream
     Field("hbuf", F32, ("TMAX", "H")),          # normed input of a block
@@ -116,9 +116,10 @@ WORKSPACE = Layout("workspace", [
     Field("hn", F32, ("RMAX", "H")),
     Field("logits", F32, ("RMAX", "V")),
     Field("lsm", F32, ("RMAX", "V")),           # log-softmax, only when R > S
-    Field("merged_pen_start", I32, ("SMAX+1",)),  # penalties incl. from-device tokens
-    Field("merged_pen_ids", I32, ("NPENMAX+SMAX",)),
-    Field("merged_pen_counts", I32, ("NPENMAX+SMAX",)),
+    # per penalty slot (a sequence with penalties, models/penalty_slots.py): times each token
+    # was generated, and 1 where the prompt holds it; cleared by a chunk at position 0
+    Field("pen_output_counts", I32, ("2*SMAX", "V")),
+    Field("pen_prompt_mask", I32, ("2*SMAX", "V")),
 ])
 
 
@@ -131,7 +132,7 @@ def _field_slots(names) -> list[tuple[str, str]]:
 SLOTS = [
     # step shapes
     ("T", "dim"), ("S", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
-    ("NPEN", "dim"), ("NBAN", "dim"), ("ATHR", "dim"),
+    ("NBAN", "dim"), ("ATHR", "dim"),
     # model shapes
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
     ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
@@ -155,7 +156,7 @@ def _slots(names: str) -> tuple[int, ...]:
     return tuple(_INDEX[n] for n in names.split())
 
 
-S_T, S_S, S_R, S_NS, S_MB, S_K, S_NPEN, S_NBAN, S_ATHR = _slots("T S R NS MB K NPEN NBAN ATHR")
+S_T, S_S, S_R, S_NS, S_MB, S_K, S_NBAN, S_ATHR = _slots("T S R NS MB K NBAN ATHR")
 S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L, S_NBT, S_BS = _slots("H HQ HKV D I V L NBT BS")
 S_WFMT, S_CFMT = _slots("WFMT CFMT")
 A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS = _slots(
@@ -164,16 +165,15 @@ A_PREV_SAMPLED, A_TIMERS, A_SAMPLED, A_LOGPROB, A_TOP_IDS, A_TOP_LOGPROBS = _slo
     "prev_sampled timers sampled logprob top_ids top_logprobs")
 A_TOKENS, A_POSITIONS, A_SLOT_MAPPING, A_SRC_ROWS, A_QUERY_START, A_CONTEXT_LENS = _slots(
     "tokens positions slot_mapping src_rows query_start context_lens")
-A_BLOCK_TABLES, A_LOGIT_ROWS, A_TOP_K, A_PEN_START, A_PEN_EXTRA, A_PEN_IDS, A_PEN_COUNTS = _slots(
-    "block_tables logit_rows top_k pen_start pen_extra pen_ids pen_counts")
+A_BLOCK_TABLES, A_LOGIT_ROWS, A_TOP_K, A_COUNT_SLOT, A_PROMPT_LENS, A_PEN_SLOT = _slots(
+    "block_tables logit_rows top_k count_slot prompt_lens pen_slot")
 A_BAN_START, A_BAN_IDS, A_SEEDS, A_COUNTERS = _slots("ban_start ban_ids seeds counters")
 A_TEMPERATURE, A_TOP_P, A_MIN_P, A_PRESENCE, A_FREQUENCY, A_REPETITION = _slots(
     "temperature top_p min_p presence frequency repetition")
 A_X, A_HBUF, A_Y, A_QKV, A_Q, A_K, A_V, A_ATTN, A_GATE_UP, A_ACT = _slots(
     "x hbuf y qkv q k v attn gate_up act")
 A_HSEL, A_HN, A_LOGITS, A_LSM = _slots("hsel hn logits lsm")
-A_MERGED_PEN_START, A_MERGED_PEN_IDS, A_MERGED_PEN_COUNTS = _slots(
-    "merged_pen_start merged_pen_ids merged_pen_counts")
+A_PEN_OUTPUT_COUNTS, A_PEN_PROMPT_MASK = _slots("pen_output_counts pen_prompt_mask")
 
 
 @njit(nogil=True, cache=True)
@@ -225,34 +225,6 @@ def _gather_rows(out, x, rows):
 
 
 @njit(nogil=True, cache=True)
-def _merge_penalties(off_out, ids_out, cnt_out, off_in, ids_in, cnt_in, extra, tokens):
-    """Per sampling row n: the host's unique (id, count) list, plus one occurrence of the
-    token at row extra[n] (a from-device decode token the host has not seen) if >= 0."""
-    o = 0
-    for n in range(off_in.shape[0] - 1):
-        off_out[n] = o
-        a = off_in[n]
-        b = off_in[n + 1]
-        for i in range(a, b):
-            ids_out[o] = ids_in[i]
-            cnt_out[o] = cnt_in[i]
-            o += 1
-        if extra[n] >= 0:
-            tok = tokens[extra[n]]
-            found = False
-            for i in range(off_out[n], o):
-                if ids_out[i] == tok:
-                    cnt_out[i] += 1
-                    found = True
-                    break
-            if not found:
-                ids_out[o] = tok
-                cnt_out[o] = 1
-                o += 1
-    off_out[off_in.shape[0] - 1] = o
-
-
-@njit(nogil=True, cache=True)
 def step_entry(f32, i32, i64, u16, table):
     T = table[S_T]
     S = table[S_S]
@@ -260,7 +232,6 @@ def step_entry(f32, i32, i64, u16, table):
     NS = table[S_NS]
     MB = table[S_MB]
     K = table[S_K]
-    NPEN = table[S_NPEN]
     NBAN = table[S_NBAN]
     ATHR = table[S_ATHR]        # > 0: threads for attention only (a step otherwise serial)
     step_thr = get_kernel_threads()
@@ -293,11 +264,10 @@ def step_entry(f32, i32, i64, u16, table):
     context_lens = _i32(i32, table, A_CONTEXT_LENS, S)
     block_tables = _i32(i32, table, A_BLOCK_TABLES, S * MB).reshape(S, MB)
     logit_rows = _i32(i32, table, A_LOGIT_ROWS, R)
+    count_slot = _i32(i32, table, A_COUNT_SLOT, S)
+    prompt_lens = _i32(i32, table, A_PROMPT_LENS, S)
     top_k = _i32(i32, table, A_TOP_K, S)
-    pen_start = _i32(i32, table, A_PEN_START, S + 1)
-    pen_extra = _i32(i32, table, A_PEN_EXTRA, S)
-    pen_ids = _i32(i32, table, A_PEN_IDS, NPEN)
-    pen_counts = _i32(i32, table, A_PEN_COUNTS, NPEN)
+    pen_slot = _i32(i32, table, A_PEN_SLOT, S)
     ban_start = _i32(i32, table, A_BAN_START, S + 1)
     ban_ids = _i32(i32, table, A_BAN_IDS, NBAN)
     temperature = _f32(f32, table, A_TEMPERATURE, S)
@@ -333,9 +303,9 @@ def step_entry(f32, i32, i64, u16, table):
     hn = _f32(f32, table, A_HN, R * H).reshape(R, H)
     logits = _f32(f32, table, A_LOGITS, R * V).reshape(R, V)
     lsm = _f32(f32, table, A_LSM, R * V).reshape(R, V)
-    pen_off = _i32(i32, table, A_MERGED_PEN_START, NS + 1)
-    pen_ids2 = _i32(i32, table, A_MERGED_PEN_IDS, NPEN + NS)
-    pen_cnt2 = _i32(i32, table, A_MERGED_PEN_COUNTS, NPEN + NS)
+    npsl = table[A_PEN_OUTPUT_COUNTS + 1] // V              # penalty slots
+    pen_counts = _i32(i32, table, A_PEN_OUTPUT_COUNTS, npsl * V).reshape(npsl, V)
+    pen_prompt = _i32(i32, table, A_PEN_PROMPT_MASK, npsl * V).reshape(npsl, V)
 
     q3 = qf.reshape(T, HQ, D)
     k3 = kf.reshape(T, HKV, D)
@@ -408,16 +378,17 @@ def step_entry(f32, i32, i64, u16, table):
         log_softmax(lsm, logits)          # every token row asked for (prompt logprobs, debug)
     t = lap(timers, K_LOG_SOFTMAX, t)
 
-    # ---- sampling rows 0..NS-1: penalties, bans, temperature, filters, a draw; raw logprobs, top-K
+    # ---- penalty state: this step's tokens (from-device ones included) counted into the
+    # slots, then sampling rows 0..NS-1: penalties, bans, temperature, filters, a draw; raw
+    # logprobs, top-K
+    count_tokens(pen_counts, pen_prompt, count_slot, prompt_lens, query_start, positions, tokens)
     sampled = _i32(i32, table, A_SAMPLED, NS)
     logprob = _f32(f32, table, A_LOGPROB, NS)
     top_ids = _i32(i32, table, A_TOP_IDS, NS * K).reshape(NS, K)
     top_lp = _f32(f32, table, A_TOP_LOGPROBS, NS * K).reshape(NS, K)
     if NS > 0:
-        _merge_penalties(pen_off, pen_ids2, pen_cnt2, pen_start[:NS + 1], pen_ids, pen_counts,
-                         pen_extra[:NS], tokens)
-        sample(sampled, logprob, top_ids, top_lp, logits[:NS], temperature[:NS], top_k[:NS],
-               top_p[:NS], min_p[:NS], seeds[:NS], counters[:NS], presence[:NS],
-               frequency[:NS], repetition[:NS], pen_off, pen_ids2, pen_cnt2, ban_start[:NS + 1],
-               ban_ids)
+        sample_with_state(sampled, logprob, top_ids, top_lp, logits[:NS], temperature[:NS],
+                          top_k[:NS], top_p[:NS], min_p[:NS], seeds[:NS], counters[:NS],
+                          presence[:NS], frequency[:NS], repetition[:NS], pen_slot[:NS],
+                          pen_counts, pen_prompt, ban_start[:NS + 1], ban_ids)
     lap(timers, K_SAMPLING, t)

@@ -113,18 +113,6 @@ def eos_token_ids(config, tokenizer) -> frozenset[int]:
     return frozenset(int(t) for t in ids)
 
 
-def _penalty_tokens(seq: Sequence) -> list[int]:
-    """Tokens the penalties count, known on the host (the device adds a from_device token).
-
-    As in vLLM: presence and frequency penalties count generated tokens only; a
-    repetition penalty counts the prompt too (then all three share that list,
-    since the runner takes one list).
-    """
-    if seq.params.sampling.repetition_penalty != 1.0:
-        return list(seq.token_ids)
-    return list(seq.output_ids)
-
-
 class Engine:
     def __init__(
         self,
@@ -359,7 +347,10 @@ class Engine:
             num_generated=c.num_generated,
             from_device=c.from_device,
             prompt_logprobs=c.prompt_logprobs,
-            penalty_token_ids=_penalty_tokens(seq) if c.sample and p.uses_penalties else None,
+            # the card keeps the penalty state from the tokens it computes; positions below
+            # num_prompt are the prompt's (vLLM: repetition counts them, presence and
+            # frequency only the output), so the host sends no token history
+            num_prompt=seq.num_prompt if sampling.uses_penalties else None,
             # the token sampled here is output token number num_generated (from 0)
             banned_token_ids=(self._banned_tokens(p) or None)
             if c.sample and c.num_generated < p.min_tokens else None,

@@ -87,14 +87,16 @@ def test_presence_penalty_counts_the_token_read_on_the_device(setup):
     pool = BlockPool(runner.num_kv_blocks)
     table: list[int] = []
     pool.grow(table, len(prompt) + 24)
-    out = runner.launch([SeqWork(0, prompt, 0, table, True, sp, penalty_token_ids=[])]).result()
+    n = len(prompt)
+    out = runner.launch([SeqWork(0, prompt, 0, table, True, sp, num_prompt=n)]).result()
     gen = [int(out.token_ids[0])]
     for i in range(20):
-        # the host lists all but the newest token: that one is counted on the device
-        w = SeqWork(0, [-1], len(prompt) + i, table, True, sp, num_generated=i + 1,
-                    from_device=True, penalty_token_ids=gen[:-1])
+        # the host sends no token history: the device counts each token it reads
+        w = SeqWork(0, [-1], n + i, table, True, sp, num_generated=i + 1, from_device=True,
+                    num_prompt=n)
         h = runner.launch([w])
         gen.append(int(h.result().token_ids[0]))
+    runner.forget(0)
     assert len(set(gen)) == len(gen), gen
     # without the penalty the same model repeats itself
     plain = run_mixed(runner, [prompt], 21, stagger=False)[0]

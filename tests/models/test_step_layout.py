@@ -81,7 +81,7 @@ def work_with_everything():
                               repetition_penalty=1.2, logprobs=3)
     return [
         SeqWork(0, [5, 6, 7, 8, 9], 0, [0], True, sampling, prompt_logprobs=True,
-                penalty_token_ids=[5, 6, 7, 8, 9, 5], banned_token_ids=[11, 3]),
+                num_prompt=5, banned_token_ids=[11, 3]),
         SeqWork(1, [1, 2, 3], 0, [1], True, SamplingParams(temperature=0.0, logprobs=2)),
         SeqWork(2, list(range(20, 30)), 0, [2], False, SamplingParams(), prompt_logprobs=True),
     ]
@@ -89,14 +89,15 @@ def work_with_everything():
 
 def test_the_packed_inputs_are_the_table_placed_for_the_launch_dims(runner):
     work = work_with_everything()
-    step = pack_step(sp.INPUTS, work, 32, 4, True, runner.limits, {})
+    step = pack_step(sp.INPUTS, work, 32, 4, True, runner.limits, {}, {0: 3})
     placement = sp.INPUTS.place(step.dims)
     assert step.host.nbytes == placement.nbytes == step.placement.nbytes
     views = placement.views(step.host)
     assert views["block_tables"].shape == (4, step.dims["MB"])
     assert views["tokens"][:5].tolist() == [5, 6, 7, 8, 9]
     assert views["query_start"].tolist() == [0, 5, 8, 18, 18]
-    assert views["pen_ids"].tolist() == [5, 6, 7, 8, 9] and views["pen_counts"][0] == 2
+    assert views["count_slot"].tolist() == [3, -1, -1, -1] and views["prompt_lens"][0] == 5
+    assert views["pen_slot"].tolist() == [3, -1, -1, -1]
     assert views["ban_ids"].tolist() == [3, 11]
     assert views["seeds"][0] == 3 and views["top_k"][:2].tolist() == [20, 0]
     assert step.placement.nbytes <= runner.memory.inputs.nbytes
@@ -128,7 +129,7 @@ def run_steps(runner):
     for i in range(3):
         work = [SeqWork(0, [-1], 5 + i, [0], True, SamplingParams(temperature=0.7, seed=3,
                         presence_penalty=0.5, logprobs=3), num_generated=1 + i,
-                        from_device=True, penalty_token_ids=[5, 6]),
+                        from_device=True, num_prompt=5),
                 SeqWork(1, [-1], 3 + i, [1], True, SamplingParams(temperature=0.0),
                         from_device=True)]
         outs.append(runner.launch(work).result())
