@@ -73,9 +73,19 @@ class Settings:
                                       "for this machine)", parse_size, sizing=True)
     api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, "
                                 "/detokenize")
-    max_waiting: int = _flag(1024, "most requests waiting for admission; more get 503 + Retry-After",
-                             int)
+    max_waiting: int = _flag(1024, "most sequences (every choice of every prompt) waiting for "
+                             "admission; a request that would go over gets 503 + Retry-After, one "
+                             "that alone is over gets 400", int)
     max_n: int = _flag(8, "largest n (choices per prompt) a request may ask for", int)
+    max_prompts: int = _flag(256, "most prompts in one completion request (a list of strings or of "
+                             "token-id lists)", int)
+    max_stop_strings: int = _flag(32, "most stop strings in one request", int)
+    max_stop_length: int = _flag(256, "longest stop string, in characters", int)
+    max_stop_token_ids: int = _flag(64, "most stop_token_ids in one request", int)
+    chat_template: str | None = _flag(None, "Jinja chat template to use instead of the tokenizer's: "
+                                      "a file, or the template itself")
+    render_timeout: float = _flag(5.0, "seconds a request's chat template may take to render (and "
+                                  "its prompt to tokenize), off the event loop; longer is a 400", float)
     max_body_bytes: int = _flag(1 << 20, "largest request body; larger gets 413", parse_size)
     drain_timeout: float = _flag(30.0, "seconds to finish running requests after SIGTERM", float)
     step_timeout: float = _flag(120.0, "seconds a step may take before the engine is declared dead "

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: chat (vLLM's fields), one JSON body or a stream.
 
-The messages go through the tokenizer's chat template (``prompts.chat_prompt``); the
+The messages go through the tokenizer's chat template (``prompts.chat_prompt``, off the
+event loop), whose text is encoded without special tokens unless ``add_special_tokens``; the
 answer is an assistant message (no tool calls yet). A stream opens with one chunk per choice
 naming the role, as OpenAI's does; a chunk's choice carries the new text as ``delta``.
 """
@@ -15,7 +16,7 @@ from server.engine import SeqUpdate
 from server.openai.bridge import Choice, Submission
 from server.openai.errors import APIError
 from server.openai.logprobs import TokenTexts, chat_logprobs
-from server.openai.prompts import chat_prompt
+from server.openai.prompts import chat_prompt, truncated
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.response import full_response, new_head, stream_response
 from server.openai.sampling import generation_params
@@ -30,14 +31,18 @@ async def create_chat_completion(request: Request):
     req = await serving.read(request, ChatCompletionRequest)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    ids = chat_prompt(serving.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    serving.check_limits(req)
+    ids = await serving.blocking("rendering the chat template for these messages", "messages", chat_prompt,
+                                 serving.tokenizer, req.messages, req.add_generation_prompt,
+                                 req.chat_template_kwargs, req.add_special_tokens)
+    [ids] = truncated([ids], req.truncate_prompt_tokens, serving.engine.max_model_len)
     serving.check_tokens(ids, "messages")
     max_tokens = serving.max_tokens(req.output_limit, [ids])
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     serving.check_fits(ids, max_tokens, {"prompt": "messages", "max_tokens": limit_param})
     k = (req.top_logprobs or 0) if req.logprobs else None  # top alternatives per token; None: no logprobs
-    params = generation_params(req, max_tokens, k, prompt_logprobs=False, max_n=serving.settings.max_n)
-    serving.check_admission()
+    params = generation_params(req, max_tokens, k, prompt_logprobs=False)
+    serving.check_admission(req.n)
     head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name)
     sub = Submission(serving.engine, head["id"], [ids], params)
     if req.stream:

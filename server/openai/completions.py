@@ -1,6 +1,8 @@
 """``POST /v1/completions``: text completions (vLLM's fields), one JSON body or a stream.
 
-Every prompt of a request gets ``n`` choices. With ``echo`` a choice's text starts with its
+Every prompt of a request gets ``n`` choices; a text prompt is encoded with the tokenizer's
+special tokens unless ``add_special_tokens`` is false (vLLM's default: a Llama prompt starts
+with BOS, and ``usage.prompt_tokens`` is what ``/tokenize`` counts). With ``echo`` a choice's text starts with its
 prompt, and with ``logprobs`` too the prompt's tokens are scored (the first has none); a
 stream sends the prompt in each choice's first chunk.
 """
@@ -15,7 +17,7 @@ from fastapi import APIRouter, Request
 from server.engine import SeqUpdate
 from server.openai.bridge import Choice, Submission
 from server.openai.logprobs import TokenTexts, completion_logprobs, joined
-from server.openai.prompts import completion_prompts
+from server.openai.prompts import completion_prompts, truncated
 from server.openai.protocol import CompletionRequest
 from server.openai.response import full_response, new_head, stream_response
 from server.openai.sampling import generation_params
@@ -28,26 +30,36 @@ router = APIRouter()
 async def create_completion(request: Request):
     serving = serving_of(request)
     req = await serving.read(request, CompletionRequest)
-    prompts = completion_prompts(serving.tokenizer, req.prompt)
+    serving.check_limits(req)
+    prompts = await serving.blocking("tokenizing the prompt", "prompt", completion_prompts, serving.tokenizer,
+                                     req.prompt, req.add_special_tokens)
+    prompts = truncated(prompts, req.truncate_prompt_tokens, serving.engine.max_model_len)
     for ids in prompts:
         serving.check_tokens(ids, "prompt")
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
     for ids in prompts:
         serving.check_fits(ids, max_tokens)
-    params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
-                               max_n=serving.settings.max_n)
-    serving.check_admission()
+    params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None)
+    serving.check_admission(len(prompts) * req.n)
     head = new_head("cmpl", "text_completion", serving.model_name)
     sub = Submission(serving.engine, head["id"], prompts, params)
     echo = None
     if req.echo:
-        prompt_texts = [serving.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
-        echo = Echo(serving.texts, sub, prompt_texts, req.logprobs is not None)
+        echo = Echo(serving.texts, sub, echoed_texts(serving.tokenizer, req, prompts), req.logprobs is not None)
     if req.stream:
         choice_of = partial(streamed_choice, serving.texts, sub, echo, req.logprobs)
         return stream_response(sub, head, req.stream_usage, choice_of)
     return await full_response(sub, request.is_disconnected, head,
                                partial(finished_choice, serving.texts, echo, req.logprobs))
+
+
+def echoed_texts(tokenizer, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """What ``echo`` repeats of each prompt, as vLLM does: a text prompt as it was sent (not
+    the BOS the tokenizer added), token ids (or a truncated prompt) as they decode."""
+    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if req.truncate_prompt_tokens is None and all(isinstance(t, str) for t in texts):
+        return list(texts)
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
 @dataclass(slots=True)
@@ -57,7 +69,7 @@ class Echo:
 
     texts: TokenTexts
     sub: Submission
-    prompt_texts: list[str]  # one per prompt, as the tokenizer decodes it (special tokens kept)
+    prompt_texts: list[str]  # one per prompt (``echoed_texts``)
     logprobs: bool
 
     def __call__(self, idx: int) -> tuple[str, dict | None]:

@@ -8,17 +8,14 @@ differ and each is reproducible.
 from __future__ import annotations
 
 from models import SamplingParams
-from server.openai.errors import APIError
 from server.openai.protocol import SamplingRequest
 from server.sequence import GenerationParams
 
 
-def generation_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: bool,
-                      max_n: int) -> list[GenerationParams]:
-    """``req.n`` choices' parameters; 400 when ``n`` is over the server's ``max_n``.
+def generation_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                      prompt_logprobs: bool) -> list[GenerationParams]:
+    """``req.n`` choices' parameters (``limits.check_limits`` has held ``n`` to ``--max-n``).
     ``logprobs``: None for none, else how many top alternatives each token lists."""
-    if req.n > max_n:
-        raise APIError(400, f"n must be at most {max_n}, got {req.n}", "n")
     out = []
     for i in range(req.n):
         sampling = SamplingParams(

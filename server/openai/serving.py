@@ -1,26 +1,38 @@
 """What every endpoint shares, and the checks each makes before it submits.
 
 One ``Serving`` per app (``app.state.serving``, read with ``serving_of``): the engine, the
-tokenizer, the name clients use for the model, the settings' limits. Its checks refuse a
-request before the engine sees it, each with the status and numbers that say why: an
-unknown model (404), a token id outside the vocabulary, a request that can never fit the
-context or the KV cache (400), an engine that is down, draining or has too many requests
-waiting (503 + Retry-After).
+tokenizer (with ``--chat-template`` if given), the name clients use for the model, the
+settings' limits, and the threads that render and tokenize off the event loop
+(``blocking``). Its checks refuse a request before the engine sees it, each with the status
+and numbers that say why: an unknown model (404), a request over a cap (``limits``), a
+token id outside the vocabulary, a request that can never fit the context or the KV cache,
+a template that renders too long (400), an engine that is down, draining or has too many
+sequences waiting (503 + Retry-After).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 
 from server.engine import Engine, RequestRejected
 from server.openai.body import Body, read_request
 from server.openai.errors import APIError
+from server.openai.limits import check_limits, num_prompts
 from server.openai.logprobs import TokenTexts
+from server.openai.offload import Offload, TimedOut
+from server.openai.prompts import with_chat_template
+from server.openai.protocol import SamplingRequest
 from server.settings import Settings
 
 RETRY_AFTER_SECONDS = 1  # what a 503 tells the client to wait
+# Threads rendering templates and tokenizing at once: more would only share the GIL, and
+# each request waits for one at most --render-timeout anyway.
+OFFLOAD_THREADS = 4
+T = TypeVar("T")
 
 
 @dataclass
@@ -32,14 +44,17 @@ class Serving:
     model_root: str  # where the model came from (/v1/models' "root")
     vocab_size: int
     texts: TokenTexts = field(init=False)  # token id -> text, for logprobs
+    offload: Offload = field(init=False)  # threads for rendering and tokenizing
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
+        self.offload = Offload(OFFLOAD_THREADS, self.settings.render_timeout)
 
     @classmethod
     def for_model(cls, engine: Engine, model, settings: Settings) -> Serving:
         """For a loaded model (``models.LoadedModel``: name, path, config, tokenizer)."""
-        return cls(engine, model.tokenizer, settings, settings.served_name(model), str(model.path),
+        tokenizer = with_chat_template(model.tokenizer, settings.chat_template)
+        return cls(engine, tokenizer, settings, settings.served_name(model), str(model.path),
                    model.config.vocab_size)
 
     async def read(self, request: Request, model: type[Body]) -> Body:
@@ -48,6 +63,21 @@ class Serving:
         body = await read_request(request, model, self.settings.max_body_bytes)
         self.check_model(body.model)
         return body
+
+    def check_limits(self, req: SamplingRequest) -> int:
+        """400 for a request over one of the caps (``limits``); else how many prompts it holds."""
+        prompts = num_prompts(req)
+        check_limits(req, prompts, self.settings)
+        return prompts
+
+    async def blocking(self, what: str, param: str, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` off the event loop; a 400 naming ``param`` when it takes longer than
+        ``--render-timeout`` (``what`` says what took so long)."""
+        try:
+            return await self.offload.run(fn, *args)
+        except TimedOut:
+            raise APIError(400, f"{what} took longer than {self.offload.timeout:g} s (--render-timeout)",
+                           param) from None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -73,17 +103,22 @@ class Serving:
         except RequestRejected as exc:
             raise APIError(400, str(exc), (params or {}).get(exc.param, exc.param)) from None
 
-    def check_admission(self) -> None:
+    def check_admission(self, sequences: int) -> None:
+        """503 + Retry-After unless the engine runs, admits, and has room in its waiting queue
+        for ``sequences`` more (``--max-waiting`` counts sequences: every choice of every
+        prompt, ``engine.num_waiting_sequences``). Nothing may await between this check and
+        the submission, so that concurrent requests cannot all pass it at once."""
         engine = self.engine
         if not engine.alive:
             raise APIError(503, "the engine is not running", retry_after=RETRY_AFTER_SECONDS)
         if not engine.accepting:
             raise APIError(503, "the server is shutting down and admits no new requests", retry_after=RETRY_AFTER_SECONDS)
-        waiting, limit = engine.num_waiting_requests, self.settings.max_waiting
-        if waiting >= limit:
+        waiting, limit = engine.num_waiting_sequences, self.settings.max_waiting
+        if waiting + sequences > limit:
             raise APIError(
                 503,
-                f"the waiting queue is full: {waiting} requests waiting, the limit is {limit} (--max-waiting)",
+                f"the waiting queue is full: {waiting} sequences waiting, this request adds {sequences}, "
+                f"the limit is {limit} (--max-waiting)",
                 retry_after=RETRY_AFTER_SECONDS,
             )
 

@@ -41,7 +41,7 @@ def test_chat_stream_sends_the_role_first_then_content_then_done(client):
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
     assert events[-2]["usage"]["completion_tokens"] == 3
     content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-2])
-    full = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    full = client.post("/v1/chat/completions", json={**body, "stream": False, "stream_options": None}).json()
     assert content == full["choices"][0]["message"]["content"]
     assert events[-3]["choices"][0]["finish_reason"] == "length"
 

@@ -123,12 +123,35 @@ def test_a_wrong_api_key_is_a_401_and_health_stays_open(side_app):
     assert ok.status_code == 200
 
 
-def test_a_full_waiting_queue_is_a_503_with_retry_after(side_app):
-    c = side_app(max_waiting=0)
-    r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+class Backlogged:
+    """The real engine, with ``waiting`` sequences more in its queue than it has."""
+
+    def __init__(self, engine, waiting: int) -> None:
+        self._engine, self._waiting = engine, waiting
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    @property
+    def num_waiting_sequences(self) -> int:
+        return self._engine.num_waiting_sequences + self._waiting
+
+
+def test_a_full_waiting_queue_is_a_503_with_retry_after_counting_sequences(side_app, real_server):
+    c = side_app(engine=Backlogged(real_server.built.engine, 3), max_waiting=4)
+    r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": 2})
     err = error_of(r, 503)
     assert r.headers["retry-after"] == "1"
-    assert "the limit is 0 (--max-waiting)" in err["message"]
+    assert err["message"] == ("the waiting queue is full: 3 sequences waiting, this request adds 2, the limit is 4 "
+                              "(--max-waiting)")
+    assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_a_request_with_more_sequences_than_the_queue_holds_is_a_400(side_app):
+    c = side_app(max_waiting=3)
+    err = error_of(c.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1, "n": 2}), 400)
+    assert err["message"] == ("this request asks for 4 sequences (2 prompts x n = 2), more than the 3 the waiting "
+                              "queue holds (--max-waiting)")
 
 
 def test_health_is_503_when_the_engine_loop_is_not_running(side_app, real_server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import jinja2
 from fastapi.testclient import TestClient
 
 from server.engine import RequestRejected, SeqUpdate
@@ -27,11 +28,17 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(("" if skip_special_tokens else "<eos>") if i == 0 else ALPHABET[i - 1] for i in ids)
 
-    def apply_chat_template(self, convo, add_generation_prompt: bool, tokenize: bool, **kwargs) -> str:
-        if kwargs:
-            raise ValueError(f"unknown template variables {sorted(kwargs)}")
+    # what the template reads, for the server's check of chat_template_kwargs; rendered below
+    chat_template = ("{{ greeting }}{% for m in messages %}{{ m.role }}. {{ m.content }} {% endfor %}"
+                     "{% if add_generation_prompt %}assistant.{% endif %}{% if fail %}{{ raise_exception(fail) }}"
+                     "{% endif %}")
+
+    def apply_chat_template(self, convo, add_generation_prompt: bool, tokenize: bool, **variables) -> str:
+        if variables.get("fail"):
+            raise jinja2.TemplateError(variables["fail"])
+        greeting = [variables["greeting"]] if variables.get("greeting") else []
         lines = [f"{m['role']}. {m['content']}" for m in convo]
-        return " ".join(lines + (["assistant."] if add_generation_prompt else []))
+        return " ".join(greeting + lines + (["assistant."] if add_generation_prompt else []))
 
 
 def ids_of(text: str) -> list[int]:
@@ -48,7 +55,7 @@ class ScriptedEngine:
         self.alive = True
         self.accepting = True
         self.error = None
-        self.num_waiting_requests = 0
+        self.num_waiting_sequences = 0
         self.added: list = []  # (request_id, prompt ids, params)
         self.aborted: list[str] = []
 

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+from fastapi.testclient import TestClient
 
 from server.engine import SeqUpdate
+from server.openai.app import create_app
 from server.openai.chat import opening_choices, streamed_choice
 from server.openai.logprobs import TokenTexts
-from tests.server.openai.conftest import CharTokenizer, ScriptedEngine, client_for, ids_of
+from server.settings import Settings
+from tests.server.openai.conftest import (
+    CharTokenizer,
+    ScriptedEngine,
+    client_for,
+    fake_model,
+    ids_of,
+)
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -92,3 +102,49 @@ def test_a_running_chunk_has_no_stop_reason():
     u = SeqUpdate(index=0, text="", token_ids=[], logprobs=[])
     assert streamed_choice(TokenTexts(CharTokenizer()), None, 0, u) == {
         "index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": None}
+
+
+def test_a_chat_template_sent_in_the_kwargs_is_a_400(engine):
+    err = chat(engine, 400, chat_template_kwargs={"chat_template": "{{ 'pwned' }}"})["error"]
+    assert err["param"] == "chat_template_kwargs" and "may not carry a chat_template" in err["message"]
+    assert engine.added == []
+
+
+def test_a_variable_of_the_template_reaches_it(engine):
+    chat(engine, chat_template_kwargs={"greeting": "yo"})
+    assert engine.added[0][1] == ids_of("yo user. hi assistant.")
+
+
+def test_add_special_tokens_puts_the_tokenizers_in_front_of_the_rendered_chat(engine):
+    chat(engine, add_special_tokens=True)
+    assert engine.added[0][1] == [0, *ids_of("user. hi assistant.")]
+
+
+class Spinning(CharTokenizer):
+    """A template that never finishes rendering (pure Python, as Jinja renders)."""
+
+    def apply_chat_template(self, convo, **kwargs) -> str:
+        while True:
+            pass
+
+
+def test_a_template_rendering_longer_than_the_bound_is_a_400_naming_the_flag(engine):
+    model = fake_model()
+    model.tokenizer = Spinning()
+    client = TestClient(create_app(engine, model, Settings(render_timeout=0.3)))
+    t0 = time.monotonic()
+    r = client.post("/v1/chat/completions", json={"messages": HI})
+    assert r.status_code == 400 and time.monotonic() - t0 < 5
+    assert r.json()["error"] == {"message": "rendering the chat template for these messages took longer than 0.3 s "
+                                            "(--render-timeout)", "type": "BadRequestError", "param": "messages",
+                                 "code": 400}
+    assert engine.added == []
+
+
+def test_the_chat_template_flag_replaces_the_tokenizers(engine, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ greeting }}{{ messages }}")
+    for value in [str(template), "{{ greeting }}{{ messages }}"]:
+        app = create_app(engine, fake_model(), Settings(chat_template=value))
+        assert app.state.serving.tokenizer.chat_template == "{{ greeting }}{{ messages }}"
+    assert fake_model().tokenizer.chat_template != "{{ greeting }}{{ messages }}"

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-
-from server.openai.errors import APIError
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.openai.sampling import generation_params
 
 
-def params(max_tokens=8, logprobs=None, prompt_logprobs=False, max_n=8, **body):
-    return generation_params(CompletionRequest(prompt="x", **body), max_tokens, logprobs, prompt_logprobs, max_n)
+def params(max_tokens=8, logprobs=None, prompt_logprobs=False, **body):
+    return generation_params(CompletionRequest(prompt="x", **body), max_tokens, logprobs, prompt_logprobs)
 
 
 def test_one_params_per_choice_with_consecutive_seeds():
@@ -45,13 +42,7 @@ def test_min_tokens_is_capped_at_max_tokens():
     assert params(max_tokens=3, min_tokens=10)[0].min_tokens == 3
 
 
-def test_n_over_the_servers_limit_is_a_400_naming_n():
-    with pytest.raises(APIError) as info:
-        params(n=5, max_n=4)
-    assert (info.value.status, info.value.param, info.value.message) == (400, "n", "n must be at most 4, got 5")
-
-
 def test_a_chat_request_converts_the_same_way():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], seed=1, n=2)
-    out = generation_params(req, 5, None, False, 8)
+    out = generation_params(req, 5, None, False)
     assert [(p.max_tokens, p.logprobs, p.sampling.seed) for p in out] == [(5, None, 1), (5, None, 2)]

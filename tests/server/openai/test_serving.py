@@ -81,23 +81,24 @@ def test_check_fits_renames_the_engines_fields_to_the_requests():
 def test_a_stopped_engine_is_a_503_with_retry_after():
     engine = ScriptedEngine()
     engine.alive = False
-    err = refused(serving(engine).check_admission)
+    err = refused(serving(engine).check_admission, 1)
     assert (err.status, err.message, err.retry_after) == (503, "the engine is not running", 1)
 
 
 def test_a_draining_engine_is_a_503_with_retry_after():
     engine = ScriptedEngine()
     engine.accepting = False
-    err = refused(serving(engine).check_admission)
+    err = refused(serving(engine).check_admission, 1)
     assert (err.status, err.retry_after) == (503, 1) and "shutting down" in err.message
 
 
-def test_a_full_waiting_queue_is_a_503_with_the_numbers():
+def test_a_full_waiting_queue_is_a_503_counting_sequences():
     engine = ScriptedEngine()
-    engine.num_waiting_requests = 5
-    err = refused(serving(engine, max_waiting=5).check_admission)
-    assert err.message == "the waiting queue is full: 5 requests waiting, the limit is 5 (--max-waiting)"
-    serving(engine, max_waiting=6).check_admission()
+    engine.num_waiting_sequences = 5
+    err = refused(serving(engine, max_waiting=8).check_admission, 4)
+    assert err.message == ("the waiting queue is full: 5 sequences waiting, this request adds 4, the limit is 8 "
+                           "(--max-waiting)")
+    serving(engine, max_waiting=8).check_admission(3)
 
 
 @pytest.fixture(scope="module")

@@ -38,3 +38,17 @@ def test_detokenize_keeps_special_tokens(client):
 def test_detokenize_refuses_an_id_outside_the_vocabulary(client):
     r = client.post("/detokenize", json={"tokens": [1, VOCAB]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_tokenize_counts_messages_as_the_chat_endpoint_sends_them(client):
+    messages = [{"role": "user", "content": "hi"}]
+    assert client.post("/tokenize", json={"messages": messages, "add_special_tokens": True}).json()["tokens"] == [
+        0, *ids_of("user. hi assistant.")]
+    r = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"greeting": "yo"}}).json()
+    assert r["tokens"] == ids_of("yo user. hi assistant.")
+
+
+def test_tokenize_refuses_template_kwargs_the_template_does_not_read(client):
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                       "chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
