@@ -261,9 +261,10 @@ def gguf_name(name: str) -> str:
         if h == name:
             return g
     m = _HF_LAYER_NAME.fullmatch(name)
-    for g, h in _LAYER_TENSORS.items():
-        if m and h == m.group(2):
-            return f"blk.{m.group(1)}.{g}.weight"
+    if m:
+        for g, h in _LAYER_TENSORS.items():
+            if h == m.group(2):
+                return f"blk.{m.group(1)}.{g}.weight"
     raise KeyError(name)
 
 

@@ -125,11 +125,10 @@ def test_every_tensor_reads_back_as_written(tmp_path, qtype):
 
 def test_loaded_model_reports_the_file(tmp_path):
     path, _ = gguf_and_twin(tmp_path, "llama-tied", Q.Q4_1)
-    card = Card(64 << 20)
-    model = load_model(path, card, tokenizer=False)
+    with Card(64 << 20) as card:
+        model = load_model(path, card, tokenizer=False)
     assert model.name == path.name and model.path == path
     assert model.stored_dtype == "float32"       # dequantized: what the card's weights are
-    card.close()
 
 
 # ---------------------------------------------------------------- llama.cpp's row permutation

@@ -157,3 +157,26 @@ def test_an_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
     with pytest.raises(GGUFError, match="tokenizer.ggml.pre is 'made-up', a pre-tokenizer this "
                                         "server does not know; known: .*smollm"):
         load_gguf_tokenizer(path)
+
+
+def test_a_served_gguf_chats_through_its_own_template(tmp_path, original):
+    """A GGUF file behind the real server (uvicorn, the openai client): its chat prompt is
+    the file's template rendered by the file's tokenizer."""
+    from openai import OpenAI
+
+    from server.cli import build
+    from tests.server.conftest import ServerThread, real_settings
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    built = build(real_settings(model=str(path), max_num_seqs=2, num_kv_blocks=16,
+                                device_memory=256 << 20), progress=False)
+    try:
+        with ServerThread(built.app) as server:
+            client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            reply = client.chat.completions.create(model="tiny.gguf", messages=MESSAGES,
+                                                   max_tokens=5, temperature=0)
+    finally:
+        built.engine.shutdown()
+    rendered = original.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert reply.usage.prompt_tokens == len(original.encode(rendered, add_special_tokens=False))
+    assert reply.usage.completion_tokens == 5 and reply.model == "tiny.gguf"

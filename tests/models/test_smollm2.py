@@ -155,3 +155,28 @@ def test_greedy_chat_answers_are_transformers_token_for_token(served, reference)
         assert answer == want, (f"{model.tokenizer.decode(answer)!r} vs "
                                 f"{model.tokenizer.decode(want)!r} (smallest top-2 gap {gap:.2e})")
     assert "Paris" in model.tokenizer.decode(answers[0])
+
+
+def test_the_server_answers_a_chat_through_the_openai_client(gguf_path, reference):
+    """The whole stack (server.cli.build, uvicorn) serving the model by name."""
+    from openai import OpenAI
+
+    from server.cli import build
+    from tests.server.conftest import ServerThread, real_settings
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPYRE_SERVE_CACHE", str(TEST_CACHE))
+        built = build(real_settings(model="smollm2-135m-instruct", max_num_seqs=4, num_kv_blocks=32,
+                                    device_memory=1536 << 20), progress=False)
+    try:
+        with ServerThread(built.app) as server:
+            client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            reply = client.chat.completions.create(
+                model="smollm2-135m-instruct", temperature=0, max_tokens=N_NEW,
+                messages=[{"role": "user", "content": QUESTIONS[0]}])
+    finally:
+        built.engine.shutdown()
+    ref_model, ref_tok = reference
+    want, _ = reference_greedy(ref_model, chat_ids(ref_tok, QUESTIONS[0]))
+    assert reply.choices[0].message.content == ref_tok.decode(want, skip_special_tokens=True)
+    assert reply.choices[0].finish_reason == "stop" and reply.model == "smollm2-135m-instruct"
