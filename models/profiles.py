@@ -13,7 +13,7 @@ The cache is ``$SPYRE_SERVE_CACHE`` or ``~/.cache/spyre-serve``. A profile is wr
 into a temporary directory and renamed into place, so a reader never sees a partial
 checkpoint and two processes racing to write it both end up with the same result.
 
-Why these initial weights (see DESIGN.md, "Testing with random weights"): with tied
+Why these initial weights (see docs/design.md, "Testing with random weights"): with tied
 embeddings the embedding multiplier (12) against the residual multiplier (0.22) lets
 the input embedding dominate the residual stream, and greedy decoding repeats the
 last token. So the embedding std is small and the projections' std large, which

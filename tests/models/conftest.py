@@ -9,7 +9,7 @@ The weights are seeded numpy draws (models.profiles.init_tensors), loaded into
 transformers' model class and written with ``save_pretrained``: a real HF checkpoint.
 The default init is the granite-tiny recipe (small embedding std, large projection
 std, jittered norms) so greedy output is varied; ``init_std`` gives every matrix the
-same std instead (the usual 0.02 init is degenerate when tied, see DESIGN.md).
+same std instead (the usual 0.02 init is degenerate when tied, see docs/design.md).
 """
 
 from __future__ import annotations

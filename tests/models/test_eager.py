@@ -58,7 +58,7 @@ def test_chunked_prefill_and_mixed_decode_give_the_runners_tokens(pair):
         got.append(eager.step(step).tolist())
         ta, tb = w
     assert got == want
-    if not eager.weights.tied:   # a small random tied Granite repeats itself (DESIGN.md)
+    if not eager.weights.tied:   # a small random tied Granite repeats itself (docs/design.md)
         assert len({t for s in want for t in s}) > 3                      # varied output
 
 

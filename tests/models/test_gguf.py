@@ -28,7 +28,7 @@ from models.profiles import ASSETS, TINY, InitStds, init_tensors
 from tests.models.conftest import granite_config, runner_greedy
 from tests.models.gguf_files import Q, llama_cpp_permute, write_gguf, write_numpy_checkpoint
 
-# Models whose greedy output is varied (DESIGN.md, "Testing with random weights").
+# Models whose greedy output is varied (docs/design.md, "Testing with random weights").
 KINDS = {
     "llama-untied": dict(llama=True, tie=False, kv_heads=2, std=0.2),
     "llama-tied": dict(llama=True, tie=True, kv_heads=2, std=1.0, layers=4),

@@ -1,7 +1,7 @@
 """The whole model on the card against transformers on the same checkpoint (fp32).
 
 Checkpoints are chosen so the reference output is varied and its top-1/top-2 gaps are far
-above fp32 noise (asserted in each test; see DESIGN.md, "Testing with random weights"):
+above fp32 noise (asserted in each test; see docs/design.md, "Testing with random weights"):
 untied 128-wide 2-layer with std 0.2, tied 128-wide 4-layer with std 1.0.
 """
 
