@@ -1,0 +1,154 @@
+"""torch.spyre.Stream and torch.spyre.Event on the card's FIFO streams and events.
+
+    s = torch.spyre.Stream()            # a stream of the card's pool (device.Stream)
+    with torch.spyre.stream(s):         # ops on this host thread go to s
+        y = x @ w
+    torch.spyre.current_stream().wait_stream(s)
+    start, end = torch.spyre.Event(enable_timing=True), torch.spyre.Event(enable_timing=True)
+    start.record(); ...; end.record(); end.synchronize(); start.elapsed_time(end)   # ms
+
+As with CUDA, ops are enqueued and return at once; a copy to the host waits for its stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spyre_torch.runtime import runtime
+
+
+def _check_device(device) -> None:
+    if device is None:
+        return
+    d = torch.device("spyre", device) if isinstance(device, int) else torch.device(device)
+    if d.type != "spyre" or d.index not in (None, 0):
+        raise ValueError(f"spyre: expected the spyre device (spyre:0), got {d}")
+
+
+class Stream:
+    """A FIFO queue of the card. `Stream()` takes the next stream of the runtime's pool."""
+
+    def __init__(self, device=None, priority: int = 0, *, _stream=None):
+        _check_device(device)
+        self._stream = _stream if _stream is not None else runtime().side_stream()
+        self.priority = priority
+
+    device = property(lambda self: torch.device("spyre", 0))
+
+    @property
+    def stream_id(self) -> int:
+        return id(self._stream)
+
+    def query(self) -> bool:
+        """True when everything enqueued on this stream has run."""
+        return self._stream.query()
+
+    def synchronize(self) -> None:
+        """Wait for everything enqueued so far; re-raises a failed command's error."""
+        self._stream.synchronize()
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event if event is not None else Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream waits for `event` (the host does not block)."""
+        event.wait(self)
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Later work on this stream waits for everything enqueued on `stream` so far."""
+        self.wait_event(stream.record_event())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Stream) and other._stream is self._stream
+
+    def __hash__(self) -> int:
+        return hash(self._stream)
+
+    def __repr__(self) -> str:
+        return f"<torch.spyre.Stream {self._stream.name!r} device=spyre:0>"
+
+
+class Event:
+    """A marker in a stream; `elapsed_time` needs both events made with `enable_timing=True`."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        from device import Event as DeviceEvent
+
+        runtime()
+        self.enable_timing = enable_timing
+        self.blocking = blocking
+        self._event = DeviceEvent()
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Mark the point after everything enqueued on `stream` (default: the current one)."""
+        self._event.record((stream or current_stream())._stream)
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Later work on `stream` (default: the current one) waits for this event."""
+        (stream or current_stream())._stream.wait_event(self._event)
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds from this event to `end` (both recorded and completed)."""
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("spyre: both events must be created with enable_timing=True "
+                               "to measure the time between them")
+        return self._event.elapsed_time(end._event)
+
+    def __repr__(self) -> str:
+        return f"<torch.spyre.Event {self._event!r}>"
+
+
+def current_stream(device=None) -> Stream:
+    _check_device(device)
+    rt = runtime()
+    return Stream(_stream=rt.current_stream())
+
+
+def default_stream(device=None) -> Stream:
+    _check_device(device)
+    return Stream(_stream=runtime().default_stream)
+
+
+def set_stream(stream: Stream) -> None:
+    """Make `stream` the current stream of this host thread."""
+    runtime().set_current_stream(stream._stream)
+
+
+class StreamContext:
+    """`with torch.spyre.stream(s):` ops of this host thread go to `s`, then back."""
+
+    def __init__(self, stream: Stream | None):
+        self.stream = stream
+        self._prev = None
+
+    def __enter__(self) -> Stream | None:
+        if self.stream is not None:
+            rt = runtime()
+            self._prev = rt.current_stream()
+            rt.set_current_stream(self.stream._stream)
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is not None:
+            runtime().set_current_stream(self._prev)
+
+
+def stream(stream: Stream | None) -> StreamContext:
+    return StreamContext(stream)
+
+
+def synchronize(device=None) -> None:
+    """Wait for every stream of the card (re-raises a failed command's error)."""
+    _check_device(device)
+    from spyre_torch.runtime import initialized
+
+    if initialized():
+        runtime().synchronize()
