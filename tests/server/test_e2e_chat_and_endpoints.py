@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import httpx
 import openai
 import pytest
+from tokenizers.processors import TemplateProcessing
 
-from tests.server.conftest import PROMPT, sse_events
+from models.profiles import ASSETS
+from models.tokenizer import load_tokenizer
+from server.openai.app import create_app
+from server.settings import Settings
+from tests.server.conftest import PROMPT, ServerThread, sse_events
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
@@ -136,3 +144,44 @@ def test_the_openai_client_streams_completions_and_chat(oai, greedy):
     chunks = list(chat)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens == 3
+
+
+@pytest.fixture(scope="module")
+def bos_client(real_server):
+    """An app over the same engine whose tokenizer puts a BOS (id 0) before every encoded
+    text, as a Llama tokenizer does (granite-tiny's adds nothing)."""
+    built = real_server.built
+    tokenizer = load_tokenizer(ASSETS)  # its own backend: the served tokenizer is left alone
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|end_of_text|> $A", special_tokens=[("<|end_of_text|>", 0)])
+    model = SimpleNamespace(name="granite-tiny", path=built.model.path, config=built.model.config,
+                            tokenizer=tokenizer)
+    with ServerThread(create_app(built.engine, model, Settings())) as server:
+        with httpx.Client(base_url=server.url, timeout=600) as c:
+            yield c
+
+
+def test_the_served_tokenizer_adds_no_bos_so_a_prompts_tokens_are_its_texts(client):
+    with_special = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert with_special == client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()[
+        "tokens"]
+
+
+def test_a_completion_prompt_starts_with_the_bos_as_in_vllm_and_tokenize_counts_it(bos_client, client):
+    plain = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    tokens = bos_client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert tokens == [0, *plain]
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = bos_client.post("/v1/completions", json={"prompt": PROMPT, **greedy}).json()
+    assert r["usage"]["prompt_tokens"] == len(tokens)
+    with_bos = client.post("/v1/completions", json={"prompt": tokens, **greedy}).json()["choices"][0]["text"]
+    without = client.post("/v1/completions", json={"prompt": plain, **greedy}).json()["choices"][0]["text"]
+    assert r["choices"][0]["text"] == with_bos != without  # the engine read the BOS
+    r = bos_client.post("/v1/completions", json={"prompt": PROMPT, "add_special_tokens": False, **greedy}).json()
+    assert r["usage"]["prompt_tokens"] == len(plain) and r["choices"][0]["text"] == without
+
+
+def test_a_chat_gets_no_second_bos_and_tokenize_counts_what_it_sends(bos_client):
+    tokens = bos_client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    r = bos_client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).json()
+    assert r["usage"]["prompt_tokens"] == len(tokens) and tokens[0] != 0  # the template's text, as rendered
