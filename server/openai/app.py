@@ -1,7 +1,8 @@
 """``create_app``: the FastAPI app of the OpenAI API over one engine.
 
-It builds what the endpoints share (``Serving``), puts the error handlers on, and includes
-each endpoint module's router, behind the API key except /health and /metrics. Everything
+It builds what the endpoints share (``Serving``), puts the error handlers on, includes
+each endpoint module's router, behind the API key except /health and /metrics, and puts the
+request bodies' schemas into /openapi.json (``openapi``). Everything
 else lives in the modules named in ``server/openai/__init__.py``.
 """
 
@@ -13,6 +14,13 @@ from server.engine import Engine
 from server.openai import chat, completions, status, tokenization
 from server.openai.auth import api_key_guard
 from server.openai.errors import install_error_handlers
+from server.openai.openapi import install_openapi
+from server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from server.openai.serving import Serving
 from server.settings import Settings
 
@@ -20,7 +28,9 @@ from server.settings import Settings
 def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastAPI:
     """The app serving ``model`` (``models.LoadedModel``) through ``engine``, with the limits,
     the API key and the served name of ``settings``; ``metrics`` renders /metrics."""
-    app = FastAPI(title="spyre-serve", version="0.1.0")
+    app = FastAPI(title="spyre-serve", version="0.1.0",
+                  description="OpenAI-compatible inference server (vLLM's fields) on an emulated Spyre card. "
+                              "Every error is `{\"error\": {message, type, param, code}}`.")
     app.state.serving = Serving.for_model(engine, model, settings)
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -28,4 +38,5 @@ def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastA
     for module in (completions, chat, tokenization, status):
         app.include_router(module.router, dependencies=guarded)
     app.include_router(status.open_router)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app

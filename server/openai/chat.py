@@ -16,6 +16,7 @@ from server.engine import SeqUpdate
 from server.openai.bridge import Choice, Submission
 from server.openai.errors import APIError
 from server.openai.logprobs import TokenTexts, chat_logprobs
+from server.openai.openapi import GENERATION_ERRORS, route
 from server.openai.prompts import chat_prompt, truncated
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.response import full_response, new_head, stream_response
@@ -25,7 +26,7 @@ from server.openai.serving import serving_of
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **route(ChatCompletionRequest, GENERATION_ERRORS, streams=True))
 async def create_chat_completion(request: Request):
     serving = serving_of(request)
     req = await serving.read(request, ChatCompletionRequest)

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from server.engine import SeqUpdate
 from server.openai.bridge import Choice, Submission
 from server.openai.logprobs import TokenTexts, completion_logprobs, joined
+from server.openai.openapi import GENERATION_ERRORS, route
 from server.openai.prompts import completion_prompts, truncated
 from server.openai.protocol import CompletionRequest
 from server.openai.response import full_response, new_head, stream_response
@@ -26,7 +27,7 @@ from server.openai.serving import serving_of
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", **route(CompletionRequest, GENERATION_ERRORS, streams=True))
 async def create_completion(request: Request):
     serving = serving_of(request)
     req = await serving.read(request, CompletionRequest)

@@ -12,13 +12,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.openai.errors import APIError, error_response
+from server.openai.openapi import errors
 from server.openai.serving import RETRY_AFTER_SECONDS, serving_of
 
 router = APIRouter()
 open_router = APIRouter()
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=errors(401, 500))
 async def list_models(request: Request):
     serving = serving_of(request)
     return {
@@ -37,7 +38,7 @@ async def list_models(request: Request):
     }
 
 
-@open_router.get("/health")
+@open_router.get("/health", responses=errors(503))
 async def health(request: Request):
     """200 while the engine loop runs and admits requests; 503 otherwise. What stopped the
     engine is in the server's log (the engine logs it as it dies), not in the answer."""

@@ -12,6 +12,7 @@ from functools import partial
 
 from fastapi import APIRouter, Request
 
+from server.openai.openapi import BODY_ERRORS, route
 from server.openai.prompts import chat_prompt, completion_prompts
 from server.openai.protocol import DetokenizeRequest, TokenizeRequest
 from server.openai.serving import serving_of
@@ -19,7 +20,7 @@ from server.openai.serving import serving_of
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", **route(TokenizeRequest, BODY_ERRORS))
 async def tokenize(request: Request):
     serving = serving_of(request)
     req = await serving.read(request, TokenizeRequest)
@@ -33,7 +34,7 @@ async def tokenize(request: Request):
     return {"count": len(ids), "max_model_len": serving.engine.max_model_len, "tokens": ids}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", **route(DetokenizeRequest, BODY_ERRORS))
 async def detokenize(request: Request):
     serving = serving_of(request)
     req = await serving.read(request, DetokenizeRequest)

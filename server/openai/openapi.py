@@ -1,0 +1,56 @@
+"""What ``/openapi.json`` (and so ``/docs``) declares of each route: its request body and its
+error responses.
+
+The endpoints read their bodies themselves (``body.py``: size limit, strict JSON, the
+OpenAI error shape), so FastAPI sees no body parameter and would declare none. ``route``
+declares it instead, as a reference to the request's pydantic model (``protocol.py``), and
+the error responses, as the OpenAI error shape (``errors.ErrorResponse``);
+``install_openapi`` puts the models' JSON schemas (their ranges included) into the
+document's components. What the document says and what the server checks come from the
+same models.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from server.openai.errors import ERROR_DESCRIPTIONS, ErrorResponse
+
+REF = "#/components/schemas/{model}"
+# The errors a route that generates can answer with; the others list fewer.
+GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)
+BODY_ERRORS = (400, 401, 404, 413, 500)
+
+
+def errors(*statuses: int) -> dict:
+    """The ``responses`` of a route that may fail with ``statuses``, each the error shape."""
+    return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+def route(model: type[BaseModel], statuses: tuple[int, ...], streams: bool = False) -> dict:
+    """Keyword arguments for ``router.post``: the JSON body ``model``, the error responses,
+    and with ``streams`` a 200 that is JSON or, with ``"stream": true``, server-sent events."""
+    body = {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}
+    responses = errors(*statuses)
+    if streams:
+        responses[200] = {"description": "the completion; with `stream`, server-sent events ending `data: [DONE]`",
+                          "content": {"application/json": {}, "text/event-stream": {}}}
+    return {"openapi_extra": {"requestBody": body}, "responses": responses}
+
+
+def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Make ``app.openapi()`` add the JSON schema of each of ``models`` (and of the models
+    they hold) to the document's components, where ``route``'s references point."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
