@@ -131,6 +131,9 @@ class _LiveCollector:
                             counters.get("compiles", 0) - m.compiles_at_ready)
             yield counter("spyre_device_compute_seconds", "Time the card spent computing.",
                           counters.get("compute_seconds", 0.0))
+            yield counter("spyre_h2d_bytes", "Bytes copied host to device.", counters.get("h2d_bytes", 0))
+            yield counter("spyre_d2h_bytes", "Bytes copied device to host.", counters.get("d2h_bytes", 0))
             stats = card.allocator.stats()
             yield gauge("spyre_device_memory_used_bytes", "Device memory allocated.", stats.allocated)
             yield gauge("spyre_device_memory_peak_bytes", "Peak device memory allocated.", stats.peak)
+            yield gauge("spyre_device_memory_total_bytes", "Device memory of the card.", stats.capacity)
