@@ -30,7 +30,7 @@ class PenaltySlots:
     def assign(self, work: list[SeqWork]) -> dict[int, int]:
         """The slot of every work item whose sampling has penalties, given out on the first
         chunk; SeqWorkError naming the items that cannot have one."""
-        bad: list[tuple[int, str]] = []
+        bad: dict[int, str] = {}
         out: dict[int, int] = {}
         for w in work:
             if not w.sampling.uses_penalties:
@@ -38,18 +38,17 @@ class PenaltySlots:
             slot = self._slot.get(w.seq_id)
             if slot is None:
                 if w.start_pos != 0:
-                    bad.append((w.seq_id, f"seq {w.seq_id}: its penalties are counted from "
-                                          f"position 0, but it holds no penalty slot and this "
-                                          f"chunk starts at {w.start_pos}"))
+                    bad[w.seq_id] = (f"seq {w.seq_id}: its penalties are counted from position "
+                                     f"0, but it holds no penalty slot and this chunk starts "
+                                     f"at {w.start_pos}")
                     continue
                 if not self._free:
-                    bad.append((w.seq_id, f"seq {w.seq_id}: all {self.num_slots} penalty slots "
-                                          f"are held"))
+                    bad[w.seq_id] = f"seq {w.seq_id}: all {self.num_slots} penalty slots are held"
                     continue
                 slot = self._slot[w.seq_id] = self._free.pop()
             out[w.seq_id] = slot
         if bad:
-            raise SeqWorkError([i for i, _ in bad], "; ".join(m for _, m in bad))
+            raise SeqWorkError(bad)
         return out
 
     def forget(self, seq_id: int) -> None:

@@ -73,14 +73,14 @@ def check_work(work: list[SeqWork], limits: StepLimits, last_rows: dict[int, int
     ids = [w.seq_id for w in work]
     if len(set(ids)) != len(ids):
         raise ValueError(f"launch: a sequence appears twice in one step: {sorted(ids)}")
-    n_tok, bad = 0, []
+    n_tok, bad = 0, {}
     for w in work:
         try:
             n_tok += check_seq(w, limits, last_rows)
         except (ValueError, TypeError, OverflowError) as exc:
-            bad.append((w.seq_id, str(exc)))
+            bad[w.seq_id] = str(exc)
     if bad:
-        raise SeqWorkError([i for i, _ in bad], "; ".join(m for _, m in bad))
+        raise SeqWorkError(bad)
     if n_tok > limits.max_num_batched_tokens:
         raise ValueError(f"launch: {n_tok} tokens exceed max_num_batched_tokens "
                          f"{limits.max_num_batched_tokens}")
@@ -169,7 +169,7 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     pen_slots = pen_slots or {}
     missing = [w.seq_id for w in work if w.sampling.uses_penalties and w.seq_id not in pen_slots]
     if missing:
-        raise SeqWorkError(missing, f"launch: seqs {missing} have penalties but no penalty slot")
+        raise SeqWorkError({i: f"seq {i}: penalties but no penalty slot" for i in missing})
     samplers = [w for w in work if w.sample]
     bans = _ban_lists(samplers)
     mb = min(max([len(w.block_table) for w in work] + [1]), limits.max_blocks_per_seq) if work else 1

@@ -28,11 +28,13 @@ class ParamError(ValueError):
 
 
 class SeqWorkError(ValueError):
-    """Work items a launch refuses, named by `seq_ids`: the rest of the step is not at fault."""
+    """Work items a launch refuses: `reasons` maps each one's seq_id to why (`seq_ids` are
+    its keys); the rest of the step is not at fault."""
 
-    def __init__(self, seq_ids: list[int], message: str) -> None:
-        super().__init__(message)
-        self.seq_ids = tuple(seq_ids)
+    def __init__(self, reasons: dict[int, str]) -> None:
+        super().__init__("; ".join(reasons.values()))
+        self.reasons = dict(reasons)
+        self.seq_ids = tuple(reasons)
 
 
 def _real(name: str, value, low: float, high: float, interval: str) -> None:

@@ -11,12 +11,18 @@ help are one table, ``server/settings.py``). ``build()`` is what
 ``warmup`` loads the model, compiles and prepares every step program (filling
 Numba's on-disk cache, ``NUMBA_CACHE_DIR``), prints them and the memory plan,
 and exits: the Docker image runs it at build time.
+
+``serve`` exits 0 after a SIGTERM/SIGINT drain, and 1 when the engine dies (an error
+outside a step, or a step that did not return within ``--step-timeout``): the engine has
+answered every in-flight request with an error, uvicorn stops, and the process exits so
+that compose or Kubernetes restarts the replica rather than leave it answering 503.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -116,7 +122,8 @@ def build(s: Settings, progress: bool = True) -> Built:
     compiles = card.counters.snapshot()["compiles"]
     metrics = Metrics(s.served_name(model), card=card, compiles_at_ready=compiles)
     engine = Engine(runner, model.tokenizer, max_num_seqs=s.max_num_seqs,
-                    max_num_batched_tokens=s.max_num_batched_tokens, card=card)
+                    max_num_batched_tokens=s.max_num_batched_tokens, card=card,
+                    step_timeout=s.step_timeout)
     metrics.attach(engine)
     engine.start()
     app = create_app(engine, model, s, metrics)
@@ -231,9 +238,23 @@ def serve(s: Settings) -> int:
     config = uvicorn.Config(built.app, host=s.host, port=s.port, log_level=s.log_level,
                             timeout_graceful_shutdown=max(1, int(s.drain_timeout)))
     server = _draining_server(config, built.engine, s.drain_timeout)
+    died: list[BaseException] = []
+
+    def on_death(exc: BaseException) -> None:
+        # the engine has answered every in-flight request with an error; new ones get 503
+        log.critical("engine died (%s: %s): stopping the server, exit code 1", type(exc).__name__, exc)
+        died.append(exc)
+        server.should_exit = True
+
+    built.engine.on_death = on_death
+    if built.engine.error is not None:      # died before the callback was set
+        on_death(built.engine.error)
     log.info("serving %s on http://%s:%d/v1", built.metrics.model_name, s.host, s.port)
     server.run()
     built.engine.shutdown()
+    if died:
+        log.critical("exiting 1: the engine died (%s)", died[0])
+        return 1
     log.info("stopped")
     return 0
 
@@ -242,7 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     command, s = parse_command(argv)
     if command == "warmup":
         return warmup(s)
-    return serve(s)
+    code = serve(s)
+    if code:
+        # a dead engine may leave a thread stuck in a kernel: exit without waiting for it
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -15,35 +15,66 @@ collected, and its blocks are freed then.
 Requests come in and aborts go out through a locked inbox the loop drains
 each iteration; results go back through each request's ``on_update``
 callback (the API layer makes it an ``asyncio`` queue put via
-``loop.call_soon_threadsafe``). An exception in a step fails the requests in
-that step and the loop carries on; an exception anywhere else ends the loop,
-fails every request, and ``alive`` turns false (``/health`` answers 503).
+``loop.call_soon_threadsafe``).
+
+One client cannot hurt another. ``add_request`` refuses (``RequestRejected``, HTTP 400)
+every value the step program could not hold; and a step that still fails fails only the
+sequences that caused it: the runner names the work items it refuses (``SeqWorkError``)
+and only their requests fail, the others are planned again; a step that fails without
+naming one fails its request if it holds only one, else each of its sequences becomes a
+suspect, recomputed from position 0 in a step of its own (``_probe``) after the pipeline
+is drained, so only a sequence that fails alone is failed. A run of
+``MAX_FAILED_STEPS_IN_A_ROW`` failed steps is the card's fault, not a client's: fatal.
+
+The engine dies on an exception outside a step, a fatal one, or a step that does not return
+within ``step_timeout`` (``server/watchdog.py``): every request is failed at once, later
+``add_request`` calls raise ``EngineUnavailable`` (HTTP 503) instead of queueing, ``alive``
+turns false, and ``on_death`` is called once (the CLI exits 1 so the replica is restarted).
+When a sequence ends or is preempted and no step holds it, ``runner.forget`` drops what the
+runner kept for it (the scheduler's ``on_release``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from models import SamplingParams, SeqWork
+from models.step_io import INT32_MAX, MAX_LOGPROBS, ParamError, SeqWorkError
 from models.tokenizer import IncrementalDetokenizer
 from server.block_manager import BlockManager
 from server.scheduler import ScheduledChunk, Scheduler
 from server.sequence import GenerationParams, Sequence, TokenLogprob
+from server.watchdog import EngineFatal, EngineStalled, Fault, Watchdog
 
 log = logging.getLogger("spyre_serve.engine")
 
+MAX_FAILED_STEPS_IN_A_ROW = 8  # then the card, not a request, is at fault: the engine dies
+
+__all__ = ["Engine", "EngineFatal", "EngineStalled", "EngineUnavailable", "RequestRejected"]
+
 
 class RequestRejected(ValueError):
-    """The request can never run on this engine (too long for the context or the cache)."""
+    """The request can never run on this engine (too long for the context or the cache, or
+    a value the step cannot hold): HTTP 400, ``param`` naming the field."""
+
+    status = 400
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine takes no more requests: it died, is dying or was shut down (HTTP 503)."""
+
+    status = 503
 
 
 @dataclass(slots=True)
@@ -85,6 +116,7 @@ class EngineObserver:
 class _Step:
     chunks: list[ScheduledChunk]
     handle: object
+    number: int  # launches so far, this one included
 
 
 @dataclass(slots=True)
@@ -123,6 +155,8 @@ class Engine:
         max_num_batched_tokens: int = 512,
         card=None,
         observer: EngineObserver | None = None,
+        step_timeout: float | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -137,8 +171,10 @@ class Engine:
         self.card = card
         self.observer = observer or EngineObserver()
         self.blocks = BlockManager(self.num_kv_blocks, self.block_size)
+        forget = getattr(runner, "forget", None)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
-                                   token_buckets=getattr(runner, "t_buckets", None))
+                                   token_buckets=getattr(runner, "t_buckets", None),
+                                   on_release=(lambda seq: forget(seq.seq_id)) if forget else None)
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._requests: dict[str, EngineRequest] = {}
@@ -148,7 +184,16 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the loop died
+        self.on_death = on_death  # called once, from the thread that found the engine dead
         self.accepting = True  # false while draining for shutdown
+        self._closed = False  # no request is taken any more (set under _lock)
+        self._dead = False  # the engine died (set once, under _death_lock)
+        self._death_lock = threading.Lock()
+        self._fail_lock = threading.Lock()  # _fail_all: the loop's thread or the watchdog's
+        self._suspects: deque[Sequence] = deque()  # of a failed step, each to run alone
+        self._failed_in_a_row = 0
+        self._fault = Fault.from_env()
+        self._watchdog = Watchdog(step_timeout, self._die) if step_timeout else None
         self._counts = (0, 0)  # (running, waiting) requests, published by the engine thread
         self._waiting_seqs = 0  # sequences in the waiting queue, published by the engine thread
 
@@ -156,7 +201,8 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return (self._thread is not None and self._thread.is_alive() and not self._dead
+                and not self._closed)
 
     @property
     def num_requests(self) -> int:
@@ -191,8 +237,14 @@ class Engine:
         self._counts = (len(running), len(waiting))
         self._waiting_seqs = len(self.scheduler.waiting)
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse up front what can never run: raise ``RequestRejected`` with the numbers."""
+    def check_request(self, num_prompt_tokens: int, max_tokens: int,
+                      params: list[GenerationParams] | None = None,
+                      prompt_ids: list[int] | None = None) -> None:
+        """Refuse up front what can never run: raise ``RequestRejected`` with the numbers.
+        With ``params`` (one per choice) and ``prompt_ids``, every value a step would carry
+        is checked too (what ``add_request`` checks)."""
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise RequestRejected(f"max_tokens must be an integer >= 0, got {max_tokens!r}", "max_tokens")
         if num_prompt_tokens == 0:
             raise RequestRejected("the prompt is empty: give at least one token", "prompt")
         total = num_prompt_tokens + max_tokens
@@ -211,6 +263,38 @@ class Engine:
                 f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion).",
                 "max_tokens" if max_tokens else "prompt",
             )
+        if prompt_ids is not None:
+            self._check_prompt_ids(prompt_ids)
+        if params is not None:
+            self._check_params(params)
+
+    def _check_prompt_ids(self, ids: list[int]) -> None:
+        """Token ids the embedding can read: 0..V-1 (the step's tokens are int32)."""
+        high = INT32_MAX if self.vocab_size is None else self.vocab_size - 1
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t <= high)), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary (0..{high})", "prompt")
+
+    def _check_params(self, params: list[GenerationParams]) -> None:
+        """Each choice's values against what a step holds: the sampling parameters
+        (``SamplingParams.check``: int32 top_k, int64 seed, float32-finite reals), logprobs,
+        min_tokens within max_tokens, stop token ids that are int32 ids."""
+        if not params:
+            raise RequestRejected("a request needs at least one choice (n >= 1)", "n")
+        for p in params:
+            try:
+                p.sampling.check()
+            except ParamError as exc:
+                raise RequestRejected(str(exc), exc.field) from None
+            if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):
+                raise RequestRejected(f"logprobs must be in 0..{MAX_LOGPROBS}, got {p.logprobs!r}", "logprobs")
+            if not (isinstance(p.min_tokens, int) and 0 <= p.min_tokens <= p.max_tokens):
+                raise RequestRejected(f"min_tokens must be in 0..max_tokens ({p.max_tokens}), got "
+                                      f"{p.min_tokens!r}", "min_tokens")
+            bad = next((t for t in p.stop_token_ids if not (isinstance(t, int) and 0 <= t <= INT32_MAX)), None)
+            if bad is not None:
+                raise RequestRejected(f"stop_token_ids: {bad!r} is not a token id (0..{INT32_MAX})",
+                                      "stop_token_ids")
 
     def add_request(
         self,
@@ -219,8 +303,11 @@ class Engine:
         params: list[GenerationParams],
         on_update: Callable[[SeqUpdate], None],
     ) -> None:
-        """Queue a request with one ``GenerationParams`` per choice (``n`` of them)."""
-        self.check_request(len(prompt_ids), params[0].max_tokens)
+        """Queue a request with one ``GenerationParams`` per choice (``n`` of them).
+        ``RequestRejected`` if it can never run; ``EngineUnavailable`` if the engine takes no
+        more requests (dead, dying, shut down): never queued where nobody will answer it."""
+        self.check_request(len(prompt_ids), max((p.max_tokens for p in params), default=0),
+                           params, prompt_ids)
         now = time.monotonic()
         seqs = [
             Sequence(next(self._seq_ids), request_id, i, list(prompt_ids), p, now)
@@ -228,8 +315,15 @@ class Engine:
         ]
         req = EngineRequest(request_id, seqs, on_update, now)
         with self._lock:
+            if self._closed:
+                raise EngineUnavailable(self._unavailable_reason())
             self._inbox.append(("add", req))
         self._wake.set()
+
+    def _unavailable_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine is not running: {type(self.error).__name__}: {self.error}"
+        return "the engine is not running: it was shut down"
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone). Its blocks are freed within one step."""
@@ -242,10 +336,14 @@ class Engine:
             raise RuntimeError("engine already started: one loop owns the scheduler and the runner")
         self._thread = threading.Thread(target=self._run, name="spyre-engine", daemon=True)
         self._thread.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wake.set()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -254,30 +352,63 @@ class Engine:
     def _run(self) -> None:
         inflight: _Step | None = None
         try:
-            while not self._stop:
+            while not self._stop and not self._dead:
                 t0 = time.perf_counter()
                 c0 = self._device_seconds()
                 self._drain_inbox()
-                step = self._launch(self.scheduler.schedule())
+                if self._suspects:
+                    if inflight is not None:          # drain: suspects run on a quiet pipeline
+                        self._collect_pair(inflight, None)
+                        inflight = None
+                    self._probe()
+                    self._publish_counts()
+                    continue
+                chunks = self.scheduler.schedule()
+                step = self._launch(chunks)
                 if inflight is not None:
-                    self._collect(inflight)
+                    step = self._collect_pair(inflight, step)
                 inflight = step
                 self._publish_counts()
                 if inflight is None:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                    if not chunks:                    # idle (a failed launch replans at once)
+                        self._wake.wait(0.05)
+                        self._wake.clear()
                     continue
                 self.stats.busy_wall_seconds += time.perf_counter() - t0
                 self.stats.busy_device_seconds += self._device_seconds() - c0
-            if inflight is not None:
-                self._collect(inflight)
-            self._fail_all("the engine was shut down")
+            if not self._dead:
+                if inflight is not None:
+                    self._collect(inflight)
+                self._fail_all("the engine was shut down")
         except BaseException as exc:  # the loop must never die silently
-            self.error = exc
-            log.exception("engine loop died")
-            self._fail_all(f"the engine stopped: {type(exc).__name__}: {exc}")
+            self._die(exc)
         self._counts = (0, 0)
         self._waiting_seqs = 0
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine cannot go on (any thread: the loop's, or the watchdog's): fail every
+        request, refuse new ones, then tell ``on_death``. Once."""
+        with self._death_lock:
+            if self._dead:
+                return
+            self._dead = True
+        self.error = exc
+        log.error("engine died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        self._fail_all(f"the engine stopped: {type(exc).__name__}: {exc}")
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._wake.set()
+        if self.on_death is not None:
+            try:
+                self.on_death(exc)
+            except Exception:
+                log.exception("on_death failed")
+
+    def _watch(self, what: str):
+        """Mark a wait for a step's results, for the watchdog."""
+        if self._watchdog is None:
+            return contextlib.nullcontext()
+        return self._watchdog.watch(what)
 
     def _device_seconds(self) -> float:
         if self.card is None:
@@ -303,12 +434,14 @@ class Engine:
         if not chunks:
             return None
         now = time.monotonic()
+        if self._fault is not None:  # test hook; outside the step's handling: fatal
+            self._fault.at_launch(self.stats.steps + 1)
         try:
             work = [self._work(c) for c in chunks]
             handle = self.runner.launch(work)
         except Exception as exc:
-            log.exception("launch failed")
-            self._fail_step(chunks, exc)
+            log.warning("launch failed: %s: %s", type(exc).__name__, exc)
+            self._step_failed(chunks, exc, ran=False)
             return None
         self.stats.steps += 1
         for c in chunks:
@@ -316,7 +449,7 @@ class Engine:
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
                 self.observer.on_scheduled(now - req.arrival, c.seq.num_prompt)
-        return _Step(chunks, handle)
+        return _Step(chunks, handle, self.stats.steps)
 
     def _banned_tokens(self, p: GenerationParams) -> list[int]:
         """Tokens that would stop the sequence (every EOS id unless ignore_eos, and
@@ -356,19 +489,41 @@ class Engine:
             if c.sample and c.num_generated < p.min_tokens else None,
         )
 
-    def _collect(self, step: _Step) -> None:
+    def _collect_pair(self, step: _Step, next_step: _Step | None) -> _Step | None:
+        """Read back ``step``; when it failed, read back the step launched after it too
+        (its results for ``step``'s sequences followed a failed step: discarded), so that
+        nothing is in flight. Returns what is still in flight."""
+        failed = self._collect(step)
+        if failed is None:
+            return next_step
+        if next_step is not None:
+            self._collect(next_step, poisoned=failed)
+        return None
+
+    def _collect(self, step: _Step, poisoned: frozenset[int] = frozenset()) -> frozenset[int] | None:
+        """Read back ``step`` and apply it: None, or when it failed the ids of its sequences.
+        The chunks of ``poisoned`` sequences are dropped (the step before failed for them)."""
         try:
-            out = step.handle.result()
+            with self._watch(f"step {step.number}"):
+                if self._fault is not None:
+                    self._fault.at_read_back(step.number)
+                out = step.handle.result()
         except Exception as exc:
-            log.exception("step failed")
-            self._fail_step(step.chunks, exc)
-            return
+            log.warning("step failed: %s: %s", type(exc).__name__, exc)
+            self._step_failed(step.chunks, exc, ran=True)
+            return frozenset(c.seq.seq_id for c in step.chunks)
+        if self._dead:  # the watchdog gave up on this step: its requests are answered
+            return None
+        self._failed_in_a_row = 0
         row = {sid: i for i, sid in enumerate(out.seq_ids)}
         now = time.monotonic()
         touched: dict[str, set[int]] = {}
         num_new_tokens = 0
         for c in step.chunks:
             seq = c.seq
+            if seq.seq_id in poisoned:
+                self.scheduler.step_failed([c])
+                continue
             i = row[seq.seq_id] if c.sample else None
             kept = self.scheduler.collected(c, None if i is None else int(out.token_ids[i]))
             if c.prompt_logprobs and seq.seq_id in out.prompt_logprobs:
@@ -449,7 +604,7 @@ class Engine:
         if req is not None:
             req.num_finished += 1
 
-    def _emit(self, req: EngineRequest, seq: Sequence) -> None:
+    def _emit(self, req: EngineRequest, seq: Sequence, force: bool = False) -> None:
         new_ids = seq.output_ids[seq.num_tokens_sent :]
         new_lps = seq.output_logprobs[seq.num_tokens_sent :] if seq.params.logprobs is not None else []
         text = seq.take_text()
@@ -471,9 +626,11 @@ class Engine:
             prompt_logprobs=prompt_lps,
             error=seq.error,
         )
-        self._send(req, update)
+        self._send(req, update, force)
 
-    def _send(self, req: EngineRequest, update: SeqUpdate) -> None:
+    def _send(self, req: EngineRequest, update: SeqUpdate, force: bool = False) -> None:
+        if not force and self._dead and threading.current_thread() is self._thread:
+            return  # the engine died meanwhile: every request was answered by _fail_all
         try:
             req.on_update(update)
         except Exception:  # a closed event loop must not take the engine down
@@ -494,26 +651,79 @@ class Engine:
                     self._emit(req, seq)
         self._close(req)
 
-    def _fail_step(self, chunks: list[ScheduledChunk], exc: BaseException) -> None:
+    def _step_failed(self, chunks: list[ScheduledChunk], exc: BaseException, ran: bool) -> None:
+        """A step raised, at its launch (``ran`` false: nothing of it ran) or when read back.
+        Fail only the sequences that caused it: those the runner names; else the request, if
+        the step holds only one; else every sequence of it is a suspect, to run alone."""
         self.stats.failed_steps += 1
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            raise EngineFatal(f"{self._failed_in_a_row} steps failed in a row, the last with "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if ran:
+            self.scheduler.step_failed(chunks)
+        else:
+            self.scheduler.undo_launch(chunks)
+        in_step = {c.seq.seq_id for c in chunks}
+        reasons = exc.reasons if isinstance(exc, SeqWorkError) else {}
+        named = {i: r for i, r in reasons.items() if i in in_step}
+        if named and not ran:
+            # the runner refused these items and launched nothing: the others are planned
+            # again from where they were
+            for c in chunks:
+                if c.seq.seq_id in named:
+                    self._fail_request(c.seq.request_id, f"the step refused the request: {named[c.seq.seq_id]}")
+            return
         message = f"the step failed: {type(exc).__name__}: {exc}"
-        self.scheduler.step_failed(chunks)
-        for request_id in {c.seq.request_id for c in chunks}:
-            req = self._requests.get(request_id)
-            if req is not None:
-                self._finish_request(req, "error", notify=True, error=message)
+        requests = {c.seq.request_id for c in chunks}
+        if len(requests) == 1:
+            self._fail_request(requests.pop(), message)
+            return
+        log.warning("a step of %d requests failed (%s); each runs alone until the one at fault "
+                    "fails alone", len(requests), message)
+        queued = {s.seq_id for s in self._suspects}
+        for c in chunks:
+            if not c.seq.is_finished and c.seq.seq_id not in queued:
+                self._suspects.append(c.seq)
+                queued.add(c.seq.seq_id)
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._finish_request(req, "error", notify=True, error=message)
+
+    def _probe(self) -> None:
+        """Run the next suspect alone, recomputed from position 0 (nothing is in flight): a
+        failure now is its own (``_step_failed`` fails a one-request step); success clears it."""
+        seq = self._suspects.popleft()
+        if seq.is_finished:
+            return
+        self.scheduler.rewind(seq)
+        step = self._launch(self.scheduler.schedule_solo(seq))
+        if step is not None:
+            self._collect(step)
 
     def _fail_all(self, message: str) -> None:
+        """Answer every request with an error and take no new ones (the loop is over)."""
         with self._lock:
+            self._closed = True
             inbox, self._inbox = self._inbox, []
-        for kind, item in inbox:
-            if kind == "add":
-                self._requests[item.request_id] = item
-        for req in list(self._requests.values()):
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    self.scheduler.abandon(seq, "error")
-                    seq.error = message
-                    req.num_finished += 1
-                    self._emit(req, seq)
-            self._requests.pop(req.request_id, None)
+        with self._fail_lock:
+            for kind, item in inbox:
+                if kind == "add":
+                    self._requests[item.request_id] = item
+            for req in list(self._requests.values()):
+                for seq in req.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.abandon(seq, "error")
+                        seq.error = message
+                        req.num_finished += 1
+                        self._emit_final(req, seq)
+                self._requests.pop(req.request_id, None)
+
+    def _emit_final(self, req: EngineRequest, seq: Sequence) -> None:
+        """``_emit`` from whichever thread fails everything (the engine may be stuck)."""
+        try:
+            self._emit(req, seq, force=True)
+        except Exception:
+            log.exception("failing %s", req.request_id)

@@ -26,20 +26,25 @@ starvation), and a request was only admitted if it fits the whole cache alone
 The scheduler alone changes a sequence's counters and status: a launch counts its
 tokens as computed, its sample as pending and the step as in flight (``_take``); when
 the engine reads the step back, ``collected`` turns the pending token into a known one
-(``step_failed`` drops it when the step raised); ``finish`` frees the blocks, or defers
-that to the last step in flight.
+(``step_failed`` drops it when the step raised, ``undo_launch`` takes back a launch that
+never ran, ``rewind`` makes a sequence recompute from position 0); ``finish`` frees the
+blocks, or defers that to the last step in flight.
+
+A sequence that ends (finished, aborted, failed) or is preempted is *released* once no
+launched step holds it any more: ``on_release(seq)`` then lets the engine drop what the
+runner keeps for it between steps (``runner.forget``: a prompt-logprob row, a penalty slot).
 
 A sequence whose last sampled token is still on the device decodes with
 ``from_device``: the step reads the token the previous launch sampled. This
-holds for sequences with presence/frequency/repetition penalties too: their
-penalty list carries the tokens known on the host and the device counts the
-token it reads (models/runner.py), so penalties see the true history without
-the host waiting for it.
+holds for sequences with presence/frequency/repetition penalties too: the card
+keeps their penalty state and counts the token it reads (models/penalty_slots.py),
+so penalties see the true history without the host waiting for it.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.block_manager import BlockManager
@@ -64,6 +69,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         token_buckets: list[int] | None = None,
+        on_release: Callable[[Sequence], None] | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
@@ -74,6 +80,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.token_buckets = sorted(token_buckets or [])
+        self.on_release = on_release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
@@ -103,6 +110,20 @@ class Scheduler:
             self.deferred_free.append(seq)
         else:
             self.blocks.free(seq)
+        self._release_when_idle(seq)
+
+    def _release_when_idle(self, seq: Sequence) -> None:
+        """Release ``seq`` (``on_release``) now if no launched step holds it, else when the
+        last one is collected; a sequence running again by then is not released."""
+        seq.release_pending = True
+        self._release_if_idle(seq)
+
+    def _release_if_idle(self, seq: Sequence) -> None:
+        if not seq.release_pending or seq.num_inflight:
+            return
+        seq.release_pending = False
+        if seq.status is not SeqStatus.RUNNING and self.on_release is not None:
+            self.on_release(seq)
 
     def abandon(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and leave the queues and the blocks as they are: the engine
@@ -126,9 +147,26 @@ class Scheduler:
         return True
 
     def step_failed(self, chunks: list[ScheduledChunk]) -> None:
-        """A launched step raised: its chunks computed nothing and sampled nothing."""
+        """A launched step raised (or its results are not to be trusted): its chunks sampled
+        nothing, and what they wrote is unknown: a sequence that goes on must ``rewind``."""
         for chunk in chunks:
             self._leave_step(chunk)
+
+    def undo_launch(self, chunks: list[ScheduledChunk]) -> None:
+        """The launch of the newest step raised before it ran: its chunks are taken back, as
+        if never scheduled (the steps before it are untouched)."""
+        for chunk in chunks:
+            self._leave_step(chunk)
+            if chunk.seq.status is not SeqStatus.FINISHED:
+                chunk.seq.num_computed = chunk.start
+
+    def rewind(self, seq: Sequence) -> None:
+        """Recompute ``seq`` from position 0 (its KV cache and runner state are suspect after
+        a failed step); no launched step may hold it. Its blocks and known tokens stay."""
+        if seq.num_inflight or seq.num_pending:
+            raise RuntimeError(f"seq {seq.seq_id}: rewind with {seq.num_inflight} steps in flight "
+                               f"and {seq.num_pending} samples pending")
+        seq.num_computed = 0
 
     def _leave_step(self, chunk: ScheduledChunk) -> None:
         """Undo what ``_take`` counted for ``chunk``'s launch; free the blocks of a finished
@@ -140,6 +178,7 @@ class Scheduler:
         if seq.num_inflight == 0 and seq.status is SeqStatus.FINISHED and seq.block_table:
             self.blocks.free(seq)
             self.deferred_free.remove(seq)
+        self._release_if_idle(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -149,6 +188,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._preempted_now.add(seq.seq_id)
         self.waiting.appendleft(seq)
+        self._release_when_idle(seq)  # recomputed from 0: the runner's state goes too
 
     # ---- what a sequence needs ----------------------------------------------
 
@@ -237,6 +277,20 @@ class Scheduler:
             done.add(seq.seq_id)
             budget -= num_new
         return chunks
+
+    def schedule_solo(self, seq: Sequence) -> list[ScheduledChunk]:
+        """A step of ``seq`` alone (a suspect of a failed step, run to see whether it fails on
+        its own): its next chunk within the budget and the blocks it has or that are free;
+        empty when it has nothing to compute or no room (normal scheduling takes it then)."""
+        if seq.status is not SeqStatus.RUNNING or not self._ready(seq):
+            return []
+        target, sample = self._target(seq)
+        remaining = target - seq.num_computed
+        room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - seq.num_computed
+        num_new = min(remaining, self.max_num_batched_tokens, room)
+        if num_new <= 0:
+            return []
+        return [self._take(seq, num_new, sample and num_new == remaining)]
 
     def _prefill_budget(self, decoded: int, budget: int) -> int:
         """Prefill tokens for a step that already holds `decoded` decode tokens: the budget

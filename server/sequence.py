@@ -66,6 +66,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_inflight: int = 0  # launched steps this sequence is part of, not collected yet
+    release_pending: bool = False  # ended or preempted: release it once num_inflight is 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 
 from models import SamplingParams
-from server.engine import Engine, RequestRejected
+from models.step_io import SeqWorkError
+from server.engine import (
+    MAX_FAILED_STEPS_IN_A_ROW,
+    Engine,
+    EngineFatal,
+    EngineStalled,
+    EngineUnavailable,
+    RequestRejected,
+)
 from server.sequence import GenerationParams
 from tests.server.fakes import EOS, VOCAB, Collector, FakeRunner, FakeTokenizer, reference
 
@@ -16,7 +26,7 @@ TOK = FakeTokenizer()
 
 
 def params(max_tokens=16, **kw) -> GenerationParams:
-    sampling = SamplingParams(temperature=0.0, **kw.pop("sampling", {}))
+    sampling = SamplingParams(**{"temperature": 0.0, **kw.pop("sampling", {})})
     return GenerationParams(sampling=sampling, max_tokens=max_tokens, **kw)
 
 
@@ -376,3 +386,280 @@ def test_waiting_sequences_count_every_choice_of_every_queued_request():
     engine._drain_inbox()                       # into the scheduler's waiting queue
     engine._publish_counts()
     assert (engine.num_waiting_requests, engine.num_waiting_sequences) == (2, 4)
+
+
+# ---- one client cannot hurt another (issue 11) -------------------------------------------
+
+
+@dataclass
+class RefusingRunner(FakeRunner):
+    """Refuses, as the real runner's launch checks do (SeqWorkError naming it), a work item
+    whose sampling has top_k == REFUSED_TOP_K, and launches nothing of that step."""
+
+    def launch(self, work):
+        bad = {w.seq_id: f"seq {w.seq_id}: top_k {w.sampling.top_k} does not fit"
+               for w in work if w.sampling.top_k == REFUSED_TOP_K}
+        if bad:
+            raise SeqWorkError(bad)
+        return super().launch(work)
+
+
+REFUSED_TOP_K = 77
+
+
+@dataclass
+class HookedRunner(FakeRunner):
+    """The handle of launch number ``at`` (1-based) goes through ``hook`` (to fail or hang)."""
+
+    at: int = 0
+    hook: object = None
+
+    def launch(self, work):
+        handle = super().launch(work)
+        if len(self.launches) == self.at:
+            self.hook(handle)
+        return handle
+
+
+def submit_together(engine, *requests):
+    """Queue every (prompt, params) before the loop starts, so they share their first step."""
+    cs = [Collector() for _ in requests]
+    for i, ((prompt, p), c) in enumerate(zip(requests, cs, strict=True)):
+        engine.add_request(f"t{i}", TOK.encode(prompt), [p], c)
+    engine.start()
+    return cs
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("top_k", 2**31, "top_k"), ("top_k", -1, "top_k"), ("seed", 2**64, "seed"),
+    ("seed", -(2**63) - 1, "seed"), ("temperature", float("inf"), "temperature"),
+    ("temperature", 1e39, "temperature"), ("presence_penalty", 1e39, "presence_penalty"),
+    ("frequency_penalty", float("nan"), "frequency_penalty"),
+    ("repetition_penalty", 0.0, "repetition_penalty"), ("top_p", 0.0, "top_p"),
+    ("min_p", 1.5, "min_p"), ("logprobs", 6, "logprobs"),
+])
+def test_a_sampling_value_the_step_cannot_hold_is_refused_with_its_field(field, value, param):
+    engine = Engine(FakeRunner(), TOK)
+    with pytest.raises(RequestRejected) as err:
+        engine.add_request("r", TOK.encode("hi"), [params(sampling={field: value})], Collector())
+    assert err.value.param == param and err.value.status == 400
+    assert repr(value) in str(err.value) or str(value) in str(err.value)
+    assert engine.num_waiting_sequences == 0
+
+
+@pytest.mark.parametrize("prompt,kw,param", [
+    ([1, VOCAB], {}, "prompt"), ([1, -1], {}, "prompt"), ([1, 2**40], {}, "prompt"),
+    ([1], {"stop_token_ids": [2**31]}, "stop_token_ids"), ([1], {"stop_token_ids": [-3]}, "stop_token_ids"),
+    ([1], {"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ([1], {"logprobs": 6}, "logprobs"),
+    ([1], {"max_tokens": -1}, "max_tokens"),
+])
+def test_token_ids_and_lengths_the_step_cannot_hold_are_refused(prompt, kw, param):
+    engine = Engine(FakeRunner(), TOK)
+    with pytest.raises(RequestRejected) as err:
+        engine.add_request("r", prompt, [params(**kw)], Collector())
+    assert err.value.param == param
+
+
+def test_check_request_with_params_refuses_what_add_request_would():
+    engine = Engine(FakeRunner(), TOK)
+    engine.check_request(2, 16, [params()], [1, 2])
+    with pytest.raises(RequestRejected, match="top_k"):
+        engine.check_request(2, 16, [params(), params(sampling={"top_k": 2**40})], [1, 2])
+
+
+def test_a_sequence_the_runner_refuses_fails_alone_and_its_neighbour_completes(make_engine):
+    runner = RefusingRunner()
+    engine = Engine(runner, TOK)
+    try:
+        good, bad = submit_together(engine, ("hello world", params(max_tokens=10, ignore_eos=True)),
+                                    ("refuse me", params(max_tokens=10, sampling={"top_k": REFUSED_TOP_K})))
+        assert good.wait().token_ids == reference(TOK.encode("hello world"), 10)
+        assert bad.wait().last.finish_reason == "error"
+        assert f"top_k {REFUSED_TOP_K} does not fit" in bad.last.error
+        assert engine.stats.failed_steps == 1 and engine.alive
+    finally:
+        engine.shutdown()
+    assert runner.violations == []
+
+
+def test_a_step_failing_without_a_culprit_fails_only_the_sequence_that_fails_alone():
+    runner = FakeRunner(fail_when_token=TOK.encode("z")[0])   # in no good prompt nor its output
+    engine = Engine(runner, TOK)
+    try:
+        cs = submit_together(engine, ("alpha", params(max_tokens=8, ignore_eos=True)),
+                             ("bad z", params(max_tokens=8, ignore_eos=True)),
+                             ("beta", params(max_tokens=8, ignore_eos=True)))
+        for c, prompt in zip(cs, ("alpha", None, "beta"), strict=True):
+            if prompt is not None:
+                assert c.wait().token_ids == reference(TOK.encode(prompt), 8), prompt
+        assert cs[1].wait().last.finish_reason == "error"
+        assert "injected device fault" in cs[1].last.error
+        assert engine.alive
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        engine.shutdown()
+    assert runner.violations == []
+
+
+def test_a_failed_step_drains_the_next_one_and_recomputes_the_suspects():
+    # step N fails when read back while N+1 (with the same sequences, fed from the device)
+    # is in flight: N+1's results for them are dropped, both recompute from 0, alone
+    def fail(handle):
+        handle._out, handle._error = None, RuntimeError("transient device fault")
+
+    runner = HookedRunner(at=2, hook=fail)
+    engine = Engine(runner, TOK)
+    try:
+        cs = submit_together(engine, ("alpha", params(max_tokens=6, ignore_eos=True)),
+                             ("beta", params(max_tokens=6, ignore_eos=True)))
+        assert cs[0].wait().token_ids == reference(TOK.encode("alpha"), 6)
+        assert cs[1].wait().token_ids == reference(TOK.encode("beta"), 6)
+    finally:
+        engine.shutdown()
+    assert runner.violations == []
+    solo = [w for w in runner.launches[2:5] if len(w) == 1 and w[0].start_pos == 0]
+    assert len(solo) == 2, "each suspect is recomputed from position 0 in a step of its own"
+
+
+# ---- what the runner keeps per sequence is dropped however it ends (issue 11) ----------
+
+
+@dataclass
+class StashingRunner(FakeRunner):
+    """Keeps state per sequence as the real runner does (a prompt-logprob row after a chunk
+    that does not sample; a penalty slot from the chunk at position 0) until ``forget``."""
+
+    rows: set = field(default_factory=set)
+    slots: set = field(default_factory=set)
+
+    def launch(self, work):
+        for w in work:
+            if w.prompt_logprobs:
+                (self.rows.discard if w.sample else self.rows.add)(w.seq_id)
+            if w.sampling.uses_penalties:
+                if w.start_pos == 0:
+                    self.slots.add(w.seq_id)
+                self._check(w.seq_id in self.slots, f"seq {w.seq_id} has penalties and no slot")
+        return super().launch(work)
+
+    def forget(self, seq_id):
+        self.rows.discard(seq_id)
+        self.slots.discard(seq_id)
+
+
+def test_scoring_requests_that_never_sample_leave_nothing_in_the_runner(make_engine):
+    runner = StashingRunner(max_num_batched_tokens=6)
+    engine, _ = make_engine(runner, max_num_batched_tokens=6)
+    score = params(max_tokens=0, logprobs=1, prompt_logprobs=True)
+    cs = [submit(engine, "score " + "abcdefg"[i % 7] * (1 + i % 9), score) for i in range(30)]
+    for c in cs:
+        assert c.wait().last.finish_reason == "length"
+    assert (runner.rows, runner.slots) == (set(), set())
+    assert runner.violations == []
+
+
+def test_aborted_failed_and_preempted_sequences_leave_nothing_in_the_runner(make_engine):
+    runner = StashingRunner(num_kv_blocks=12, block_size=4, max_model_len=48, max_num_batched_tokens=8,
+                            fail_when_token=TOK.encode("0")[0])   # in no crowd prompt nor output
+    engine, _ = make_engine(runner, max_num_seqs=8, max_num_batched_tokens=8)
+    pen = {"presence_penalty": 0.5}
+    echo = dict(logprobs=1, prompt_logprobs=True)
+    aborted = submit(engine, "a long prompt to abort in prefill", params(max_tokens=5, **echo), rid="gone")
+    engine.abort("gone")
+    failed = submit(engine, "fails 0", params(max_tokens=5, sampling=pen, **echo))
+    crowd = [submit(engine, p, params(max_tokens=20, ignore_eos=True, sampling=pen, **echo))
+             for p in ["abcdefghij", "klmnopqrst", "uvwxyz abc", "hello there", "general k"]]
+    for c, p in zip(crowd, ["abcdefghij", "klmnopqrst", "uvwxyz abc", "hello there", "general k"], strict=True):
+        assert c.wait().token_ids == reference(TOK.encode(p), 20)
+    assert failed.wait().last.finish_reason == "error"
+    assert not aborted.updates                 # an abort is not answered: the client left
+    assert engine.scheduler.num_preemptions > 0
+    deadline = time.monotonic() + 10
+    while engine.num_requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (runner.rows, runner.slots) == (set(), set())
+    assert runner.violations == []
+
+
+# ---- a dead engine: every request answered, no new one queued, death reported (issue 11)
+
+
+class Deaths:
+    """An engine's ``on_death``: records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[BaseException] = []
+        self.event = threading.Event()
+
+    def __call__(self, exc: BaseException) -> None:
+        self.calls.append(exc)
+        self.event.set()
+
+
+def test_an_injected_fatal_fault_fails_every_request_and_reports_the_death(monkeypatch):
+    monkeypatch.setenv("SPYRE_TEST_ENGINE_FAULT", "die@3")
+    deaths = Deaths()
+    engine = Engine(FakeRunner(), TOK, on_death=deaths)
+    cs = submit_together(engine, *[("long " + "abc"[i], params(max_tokens=50, ignore_eos=True)) for i in range(3)])
+    assert deaths.event.wait(10)
+    for c in cs:
+        assert c.wait(5).last.finish_reason == "error"
+        assert "injected fault at step 3" in c.last.error
+    assert len(deaths.calls) == 1 and isinstance(deaths.calls[0], EngineFatal)
+    assert not engine.alive
+    with pytest.raises(EngineUnavailable, match="injected fault"):
+        engine.add_request("late", TOK.encode("late"), [params()], Collector())
+    engine.shutdown()
+
+
+def test_a_step_that_does_not_return_within_the_step_timeout_is_a_dead_engine():
+    deaths = Deaths()
+    late: list = []
+
+    def on_death(exc):
+        # a request added while the engine dies is refused at once, never left to hang
+        try:
+            engine.add_request("late", TOK.encode("late"), [params()], Collector())
+        except EngineUnavailable as refused:
+            late.append(refused)
+        deaths(exc)
+
+    def hang(handle):
+        handle.result = lambda: threading.Event().wait() or None
+
+    engine = Engine(HookedRunner(at=3, hook=hang), TOK, step_timeout=0.5, on_death=on_death)
+    t0 = time.monotonic()
+    cs = submit_together(engine, ("one", params(max_tokens=50, ignore_eos=True)),
+                         ("two", params(max_tokens=50, ignore_eos=True)))
+    assert deaths.event.wait(10)
+    assert time.monotonic() - t0 < 5
+    assert isinstance(deaths.calls[0], EngineStalled) and "0.5 s" in str(deaths.calls[0])
+    for c in cs:
+        assert c.wait(2).last.finish_reason == "error" and "has not returned" in c.last.error
+    assert len(late) == 1 and not engine.alive
+    engine.shutdown(timeout=0.1)
+
+
+def test_steps_failing_in_a_row_are_the_cards_fault_and_kill_the_engine():
+    @dataclass
+    class Broken(FakeRunner):
+        def launch(self, work):
+            raise RuntimeError("the card is gone")
+
+    deaths = Deaths()
+    engine = Engine(Broken(), TOK, on_death=deaths)
+    cs = submit_together(engine, *[(p, params(max_tokens=4)) for p in ("a", "b", "c", "d", "e", "f",
+                                                                          "g", "h", "i", "j")])
+    assert deaths.event.wait(10)
+    errors = [c.wait(5).last.error for c in cs]
+    assert all(e is not None for e in errors)
+    assert any(f"{MAX_FAILED_STEPS_IN_A_ROW} steps failed in a row" in e for e in errors)
+    assert isinstance(deaths.calls[0], EngineFatal) and not engine.alive
+    engine.shutdown()
+
+
+def test_a_request_added_after_shutdown_is_refused_instead_of_hanging(make_engine):
+    engine, _ = make_engine()
+    engine.shutdown()
+    with pytest.raises(EngineUnavailable, match="shut down"):
+        engine.add_request("late", TOK.encode("late"), [params()], Collector())

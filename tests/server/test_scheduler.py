@@ -166,3 +166,92 @@ def test_a_prefill_beside_decodes_is_not_cut_to_a_trickle():
     assert first_step(31, 60) == [1] * 31 + [33]         # 91 -> ends on 64, over half kept
     assert first_step(31, 27) == [1] * 31 + [27]         # 58: bucket 32 would keep 1 token
     assert first_step(0, 100) == [100]                   # no decodes: whole, padded to 128
+
+
+# ---- release (the runner's per-sequence state), undo, rewind, solo steps ---------------
+
+def releasing(**kw) -> tuple[Scheduler, list[int]]:
+    released: list[int] = []
+    sched = Scheduler(BlockManager(kw.pop("num_blocks", 16), kw.pop("block_size", 4)), max_num_seqs=8,
+                      max_num_batched_tokens=kw.pop("budget", 64), on_release=lambda s: released.append(s.seq_id))
+    return sched, released
+
+
+def test_a_finished_sequence_is_released_once_no_step_holds_it():
+    sched, released = releasing()
+    seq = make_seq(0, [5, 6, 7])
+    sched.add(seq)
+    (prefill,) = sched.schedule()
+    (decode,) = sched.schedule()                    # two steps in flight
+    sched.finish(seq, "abort")
+    assert released == []
+    sched.collected(prefill, 9)
+    assert released == []                           # the decode may still stash state for it
+    sched.collected(decode, 4)
+    assert released == [0]
+    sched.finish(seq, "error")
+    assert released == [0]
+
+
+def test_a_sequence_that_never_ran_or_is_idle_is_released_when_it_ends():
+    sched, released = releasing()
+    waiting, idle = make_seq(0, [5]), make_seq(1, [6, 7])
+    sched.add(idle)
+    (chunk,) = sched.schedule()
+    sched.collected(chunk, 3)
+    sched.add(waiting)
+    sched.finish(waiting, "abort")
+    sched.finish(idle, "stop")
+    assert released == [0, 1]
+
+
+def test_a_preempted_sequence_is_released_after_its_step_and_not_if_readmitted_first():
+    sched, released = releasing(num_blocks=2, block_size=4)
+    a, b = make_seq(0, [1, 2, 3, 4]), make_seq(1, [5, 6, 7, 8])
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    sched.schedule()                                # b preempted while its prefill is in flight
+    assert b.status is SeqStatus.WAITING and released == []
+    for chunk in first:
+        sched.collected(chunk, 9)
+    assert released == [1]                          # recomputed from 0: the runner's state goes
+
+    sched, released = releasing(num_blocks=2, block_size=4)
+    a, b = make_seq(0, [1, 2, 3, 4]), make_seq(1, [5, 6, 7, 8])
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    sched.schedule()
+    b.status = SeqStatus.RUNNING                     # as if readmitted before the collect
+    for chunk in first:
+        sched.collected(chunk, 9)
+    assert released == []
+
+
+def test_undo_launch_takes_a_step_back_as_if_never_planned():
+    sched = make(budget=2)
+    seq = make_seq(0, [5, 6, 7, 8])
+    sched.add(seq)
+    (first,) = sched.schedule()
+    (second,) = sched.schedule()                    # launch raised before it ran
+    sched.undo_launch([second])
+    assert (seq.num_computed, seq.num_inflight, seq.num_pending) == (2, 1, 0)
+    sched.collected(first, None)
+    (again,) = sched.schedule()
+    assert (again.start, again.num_new, again.sample) == (2, 2, True)
+
+
+def test_rewind_recomputes_from_zero_and_schedule_solo_plans_that_sequence_alone():
+    sched = make()
+    a, b = make_seq(0, [5, 6, 7]), make_seq(1, [8, 9])
+    sched.add(a)
+    sched.add(b)
+    chunks = sched.schedule()
+    with pytest.raises(RuntimeError, match="in flight"):
+        sched.rewind(a)
+    sched.step_failed(chunks)
+    sched.rewind(a)
+    (solo,) = sched.schedule_solo(a)
+    assert (solo.seq, solo.start, solo.num_new, solo.sample) == (a, 0, 3, True)
+    assert sched.schedule_solo(make_seq(2, [1])) == []   # not running: nothing
