@@ -11,13 +11,14 @@ import numpy as np
 import torch
 
 # kernel dtype codes (spyre_torch/kernels/abi.py reads the arena through one view per code)
-F32, F64, I64, I32, BOOL, U8 = 0, 1, 2, 3, 4, 5
+F32, F64, I64, I32, BOOL, U8, U16 = 0, 1, 2, 3, 4, 5, 6  # U16: 16-bit bits, for copies only
 SCALAR_F, SCALAR_I = 14, 15  # an operand that is a number (its value in the operand's value slot)
 NONE = -1                    # no operand
 
 CODES = {torch.float32: F32, torch.float64: F64, torch.int64: I64, torch.int32: I32,
          torch.bool: BOOL, torch.uint8: U8}
 FLOATS = (F32, F64)
+OPERANDS = {**CODES, torch.int16: U16}  # what a kernel operand may be (int16: as bits, copies)
 
 # how each torch dtype's bytes are seen on the host (bfloat16 has no numpy dtype: its bits)
 NUMPY = {
@@ -26,6 +27,10 @@ NUMPY = {
     torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
     torch.complex64: np.complex64, torch.complex128: np.complex128,
 }
+
+
+# the code that copies a dtype's bits unchanged, by itemsize (any dtype, same dtype both sides)
+RAW = {1: (U8, torch.uint8), 2: (U16, torch.int16), 4: (I32, torch.int32), 8: (I64, torch.int64)}
 
 
 def code(dtype: torch.dtype) -> int | None:

@@ -1,7 +1,7 @@
 """Typed element access to the arena for kernels whose operands may have any of the card's
 dtypes. `views(f32, i64, u16)` gives the arena as every dtype a code names (spyre_torch/dtypes.py):
 
-    V = (f32, f64, i64, i32, u8)      # i32 comes from the entry; f64 and u8 are views of i64 / u16
+    V = (f32, f64, i64, i32, u8, u16)   # f64 and u8 are views of i64 / u16
 
 An operand is (dtype code, element index); `base(dt, address)` is the index of its first
 element in its dtype's view. Numbers in an operand table are int64; a float travels as its
@@ -14,15 +14,15 @@ from numba import njit
 
 import spyre_torch.kernels._keyed  # noqa: F401  (before any decoration)
 
-F32, F64, I64, I32, BOOL, U8 = 0, 1, 2, 3, 4, 5
+F32, F64, I64, I32, BOOL, U8, U16 = 0, 1, 2, 3, 4, 5, 6  # U16: bits of any 16-bit dtype (copies)
 SCALAR_F, SCALAR_I = 14, 15
 NONE = -1
-ITEMSIZE = (4, 8, 8, 4, 1, 1)
+ITEMSIZE = (4, 8, 8, 4, 1, 1, 2)
 
 
 @njit(nogil=True, cache=True)
 def views(f32, i32, i64, u16):
-    return (f32, i64.view(np.float64), i64, i32, u16.view(np.uint8))
+    return (f32, i64.view(np.float64), i64, i32, u16.view(np.uint8), u16)
 
 
 @njit(nogil=True, cache=True)
@@ -33,7 +33,7 @@ def as_float(bits):
 
 @njit(nogil=True, cache=True)
 def base(dt, addr):
-    if dt < 0 or dt > U8:
+    if dt < 0 or dt > U16:
         return 0
     size = ITEMSIZE[dt]
     if addr % size:
@@ -54,6 +54,8 @@ def ldf(V, dt, i, val):
         return np.float64(V[3][i])
     if dt == BOOL or dt == U8:
         return np.float64(V[4][i])
+    if dt == U16:
+        return np.float64(V[5][i])
     if dt == SCALAR_F:
         return as_float(val)
     if dt == SCALAR_I:
@@ -70,6 +72,8 @@ def ldi(V, dt, i, val):
         return np.int64(V[3][i])
     if dt == BOOL or dt == U8:
         return np.int64(V[4][i])
+    if dt == U16:
+        return np.int64(V[5][i])
     if dt == F32:
         return np.int64(V[0][i])
     if dt == F64:
@@ -96,6 +100,8 @@ def stf(V, dt, i, v):
         V[4][i] = np.uint8(1 if v != 0.0 else 0)
     elif dt == U8:
         V[4][i] = np.uint8(np.int64(v) & 255)
+    elif dt == U16:
+        V[5][i] = np.uint16(np.int64(v) & 65535)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -109,6 +115,8 @@ def sti(V, dt, i, v):
         V[4][i] = np.uint8(1 if v != 0 else 0)
     elif dt == U8:
         V[4][i] = np.uint8(v & 255)
+    elif dt == U16:
+        V[5][i] = np.uint16(v & 65535)
     elif dt == F32:
         V[0][i] = np.float32(v)
     elif dt == F64:

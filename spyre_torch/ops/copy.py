@@ -18,7 +18,6 @@ import torch
 from spyre_torch import dtypes, memory
 from spyre_torch.kernels import EW_OPS
 from spyre_torch.ops import aten
-from spyre_torch.ops.fallback import NoCardKernel
 from spyre_torch.ops.launch import elementwise
 from spyre_torch.runtime import runtime
 
@@ -69,18 +68,31 @@ def to_host(src: torch.Tensor) -> torch.Tensor:
 
 
 def card_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst <- src, both on the card (src broadcast to dst's shape, cast to its dtype)."""
+    """dst <- src, both on the card (src broadcast to dst's shape, cast to its dtype).
+    Dtypes without a kernel code copy their bits when both sides agree, and go through the
+    host otherwise."""
     dcode, scode = dtypes.code(dst.dtype), dtypes.code(src.dtype)
     if dcode is None or scode is None:
-        if dst.dtype == src.dtype and row_major(dst) and row_major(src) and dst.shape == src.shape:
-            return copy_bytes(dst.untyped_storage(), src.untyped_storage(),
-                              dst.numel() * dst.element_size(), dst.storage_offset() * dst.element_size(),
-                              src.storage_offset() * src.element_size()) and dst
-        raise NoCardKernel(f"a card-to-card copy between {src.dtype} and {dst.dtype}")
-    if src.numel() and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
-        src = card_copy(memory.empty(src.shape, src.dtype), src)
-    cdt = dcode if dtypes.code(dst.dtype) in dtypes.FLOATS or scode not in dtypes.FLOATS else scode
+        if dst.dtype != src.dtype:
+            to_card(dst, to_host(src))
+            return dst
+        raw, as_dtype = dtypes.RAW[dst.element_size()]
+        elementwise("aten::_copy_from", EW_OPS["copy"], dst.view(as_dtype),
+                    [_aside(dst, src).view(as_dtype)], dtypes.I64)
+        return dst
+    src = _aside(dst, src)
+    cdt = dcode if dcode in dtypes.FLOATS or scode not in dtypes.FLOATS else scode
+    if cdt not in dtypes.FLOATS:
+        cdt = dtypes.I64  # integers, bools and raw bits copy exactly through int64
     return elementwise("aten::_copy_from", EW_OPS["copy"], dst, [src], cdt)
+
+
+def _aside(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """src, copied first when it shares dst's storage (an overlapping copy would read
+    elements it already wrote)."""
+    if src.numel() and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
+        return card_copy(memory.empty(src.shape, src.dtype), src)
+    return src
 
 
 def copy_bytes(dst_storage, src_storage, nbytes: int, dst_offset: int = 0, src_offset: int = 0):

@@ -15,7 +15,7 @@ from spyre_torch import dtypes, memory
 from spyre_torch.kernels import EW_OPS
 from spyre_torch.ops import aten
 from spyre_torch.ops.fallback import NoCardKernel
-from spyre_torch.ops.launch import elementwise
+from spyre_torch.ops.launch import broadcast_shape, elementwise
 
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 LOGICAL = ("logical_and", "logical_or", "logical_xor")
@@ -45,7 +45,7 @@ def _number(x, cdt: int):
 
 
 def _out_shape(operands) -> tuple[int, ...]:
-    return tuple(torch.broadcast_shapes(*[t.shape for t in operands if isinstance(t, torch.Tensor)]))
+    return broadcast_shape(*[t.shape for t in operands if isinstance(t, torch.Tensor)])
 
 
 def _aside(out: torch.Tensor, x):
@@ -263,7 +263,7 @@ def where_self(condition, self, other):
 def masked_fill(self, mask, value):
     if mask.dtype != torch.bool:
         raise RuntimeError(f"spyre: masked_fill only supports boolean masks, got {mask.dtype}")
-    out = memory.empty(torch.broadcast_shapes(self.shape, mask.shape), self.dtype)
+    out = memory.empty(broadcast_shape(self.shape, mask.shape), self.dtype)
     return where("aten::masked_fill", mask, _fill_value(value, self), self, out=out,
                  result=self.dtype)
 

@@ -24,6 +24,25 @@ def launch(op: str, kernel: str, bindings: dict) -> None:
     rt.program(op, kernel, stream).launch(stream, bindings)
 
 
+def broadcast_shape(*shapes) -> tuple[int, ...]:
+    """torch's broadcasting of shapes (torch.broadcast_shapes takes ~100 us: this ~1 us)."""
+    if len(shapes) == 1:
+        return tuple(shapes[0])
+    n = max(len(s) for s in shapes)
+    out = [1] * n
+    for s in shapes:
+        off = n - len(s)
+        for i, d in enumerate(s):
+            o = out[off + i]
+            if d != o:
+                if o == 1:
+                    out[off + i] = d
+                elif d != 1:
+                    raise RuntimeError(f"spyre: shapes {[list(x) for x in shapes]} cannot be "
+                                       f"broadcast together (dim {off + i - n}: {o} and {d})")
+    return tuple(out)
+
+
 def broadcast_strides(t: torch.Tensor, shape) -> list[int]:
     """t's strides seen at `shape` (torch's broadcasting: 0 where t has size 1 or no dim)."""
     out = [0] * len(shape)
@@ -63,9 +82,10 @@ def operand(bindings: dict, name: str, x, strides=None) -> None:
         return
     if isinstance(x, torch.Tensor):
         bindings[name] = address(x)
-        bindings[f"{name}_dt"] = dtypes.CODES[x.dtype]
-        for i, s in enumerate(strides):
-            bindings[f"{name}_st{i}"] = s
+        bindings[f"{name}_dt"] = dtypes.OPERANDS[x.dtype]
+        for key, s in zip(_STRIDE_KEYS[name], strides, strict=False):
+            if s:  # the program binds every slot to 0 once: only the others are patched
+                bindings[key] = s
         return
     if isinstance(x, float):
         bindings[f"{name}_dt"] = dtypes.SCALAR_F
@@ -76,6 +96,9 @@ def operand(bindings: dict, name: str, x, strides=None) -> None:
 
 
 NAMES = ("a", "b", "c")
+_STRIDE_KEYS = {n: [f"{n}_st{i}" for i in range(MAXD)] for n in ("out", "a", "b", "c", "x", "idx")}
+_SIZE_KEYS = [f"size{i}" for i in range(MAXD)]
+_ONE = dtypes.float_bits(1.0)
 
 
 def elementwise(op_name: str, code: int, out: torch.Tensor, inputs, cdt: int,
@@ -85,9 +108,11 @@ def elementwise(op_name: str, code: int, out: torch.Tensor, inputs, cdt: int,
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     strides = [list(out.stride())] + [broadcast_strides(t, out.shape) for t in tensors]
     sizes, merged = merge_dims(out.shape, strides, MAXD)
-    b = {"op": code, "cdt": cdt, "alpha": dtypes.float_bits(alpha), "beta": dtypes.float_bits(beta)}
-    for i, s in enumerate(sizes):
-        b[f"size{i}"] = s
+    b = {"op": code, "cdt": cdt, "alpha": _ONE if alpha == 1.0 else dtypes.float_bits(alpha)}
+    if beta:
+        b["beta"] = dtypes.float_bits(beta)
+    for key, s in zip(_SIZE_KEYS, sizes, strict=True):
+        b[key] = s
     operand(b, "out", out, merged[0])
     k = 1
     for name, x in zip(NAMES, inputs, strict=False):
