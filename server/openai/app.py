@@ -14,7 +14,8 @@ from server.engine import Engine
 from server.openai import chat, completions, status, tokenization
 from server.openai.auth import api_key_guard
 from server.openai.errors import install_error_handlers
-from server.openai.openapi import install_openapi
+from server.openai.openapi import install_openapi, served_values
+from server.openai.prompts import free_variables
 from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,5 +39,7 @@ def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastA
     for module in (completions, chat, tokenization, status):
         app.include_router(module.router, dependencies=guarded)
     app.include_router(status.open_router)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    serving = app.state.serving
+    values = served_values(serving.model_name, serving.vocab_size, settings, free_variables(serving.tokenizer))
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest], values)
     return app

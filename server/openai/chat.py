@@ -42,7 +42,7 @@ async def create_chat_completion(request: Request):
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     serving.check_fits(ids, max_tokens, {"prompt": "messages", "max_tokens": limit_param})
     k = (req.top_logprobs or 0) if req.logprobs else None  # top alternatives per token; None: no logprobs
-    params = generation_params(req, max_tokens, k, prompt_logprobs=False)
+    params = generation_params(req, max_tokens, k, prompt_logprobs=False, vocab_size=serving.vocab_size)
     serving.check_admission(req.n)
     head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name)
     sub = Submission(serving.engine, head["id"], [ids], params)

@@ -40,7 +40,8 @@ async def create_completion(request: Request):
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
     for ids in prompts:
         serving.check_fits(ids, max_tokens)
-    params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None)
+    params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
+                               vocab_size=serving.vocab_size)
     serving.check_admission(len(prompts) * req.n)
     head = new_head("cmpl", "text_completion", serving.model_name)
     sub = Submission(serving.engine, head["id"], prompts, params)

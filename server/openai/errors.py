@@ -95,8 +95,11 @@ def validation_error(exc: ValidationError) -> APIError:
     loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
     loc = [p for p in loc if p.isidentifier() and p not in _NOT_FIELDS]
     where = ".".join(loc)
-    if err.get("type") == "extra_forbidden":
-        return APIError(400, f"{where}: this server does not know the field `{loc[-1]}`", loc[0])
+    if err.get("type") == "extra_forbidden":  # the field's own name, whatever it is (even "")
+        name = str(err["loc"][-1])
+        shown = f"`{name}`" if name.isidentifier() else json.dumps(name)[:100]
+        return APIError(400, f"{where + ': ' if where else ''}this server does not know the field {shown}",
+                        loc[0] if loc else None)
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     quoted = _quoted(err["input"]) if "input" in err and err.get("type") not in {"value_error", "missing"} else None
     if quoted is not None:

@@ -41,16 +41,46 @@ def route(model: type[BaseModel], statuses: tuple[int, ...], streams: bool = Fal
     return {"openapi_extra": {"requestBody": body}, "responses": responses}
 
 
-def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
+def served_values(model_name: str, vocab_size: int, settings, template_variables: list[str]) -> dict:
+    """What this server writes into its document: the values ``protocol.served`` markers
+    name (its caps, the last token id, the chat template's variables)."""
+    return {"model_name": model_name, "last_token_id": vocab_size - 1, "max_n": settings.max_n,
+            "max_prompts": settings.max_prompts, "max_stop_strings": settings.max_stop_strings,
+            "max_stop_length": settings.max_stop_length, "max_stop_token_ids": settings.max_stop_token_ids,
+            "template_variables": {name: {} for name in template_variables}, "closed": False}
+
+
+def install_openapi(app: FastAPI, models: list[type[BaseModel]], values: dict) -> None:
     """Make ``app.openapi()`` add the JSON schema of each of ``models`` (and of the models
-    they hold) to the document's components, where ``route``'s references point."""
+    they hold) to the document's components, where ``route``'s references point, with what
+    this server serves written in (``served``, from ``served_values``)."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
-            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            schemas = defs.get("$defs", {})
+            for schema in schemas.values():
+                served(schema, values)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
             app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def served(schema: dict, values: dict) -> None:
+    """Write this server's ``values`` into a request model's ``schema``: ``model`` is the
+    served name (or null), and each ``x-served`` marker becomes the keywords it names."""
+    if "model" in schema.get("properties", {}):
+        schema["properties"]["model"] = {"anyOf": [{"const": values["model_name"]}, {"type": "null"}],
+                                         "default": None, "description": "the served model's name (or left out)"}
+    nodes = [schema]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, dict):
+            for keyword, name in node.pop("x-served", {}).items():
+                node[keyword] = values[name]
+            nodes.extend(node.values())
+        elif isinstance(node, list):
+            nodes.extend(node)

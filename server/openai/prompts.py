@@ -119,6 +119,13 @@ def server_variables(tokenizer) -> frozenset[str]:
     return SERVER_VARIABLES | frozenset(getattr(tokenizer, "special_tokens_map", None) or ()) | named
 
 
+def free_variables(tokenizer) -> list[str]:
+    """The variables of the tokenizer's chat template a request may set, sorted."""
+    template = the_template(tokenizer)
+    readable = (template_variables(template) or frozenset()) if template else frozenset()
+    return sorted(readable - server_variables(tokenizer))
+
+
 def check_template_kwargs(tokenizer, kwargs: dict | None) -> dict:
     """``kwargs`` when each names a variable the chat template reads and the server leaves to
     the client; a 400 naming ``chat_template_kwargs`` otherwise."""
@@ -128,13 +135,11 @@ def check_template_kwargs(tokenizer, kwargs: dict | None) -> dict:
         raise APIError(400, "chat_template_kwargs may not carry a chat_template: the server renders its "
                             "own (the model's, or --chat-template)", "chat_template_kwargs")
     reserved = server_variables(tokenizer)
-    template = the_template(tokenizer)
-    readable = (template_variables(template) or frozenset()) if template else frozenset()
-    free = sorted(readable - reserved)
+    free = free_variables(tokenizer)
     for key in kwargs:
         if key in reserved:
             raise APIError(400, f"chat_template_kwargs may not set `{key}`: the server sets it", "chat_template_kwargs")
-        if key not in readable:
+        if key not in free:
             offer = f"its variables are {', '.join(free[:20])}" if free else "it reads no variables a request may set"
             raise APIError(400, f"chat_template_kwargs: `{key[:100]}` is not a variable of this model's chat "
                                 f"template ({offer})", "chat_template_kwargs")

@@ -13,7 +13,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+import numpy as np
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 MAX_LOGPROBS = 5
 INT64 = (-(2**63), 2**63 - 1)
@@ -46,9 +55,9 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "tool_calls": ((None, []), "tool calling (tool_calls)"),  # on a chat message
     "tool_call_id": ((None,), "tool calling (tool_call_id)"),  # on a chat message
     "logit_bias": ((None, {}), "logit_bias"),
-    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output: true"),
-    "skip_special_tokens": ((None, True), "skip_special_tokens: false"),
-    "continuous_usage_stats": ((None, False), "usage in every chunk (continuous_usage_stats)"),  # stream_options'
+    "include_stop_str_in_output": ((False,), "include_stop_str_in_output: true"),
+    "skip_special_tokens": ((True,), "skip_special_tokens: false"),
+    "continuous_usage_stats": ((False,), "usage in every chunk (continuous_usage_stats)"),  # stream_options'
     "suffix": ((None, ""), "suffix (insertion)"),
 }
 
@@ -77,6 +86,43 @@ def _range_schema(name: str) -> Any:
     return schema(**{"minimum" if low_included else "exclusiveMinimum": low, "maximum": high})
 
 
+def neutral(name: str) -> Any:
+    """The JSON schema of an ``UNSUPPORTED`` field: only its neutral values (null = left out)."""
+    values, what = UNSUPPORTED[name]
+
+    def only_neutral(field_schema: dict) -> None:
+        field_schema.clear()
+        field_schema.update({"enum": list(values), "description": f"not supported yet ({what}): only these values "
+                                                                  "are accepted (null: left out)"})
+
+    return Field(json_schema_extra=only_neutral)
+
+
+def served(**keywords: str) -> dict:
+    """JSON-schema keywords whose values are this server's (``openapi.served``): each names
+    the entry of ``openapi.served_values`` it takes, e.g. ``maxItems="max_prompts"``."""
+    return {"x-served": keywords}
+
+
+def _integral(v):
+    """JSON Schema's integer: a number without a fractional part, 3.0 as well as 3 (not a
+    string, not a bool: those stay refused)."""
+    if type(v) is float and v.is_integer():
+        return int(v)
+    return v
+
+
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+# A token id: below the vocabulary's size, which the OpenAPI document writes in.
+TokenId = Annotated[Integer, schema(minimum=0, **served(maximum="last_token_id"))]
+
+
+# Variables for the chat template: the document lists the served template's (the server
+# checks them: ``prompts.check_template_kwargs``).
+TemplateKwargs = Annotated[dict[str, Any] | None,
+                           schema(**served(properties="template_variables", additionalProperties="closed"))]
+
+
 class StrictModel(BaseModel):
     """A request body or part of one: a field it does not declare is refused, not ignored."""
 
@@ -86,7 +132,7 @@ class StrictModel(BaseModel):
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
-    continuous_usage_stats: bool = False  # not acted on yet (UNSUPPORTED)
+    continuous_usage_stats: Annotated[bool, neutral("continuous_usage_stats")] = False
 
     @field_validator("continuous_usage_stats")
     @classmethod
@@ -100,34 +146,36 @@ class SamplingRequest(StrictModel):
     model: str | None = None
     temperature: Annotated[float | None, _range_schema("temperature")] = None
     top_p: Annotated[float | None, _range_schema("top_p")] = None
-    top_k: Annotated[StrictInt | None, schema(minimum=-1)] = None
+    top_k: Annotated[Integer | None, schema(minimum=-1)] = None
     min_p: Annotated[float | None, _range_schema("min_p")] = None
-    seed: Annotated[StrictInt | None, schema(minimum=INT64[0], maximum=INT64[1])] = None
-    stop: str | list[Annotated[str, schema(minLength=1)]] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    n: Annotated[StrictInt, schema(minimum=1)] = 1
-    best_of: Annotated[StrictInt | None, schema(minimum=1)] = None
+    seed: Annotated[Integer | None, schema(minimum=INT64[0], maximum=INT64[1])] = None
+    stop: Annotated[str, schema(minLength=1, **served(maxLength="max_stop_length"))] \
+        | Annotated[list[Annotated[str, schema(minLength=1, **served(maxLength="max_stop_length"))]],
+                    schema(**served(maxItems="max_stop_strings"))] | None = None
+    stop_token_ids: Annotated[list[Integer] | None, schema(**served(maxItems="max_stop_token_ids"))] = None
+    n: Annotated[Integer, schema(minimum=1, **served(maximum="max_n"))] = 1
+    best_of: Annotated[Integer | None, schema(minimum=1)] = None
     ignore_eos: bool = False
-    min_tokens: Annotated[StrictInt, schema(minimum=0)] = 0
+    min_tokens: Annotated[Integer, schema(minimum=0)] = 0
     presence_penalty: Annotated[float, _range_schema("presence_penalty")] = 0.0
     frequency_penalty: Annotated[float, _range_schema("frequency_penalty")] = 0.0
     repetition_penalty: Annotated[float, _range_schema("repetition_penalty")] = 1.0
-    truncate_prompt_tokens: Annotated[StrictInt | None, schema(minimum=-1)] = None
+    truncate_prompt_tokens: Annotated[Integer | None, schema(minimum=-1)] = None
     user: str | None = None  # OpenAI's end-user id, for the caller's own records: no effect
     stream: bool = False
     stream_options: StreamOptions | None = None
     # not acted on yet: only their neutral values are accepted (UNSUPPORTED)
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    response_format: Annotated[dict[str, Any] | None, neutral("response_format")] = None
+    structured_outputs: Annotated[dict[str, Any] | None, neutral("structured_outputs")] = None
+    guided_json: Annotated[str | dict[str, Any] | None, neutral("guided_json")] = None
+    guided_regex: Annotated[str | None, neutral("guided_regex")] = None
+    guided_choice: Annotated[list[str] | None, neutral("guided_choice")] = None
+    guided_grammar: Annotated[str | None, neutral("guided_grammar")] = None
+    tools: Annotated[list[dict[str, Any]] | None, neutral("tools")] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, neutral("tool_choice")] = None
+    logit_bias: Annotated[dict[str, float] | None, neutral("logit_bias")] = None
+    include_stop_str_in_output: Annotated[bool, neutral("include_stop_str_in_output")] = False
+    skip_special_tokens: Annotated[bool, neutral("skip_special_tokens")] = True
 
     @field_validator(*(f for f in UNSUPPORTED if f not in NESTED_FIELDS), check_fields=False)
     @classmethod
@@ -137,10 +185,20 @@ class SamplingRequest(StrictModel):
     @field_validator(*RANGES)
     @classmethod
     def _in_range(cls, v, info):
+        """The range holds for the value and for the 32-bit float the card computes with (a
+        top_p of 1e-300 is 0 there)."""
         low, high, low_included = RANGES[info.field_name]
-        if v is not None and not ((low <= v if low_included else low < v) and v <= high):
-            interval = f"{'[' if low_included else '('}{low:g}, {high:g}]"
+        if v is None:
+            return v
+        def inside(x: float) -> bool:
+            return (low <= x if low_included else low < x) and x <= high
+
+        interval = f"{'[' if low_included else '('}{low:g}, {high:g}]"
+        if not inside(v):
             raise ValueError(f"{info.field_name} must be in {interval}, got {v}")
+        as_f32 = float(np.float32(v))
+        if not inside(as_f32):
+            raise ValueError(f"{info.field_name} must be in {interval}, got {v} ({as_f32:g} as a 32-bit float)")
         return v
 
     @field_validator("top_k")
@@ -206,12 +264,13 @@ class SamplingRequest(StrictModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | Annotated[list[str], schema(minItems=1)] | Annotated[list[StrictInt], schema(minItems=1)] \
-        | Annotated[list[list[StrictInt]], schema(minItems=1)]
-    max_tokens: Annotated[StrictInt | None, schema(minimum=0)] = 16
-    logprobs: Annotated[StrictInt | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
+    prompt: str | Annotated[list[str], schema(minItems=1, **served(maxItems="max_prompts"))] \
+        | Annotated[list[TokenId], schema(minItems=1)] \
+        | Annotated[list[list[TokenId]], schema(minItems=1, **served(maxItems="max_prompts"))]
+    max_tokens: Annotated[Integer | None, schema(minimum=0)] = 16
+    logprobs: Annotated[Integer | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
     echo: bool = False
-    suffix: str | None = None  # not acted on (UNSUPPORTED)
+    suffix: Annotated[str | None, neutral("suffix")] = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
 
     @field_validator("prompt")
@@ -245,8 +304,8 @@ class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # handed to the chat template with the message, as vLLM does
-    tool_calls: list[dict[str, Any]] | None = None  # not acted on yet (UNSUPPORTED)
-    tool_call_id: str | None = None  # not acted on yet (UNSUPPORTED)
+    tool_calls: Annotated[list[dict[str, Any]] | None, neutral("tool_calls")] = None
+    tool_call_id: Annotated[str | None, neutral("tool_call_id")] = None
 
     @field_validator("tool_calls", "tool_call_id")
     @classmethod
@@ -270,13 +329,13 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[StrictInt | None, schema(minimum=1)] = None
-    max_completion_tokens: Annotated[StrictInt | None, schema(minimum=1)] = None
+    max_tokens: Annotated[Integer | None, schema(minimum=1)] = None
+    max_completion_tokens: Annotated[Integer | None, schema(minimum=1)] = None
     logprobs: bool = False
-    top_logprobs: Annotated[StrictInt | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
+    top_logprobs: Annotated[Integer | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's: the chat template writes the special tokens itself
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
@@ -300,12 +359,15 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(StrictModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [{"required": ["prompt"]},
+                                                                           {"required": ["messages"]}]})
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage] | None, Field(min_length=1)] = None
     add_special_tokens: bool | None = None  # None: as the endpoint would (prompt yes, messages no)
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
 
     @model_validator(mode="after")
     def _one_of(self):
@@ -326,4 +388,4 @@ class TokenizeRequest(StrictModel):
 
 class DetokenizeRequest(StrictModel):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]

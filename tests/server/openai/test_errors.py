@@ -124,3 +124,10 @@ def test_a_value_too_deep_to_quote_is_left_unquoted():
         deep = [deep]
     err = refusal(CompletionRequest, prompt="x", top_k=deep)
     assert err.param == "top_k" and err.message.startswith("top_k: ")
+
+
+@pytest.mark.parametrize(("field", "words"), [("", 'this server does not know the field ""'),
+                                              ("a b", 'this server does not know the field "a b"')])
+def test_an_unknown_field_that_is_no_identifier_is_refused_quoted(field, words):
+    err = refusal(CompletionRequest, prompt="x", **{field: 1})
+    assert (err.param, err.message) == (None, words)

@@ -7,7 +7,8 @@ import jsonschema
 import pytest
 import schemathesis
 
-from tests.server.openai.conftest import client_for
+from server.settings import Settings
+from tests.server.openai.conftest import VOCAB, client_for
 
 BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
@@ -84,3 +85,29 @@ def test_the_document_loads_as_openapi_with_every_operation_and_docs_is_served(d
                       "GET /v1/models", "GET /health", "GET /metrics"]
     r = client_for().get("/docs")
     assert r.status_code == 200 and "/openapi.json" in r.text
+
+
+def test_the_document_names_the_served_model_and_bounds_token_ids_by_the_vocabulary(doc):
+    schemas = doc["components"]["schemas"]
+    assert schemas["CompletionRequest"]["properties"]["model"]["anyOf"][0] == {"const": "tiny"}
+    tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert (tokens["minimum"], tokens["maximum"]) == (0, VOCAB - 1) and "x-served" not in tokens
+    assert validator(doc, "CompletionRequest").is_valid({"prompt": [[1, VOCAB - 1]], "model": "tiny"})
+    assert not validator(doc, "CompletionRequest").is_valid({"prompt": [VOCAB]})
+    assert not validator(doc, "CompletionRequest").is_valid({"prompt": "x", "model": "gpt-17"})
+
+
+def test_the_document_carries_the_servers_caps_and_template_variables(doc):
+    props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    defaults = Settings()
+    assert props["n"]["maximum"] == defaults.max_n
+    assert [branch.get("maxItems") for branch in props["prompt"]["anyOf"]] == [None, defaults.max_prompts, None,
+                                                                               defaults.max_prompts]
+    stop_list = props["stop"]["anyOf"][1]
+    assert (stop_list["maxItems"], stop_list["items"]["maxLength"]) == (defaults.max_stop_strings,
+                                                                        defaults.max_stop_length)
+    kwargs = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]
+    assert set(kwargs["properties"]) == {"fail", "greeting"} and kwargs["additionalProperties"] is False
+    assert not validator(doc, "ChatCompletionRequest").is_valid(
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "x"}})
+    assert not validator(doc, "TokenizeRequest").is_valid({"prompt": "x", "messages": []})

@@ -171,3 +171,22 @@ def test_a_suffix_and_usage_in_every_chunk_are_refused_as_not_supported():
     assert CompletionRequest(prompt="x", suffix="").suffix == ""
     loc, _ = refusal(CompletionRequest, prompt="x", stream=True, stream_options={"continuous_usage_stats": True})
     assert loc == ("stream_options", "continuous_usage_stats")
+
+
+def test_a_value_in_range_that_leaves_it_as_a_32_bit_float_is_refused():
+    assert message(CompletionRequest, prompt="x", top_p=1e-300) == \
+        "Value error, top_p must be in (0, 1], got 1e-300 (0 as a 32-bit float)"
+    assert "repetition_penalty" in message(CompletionRequest, prompt="x", repetition_penalty=5e-324)
+
+
+def test_the_schema_of_a_field_not_acted_on_lists_its_neutral_values():
+    props = CompletionRequest.model_json_schema()["properties"]
+    assert props["response_format"]["enum"] == [None, {"type": "text"}]
+    assert props["skip_special_tokens"]["enum"] == [True]
+
+
+def test_an_integer_may_be_written_as_json_schema_allows_but_not_as_a_fraction_a_string_or_a_bool():
+    assert CompletionRequest(prompt=[1.0, 2], n=2.0, max_tokens=3.0).model_dump(include={"prompt", "n", "max_tokens"}) \
+        == {"prompt": [1, 2], "n": 2, "max_tokens": 3}
+    for value in (2.5, "2", True):
+        assert "valid integer" in message(CompletionRequest, prompt="x", n=value)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.openai.sampling import generation_params
 
+VOCAB = 100
+
 
 def params(max_tokens=8, logprobs=None, prompt_logprobs=False, **body):
-    return generation_params(CompletionRequest(prompt="x", **body), max_tokens, logprobs, prompt_logprobs)
+    return generation_params(CompletionRequest(prompt="x", **body), max_tokens, logprobs, prompt_logprobs, VOCAB)
 
 
 def test_one_params_per_choice_with_consecutive_seeds():
@@ -44,5 +46,13 @@ def test_min_tokens_is_capped_at_max_tokens():
 
 def test_a_chat_request_converts_the_same_way():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], seed=1, n=2)
-    out = generation_params(req, 5, None, False)
+    out = generation_params(req, 5, None, False, VOCAB)
     assert [(p.max_tokens, p.logprobs, p.sampling.seed) for p in out] == [(5, None, 1), (5, None, 2)]
+
+
+def test_a_top_k_of_the_vocabulary_or_more_is_off():
+    assert [params(top_k=k)[0].sampling.top_k for k in (VOCAB - 1, VOCAB, 2**62)] == [VOCAB - 1, 0, 0]
+
+
+def test_seeds_of_choices_wrap_within_64_bits():
+    assert [p.sampling.seed for p in params(n=2, seed=2**63 - 1)] == [2**63 - 1, -(2**63)]
