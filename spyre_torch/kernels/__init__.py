@@ -31,6 +31,7 @@ UNARY = ("copy", "neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tan", "tan
          "silu", "relu", "abs", "reciprocal", "gelu", "gelu_tanh", "erf", "floor", "ceil",
          "trunc", "round", "sign", "log1p", "expm1", "log2", "isnan", "isinf", "isfinite",
          "logical_not", "bitwise_not")
+# (eq .. logical_xor are consecutive: the kernel tests them as a range)
 BINARY = ("add", "sub", "mul", "div", "div_trunc", "div_floor", "remainder", "fmod", "pow",
           "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
           "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "atan2")

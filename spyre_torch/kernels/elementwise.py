@@ -69,6 +69,28 @@ def _f32(x):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
+def _predicate(op, x, y):
+    """The comparisons and logical ops (EQ..LOGICAL_XOR, consecutive codes), any number type."""
+    if op == EQ:
+        return x == y
+    if op == NE:
+        return x != y
+    if op == LT:
+        return x < y
+    if op == LE:
+        return x <= y
+    if op == GT:
+        return x > y
+    if op == GE:
+        return x >= y
+    if op == LOGICAL_AND:
+        return x != 0 and y != 0
+    if op == LOGICAL_OR:
+        return x != 0 or y != 0
+    return (x != 0) != (y != 0)  # LOGICAL_XOR
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
 def opf(op, x, y, z, alpha, rnd):
     """op on float64 operands; `rnd`: round products to float32 as a float32 op would."""
     if op == ADD:
@@ -98,24 +120,8 @@ def opf(op, x, y, z, alpha, rnd):
         if y != y:
             return y
         return max(x, y) if op == MAXIMUM else min(x, y)
-    if op == EQ:
-        return 1.0 if x == y else 0.0
-    if op == NE:
-        return 1.0 if x != y else 0.0
-    if op == LT:
-        return 1.0 if x < y else 0.0
-    if op == LE:
-        return 1.0 if x <= y else 0.0
-    if op == GT:
-        return 1.0 if x > y else 0.0
-    if op == GE:
-        return 1.0 if x >= y else 0.0
-    if op == LOGICAL_AND:
-        return 1.0 if (x != 0.0 and y != 0.0) else 0.0
-    if op == LOGICAL_OR:
-        return 1.0 if (x != 0.0 or y != 0.0) else 0.0
-    if op == LOGICAL_XOR:
-        return 1.0 if ((x != 0.0) != (y != 0.0)) else 0.0
+    if EQ <= op <= LOGICAL_XOR:
+        return 1.0 if _predicate(op, x, y) else 0.0
     if op == ATAN2:
         return math.atan2(x, y)
     if op == WHERE:
@@ -221,24 +227,8 @@ def opi(op, x, y, z, alpha):
         return max(x, y)
     if op == MINIMUM:
         return min(x, y)
-    if op == EQ:
-        return 1 if x == y else 0
-    if op == NE:
-        return 1 if x != y else 0
-    if op == LT:
-        return 1 if x < y else 0
-    if op == LE:
-        return 1 if x <= y else 0
-    if op == GT:
-        return 1 if x > y else 0
-    if op == GE:
-        return 1 if x >= y else 0
-    if op == LOGICAL_AND:
-        return 1 if (x != 0 and y != 0) else 0
-    if op == LOGICAL_OR:
-        return 1 if (x != 0 or y != 0) else 0
-    if op == LOGICAL_XOR:
-        return 1 if ((x != 0) != (y != 0)) else 0
+    if EQ <= op <= LOGICAL_XOR:
+        return 1 if _predicate(op, x, y) else 0
     if op == BITWISE_AND:
         return x & y
     if op == BITWISE_OR:

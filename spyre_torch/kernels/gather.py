@@ -21,23 +21,25 @@ X, IDX, OUT = _I["x"], _I["idx"], _I["out"]
 
 
 @njit(nogil=True, cache=True)
+def _copy(a, dst, src, stride, n):
+    """a[dst : dst + n] = a[src :: stride][:n], one typed view of the arena."""
+    for i in range(n):
+        a[dst + i] = a[src + i * stride]
+
+
+@njit(nogil=True, cache=True)
 def _copy_elements(V, dt, dst, src, stride, n):
-    """n elements of dtype dt: V[dt][dst : dst + n] = V[dt][src :: stride] (bytes for 1-byte)."""
+    """n elements of dtype code dt (its view of the arena, V[dt]; bools and bytes: V[4])."""
     if dt == 0:
-        for i in range(n):
-            V[0][dst + i] = V[0][src + i * stride]
+        _copy(V[0], dst, src, stride, n)
     elif dt == 1:
-        for i in range(n):
-            V[1][dst + i] = V[1][src + i * stride]
+        _copy(V[1], dst, src, stride, n)
     elif dt == 2:
-        for i in range(n):
-            V[2][dst + i] = V[2][src + i * stride]
+        _copy(V[2], dst, src, stride, n)
     elif dt == 3:
-        for i in range(n):
-            V[3][dst + i] = V[3][src + i * stride]
+        _copy(V[3], dst, src, stride, n)
     else:
-        for i in range(n):
-            V[4][dst + i] = V[4][src + i * stride]
+        _copy(V[4], dst, src, stride, n)
 
 
 @njit(nogil=True, cache=True)

@@ -183,20 +183,22 @@ def min_dim(self, dim, keepdim=False):
     return reduce("aten::min.dim", "min", self, dim, keepdim, self.dtype, with_indices=True)
 
 
+def _arg(name: str, op: str, x: torch.Tensor, dim, keepdim: bool) -> torch.Tensor:
+    """argmax / argmin: without a dim, the index into x flattened row-major."""
+    if dim is None:
+        out = reduce(name, op, x, None, False, torch.int64, flat=True)
+        return out.view([1] * x.dim()) if keepdim else out
+    return reduce(name, op, x, dim, keepdim, torch.int64)
+
+
 @aten("argmax")
 def argmax(self, dim=None, keepdim=False):
-    if dim is None:
-        out = reduce("aten::argmax", "argmax", self, None, False, torch.int64, flat=True)
-        return out.view([1] * self.dim()) if keepdim else out
-    return reduce("aten::argmax", "argmax", self, dim, keepdim, torch.int64)
+    return _arg("aten::argmax", "argmax", self, dim, keepdim)
 
 
 @aten("argmin")
 def argmin(self, dim=None, keepdim=False):
-    if dim is None:
-        out = reduce("aten::argmin", "argmin", self, None, False, torch.int64, flat=True)
-        return out.view([1] * self.dim()) if keepdim else out
-    return reduce("aten::argmin", "argmin", self, dim, keepdim, torch.int64)
+    return _arg("aten::argmin", "argmin", self, dim, keepdim)
 
 
 def _logic_dtype(x: torch.Tensor) -> torch.dtype:

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
 
-
-def _gate(s: torch.spyre.Stream) -> threading.Event:
-    gate = threading.Event()
-    s._stream.enqueue(gate.wait, compute=False)
-    return gate
+from tests.spyre_torch.conftest import gate
 
 
 def test_events_time_work_on_a_stream():
@@ -42,10 +37,10 @@ def test_elapsed_time_needs_events_made_for_timing():
 
 def test_query_is_false_until_the_stream_reaches_the_event():
     s = torch.spyre.Stream()
-    gate = _gate(s)
+    opened = gate(s)
     ev = s.record_event(torch.spyre.Event())
     assert not ev.query()
-    gate.set()
+    opened.set()
     ev.synchronize()
     assert ev.query()
 
@@ -58,7 +53,7 @@ def test_event_wait_makes_another_stream_wait():
     s1, s2 = torch.spyre.Stream(), torch.spyre.Stream()
     x = torch.zeros(4, device="spyre")
     torch.spyre.synchronize()
-    gate = _gate(s1)
+    opened = gate(s1)
     with torch.spyre.stream(s1):
         x.add_(1)
         ev = torch.spyre.Event()
@@ -67,7 +62,7 @@ def test_event_wait_makes_another_stream_wait():
     with torch.spyre.stream(s2):
         y = x * 10
     assert not s2.query()
-    gate.set()
+    opened.set()
     s2.synchronize()
     assert y.cpu().tolist() == [10.0] * 4
 
@@ -76,10 +71,10 @@ def test_elapsed_time_before_the_end_is_reached_is_refused():
     s = torch.spyre.Stream()
     start, end = torch.spyre.Event(enable_timing=True), torch.spyre.Event(enable_timing=True)
     start.record(s)
-    gate = _gate(s)
+    opened = gate(s)
     end.record(s)
     with pytest.raises(RuntimeError, match="not completed"):
         start.elapsed_time(end)
-    gate.set()
+    opened.set()
     end.synchronize()
     assert start.elapsed_time(end) >= 0

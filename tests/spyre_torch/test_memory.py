@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from spyre_torch.memory import DEVICE_BASE
-from tests.spyre_torch.conftest import run_python
+from tests.spyre_torch.conftest import gate, run_python
 
 
 @pytest.fixture(autouse=True)
@@ -57,8 +55,7 @@ def test_peak_and_its_reset():
 
 def test_a_block_queued_work_still_reads_is_not_handed_out_again_before_the_stream_passes():
     s = torch.spyre.Stream()
-    gate = threading.Event()
-    s._stream.enqueue(gate.wait, compute=False)
+    opened = gate(s)
     with torch.spyre.stream(s):
         x = torch.ones(256, device="spyre")        # its fill is queued behind the gate
         addr = x.data_ptr()
@@ -70,7 +67,7 @@ def test_a_block_queued_work_still_reads_is_not_handed_out_again_before_the_stre
     with torch.spyre.stream(s):
         z = torch.empty(256, device="spyre")
     assert z.data_ptr() != addr
-    gate.set()
+    opened.set()
     torch.spyre.empty_cache()
     assert torch.spyre.memory_stats()["pending_frees"] == 0
     assert y.cpu().tolist() == [2.0] * 256

@@ -8,13 +8,7 @@ import pytest
 import torch
 
 from device import DeviceCommandError
-
-
-def _gate(s: torch.spyre.Stream) -> threading.Event:
-    """Hold `s` until the returned event is set (a command that waits, on the card's stream)."""
-    gate = threading.Event()
-    s._stream.enqueue(gate.wait, compute=False)
-    return gate
+from tests.spyre_torch.conftest import gate
 
 
 def test_ops_go_to_the_current_stream_and_the_context_restores_it():
@@ -36,11 +30,11 @@ def test_work_waits_behind_earlier_work_on_its_stream():
     s = torch.spyre.Stream()
     x = torch.ones(4, device="spyre")
     torch.spyre.synchronize()
-    gate = _gate(s)
+    opened = gate(s)
     with torch.spyre.stream(s):
         y = x + 1
     assert not s.query()
-    gate.set()
+    opened.set()
     s.synchronize()
     assert s.query() and y.cpu().tolist() == [2.0] * 4
 
@@ -49,14 +43,14 @@ def test_wait_stream_orders_work_across_streams():
     s1, s2 = torch.spyre.Stream(), torch.spyre.Stream()
     x = torch.ones(4, device="spyre")
     torch.spyre.synchronize()
-    gate = _gate(s1)
+    opened = gate(s1)
     with torch.spyre.stream(s1):
         y = x + 1
     s2.wait_stream(s1)
     with torch.spyre.stream(s2):
         z = y * 3
     assert not s2.query()  # s2 waits for s1, which waits for the gate
-    gate.set()
+    opened.set()
     s2.synchronize()
     assert z.cpu().tolist() == [6.0] * 4
 
@@ -71,10 +65,10 @@ def test_synchronize_the_card_waits_for_every_stream():
     s = torch.spyre.Stream()
     x = torch.ones(4, device="spyre")
     torch.spyre.synchronize()
-    gate = _gate(s)
+    opened = gate(s)
     with torch.spyre.stream(s):
         x.mul_(5)
-    threading.Timer(0.05, gate.set).start()
+    threading.Timer(0.05, opened.set).start()
     torch.spyre.synchronize()
     assert s.query()
     assert x.cpu().tolist() == [5.0] * 4
