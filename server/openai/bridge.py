@@ -39,7 +39,8 @@ class Choice:
 
 class Submission:
     """One HTTP request's engine requests (one per prompt, ``n`` choices each); choice
-    ``i * n + j`` is choice ``j`` of prompt ``i``. Made on the event loop."""
+    ``i * n + j`` is choice ``j`` of prompt ``i``. Made on the event loop; if the engine
+    refuses a prompt, those added before it are aborted and the refusal raised."""
 
     def __init__(self, engine: Engine, request_id: str, prompts: list[list[int]], params: list[GenerationParams]):
         self.engine = engine
@@ -54,7 +55,12 @@ class Submission:
             def deliver(update: SeqUpdate, i=i) -> None:
                 loop.call_soon_threadsafe(self.queue.put_nowait, (i, update))
 
-            engine.add_request(self.sub_ids[i], ids, params, deliver)
+            try:
+                engine.add_request(self.sub_ids[i], ids, params, deliver)
+            except BaseException:  # refused: the prompts added before it are taken back
+                for sub in self.sub_ids[:i]:
+                    engine.abort(sub)
+                raise
 
     @property
     def done(self) -> bool:

@@ -13,7 +13,7 @@ from functools import partial
 from fastapi import APIRouter, Request
 
 from server.engine import SeqUpdate
-from server.openai.bridge import Choice, Submission
+from server.openai.bridge import Choice
 from server.openai.errors import APIError
 from server.openai.logprobs import TokenTexts, chat_logprobs
 from server.openai.openapi import GENERATION_ERRORS, route
@@ -39,13 +39,13 @@ async def create_chat_completion(request: Request):
     [ids] = truncated([ids], req.truncate_prompt_tokens, serving.engine.max_model_len)
     serving.check_tokens(ids, "messages")
     max_tokens = serving.max_tokens(req.output_limit, [ids])
-    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    serving.check_fits(ids, max_tokens, {"prompt": "messages", "max_tokens": limit_param})
     k = (req.top_logprobs or 0) if req.logprobs else None  # top alternatives per token; None: no logprobs
     params = generation_params(req, max_tokens, k, prompt_logprobs=False, vocab_size=serving.vocab_size)
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    serving.check_fits(ids, params, {"prompt": "messages", "max_tokens": limit_param})
     serving.check_admission(req.n)
     head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name)
-    sub = Submission(serving.engine, head["id"], [ids], params)
+    sub = serving.submit(head["id"], [ids], params)
     if req.stream:
         return stream_response(sub, head, req.stream_usage, partial(streamed_choice, serving.texts, k),
                                opening_choices(len(sub.choices)))

@@ -38,13 +38,13 @@ async def create_completion(request: Request):
     for ids in prompts:
         serving.check_tokens(ids, "prompt")
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
-    for ids in prompts:
-        serving.check_fits(ids, max_tokens)
     params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
                                vocab_size=serving.vocab_size)
+    for ids in prompts:
+        serving.check_fits(ids, params)
     serving.check_admission(len(prompts) * req.n)
     head = new_head("cmpl", "text_completion", serving.model_name)
-    sub = Submission(serving.engine, head["id"], prompts, params)
+    sub = serving.submit(head["id"], prompts, params)
     echo = None
     if req.echo:
         echo = Echo(serving.texts, sub, echoed_texts(serving.tokenizer, req, prompts), req.logprobs is not None)

@@ -12,21 +12,26 @@ sequences waiting (503 + Retry-After).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
 
-from server.engine import Engine, RequestRejected
+from server.engine import Engine, EngineUnavailable, RequestRejected
 from server.openai.body import Body, read_request
+from server.openai.bridge import Submission
 from server.openai.errors import APIError
 from server.openai.limits import check_limits, num_prompts
 from server.openai.logprobs import TokenTexts
 from server.openai.offload import Offload, TimedOut
 from server.openai.prompts import with_chat_template
 from server.openai.protocol import SamplingRequest
+from server.sequence import GenerationParams
 from server.settings import Settings
+
+log = logging.getLogger("spyre_serve.api")
 
 RETRY_AFTER_SECONDS = 1  # what a 503 tells the client to wait
 # Threads rendering templates and tokenizing at once: more would only share the GIL, and
@@ -95,13 +100,27 @@ class Serving:
             return requested
         return min(max(0, self.engine.max_model_len - len(ids)) for ids in prompts)
 
-    def check_fits(self, ids: list[int], max_tokens: int, params: dict[str, str] | None = None) -> None:
-        """400 when the prompt and ``max_tokens`` can never run; ``params`` renames the fields
-        the engine names (``prompt``, ``max_tokens``) to the request's."""
+    def check_fits(self, ids: list[int], params: list[GenerationParams], renames: dict[str, str] | None = None) -> None:
+        """400 when the prompt and its choices can never run: too long for the context or
+        the KV cache, or a value a step cannot hold (the engine's ``check_request``);
+        ``renames`` renames the fields the engine names (``prompt``, ``max_tokens``) to the
+        request's."""
         try:
-            self.engine.check_request(len(ids), max_tokens)
+            self.engine.check_request(len(ids), params[0].max_tokens, params, ids)
         except RequestRejected as exc:
-            raise APIError(400, str(exc), (params or {}).get(exc.param, exc.param)) from None
+            raise APIError(400, str(exc), (renames or {}).get(exc.param, exc.param)) from None
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: list[GenerationParams]) -> Submission:
+        """The engine requests of one HTTP request, added. The checks above have passed, so
+        the engine refuses one only if it is dying meanwhile (503) or checks more than they
+        did (400); either way nothing of the request is left in it."""
+        try:
+            return Submission(self.engine, request_id, prompts, params)
+        except RequestRejected as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        except EngineUnavailable as exc:
+            log.warning("request %s refused: %s", request_id, exc)
+            raise APIError(503, "the engine is not running", retry_after=RETRY_AFTER_SECONDS) from None
 
     def check_admission(self, sequences: int) -> None:
         """503 + Retry-After unless the engine runs, admits, and has room in its waiting queue

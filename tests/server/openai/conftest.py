@@ -59,7 +59,7 @@ class ScriptedEngine:
         self.added: list = []  # (request_id, prompt ids, params)
         self.aborted: list[str] = []
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_request(self, num_prompt_tokens: int, max_tokens: int, params=None, prompt_ids=None) -> None:
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise RequestRejected(f"{num_prompt_tokens} + {max_tokens} > {self.max_model_len}", "max_tokens")
 

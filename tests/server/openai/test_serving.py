@@ -6,12 +6,22 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from server.engine import RequestRejected
+from models import SamplingParams
+from server.engine import EngineUnavailable, RequestRejected
 from server.openai.errors import APIError, install_error_handlers
 from server.openai.protocol import DetokenizeRequest
 from server.openai.serving import Serving, serving_of
+from server.sequence import GenerationParams
 from server.settings import Settings
-from tests.server.openai.conftest import VOCAB, CharTokenizer, ScriptedEngine, fake_model
+from tests.server.openai.conftest import (
+    VOCAB,
+    CharTokenizer,
+    ScriptedEngine,
+    client_for,
+    fake_model,
+)
+
+PARAMS = [GenerationParams(SamplingParams(), max_tokens=5)]
 
 
 def serving(engine=None, **settings) -> Serving:
@@ -63,19 +73,20 @@ class Rejecting(ScriptedEngine):
         super().__init__()
         self.param = param
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_request(self, num_prompt_tokens: int, max_tokens: int, params=None, prompt_ids=None) -> None:
         raise RequestRejected(f"{num_prompt_tokens} tokens do not fit", self.param)
 
 
 def test_a_request_that_can_never_fit_is_a_400_with_the_engines_words():
-    err = refused(serving(Rejecting("max_tokens")).check_fits, [1, 2], 5)
+    err = refused(serving(Rejecting("max_tokens")).check_fits, [1, 2], PARAMS)
     assert (err.status, err.param, err.message) == (400, "max_tokens", "2 tokens do not fit")
 
 
 def test_check_fits_renames_the_engines_fields_to_the_requests():
     renames = {"prompt": "messages", "max_tokens": "max_completion_tokens"}
-    assert refused(serving(Rejecting("prompt")).check_fits, [1], 5, renames).param == "messages"
-    assert refused(serving(Rejecting("max_tokens")).check_fits, [1], 5, renames).param == "max_completion_tokens"
+    assert refused(serving(Rejecting("prompt")).check_fits, [1], PARAMS, renames).param == "messages"
+    assert refused(serving(Rejecting("max_tokens")).check_fits, [1], PARAMS, renames).param == \
+        "max_completion_tokens"
 
 
 def test_a_stopped_engine_is_a_503_with_retry_after():
@@ -125,3 +136,28 @@ def test_read_holds_the_body_to_the_settings_limit(client):
 def test_read_refuses_a_body_naming_another_model(client):
     r = client.post("/read", json={"model": "gpt-17", "tokens": [1]})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+class RefusingSecond(ScriptedEngine):
+    """Takes the first prompt of a request, then refuses with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error_to_raise = error
+
+    def add_request(self, request_id, ids, params, on_update) -> None:
+        if request_id.endswith("-1"):
+            raise self.error_to_raise
+        self.added.append((request_id, ids, params))
+
+
+@pytest.mark.parametrize(("error", "status", "words"), [
+    (RequestRejected("top_k must be an integer in 0..2147483647", "top_k"), 400, "top_k must be an integer"),
+    (EngineUnavailable("the engine is not running: OverflowError: boom"), 503, "the engine is not running"),
+])
+def test_a_prompt_the_engine_refuses_takes_back_the_ones_added_before_it(error, status, words):
+    engine = RefusingSecond(error)
+    r = client_for(engine).post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+    assert r.status_code == status and r.json()["error"]["message"].startswith(words)
+    assert "OverflowError" not in r.text
+    assert [rid for rid, _, _ in engine.added] == [a for a in engine.aborted] and len(engine.aborted) == 1
