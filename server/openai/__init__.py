@@ -2,11 +2,12 @@
 
 - ``app``: ``create_app``, wiring the routers below onto shared state;
 - ``serving``: that shared state (engine, tokenizer, served name, limits) and the checks
-  every endpoint makes before submitting;
+  every endpoint makes before submitting; ``limits``: the caps on one request;
 - ``protocol``: the request bodies (pydantic); ``body``: reading one within the size limit;
+  ``openapi``: what /openapi.json declares of them;
 - ``errors``: the OpenAI error shape and the app's exception handlers; ``auth``: the API key;
-- ``prompts``: prompts and chat messages as token ids; ``sampling``: request fields as the
-  engine's ``GenerationParams``;
+- ``prompts``: prompts and chat messages as token ids; ``offload``: that work off the event
+  loop, within a time bound; ``sampling``: request fields as the engine's ``GenerationParams``;
 - ``bridge``: engine thread -> event loop (``Submission``, ``collect``);
 - ``response``: one JSON body or a stream; ``sse``: the stream's events;
   ``logprobs``: logprobs as each API writes them;
