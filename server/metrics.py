@@ -114,7 +114,7 @@ class _LiveCollector:
             yield counter("spyre_preemptions", "Sequences preempted (blocks freed, recomputed later).",
                           engine.scheduler.num_preemptions)
             yield counter("spyre_engine_steps", "Steps launched by the engine.", engine.stats.steps)
-            yield counter("spyre_engine_failed_steps", "Steps that raised; their requests failed.",
+            yield counter("spyre_engine_failed_steps", "Steps that raised; only the requests at fault failed.",
                           engine.stats.failed_steps)
             busy = engine.stats.device_busy_fraction
             yield gauge("spyre_device_busy_fraction",
@@ -122,6 +122,11 @@ class _LiveCollector:
             yield gauge("spyre_device_idle_fraction", "1 - spyre_device_busy_fraction.", 1.0 - busy
                         if engine.stats.busy_wall_seconds > 0 else 0.0)
             yield gauge("spyre_engine_alive", "1 while the engine loop runs.", 1.0 if engine.alive else 0.0)
+            held = getattr(engine.runner, "held", None)
+            if held is not None:
+                yield gauge("spyre_runner_held_sequences", "Sequences the model runner keeps state for "
+                            "between steps (prompt-logprob rows, penalty slots); 0 when idle.",
+                            float(sum(held().values())))
         if card is not None:
             counters = card.counters.snapshot()
             yield counter("spyre_launches", "Program launches on the card.", counters.get("launches", 0))
