@@ -152,7 +152,8 @@ class SamplingRequest(StrictModel):
     stop: Annotated[str, schema(minLength=1, **served(maxLength="max_stop_length"))] \
         | Annotated[list[Annotated[str, schema(minLength=1, **served(maxLength="max_stop_length"))]],
                     schema(**served(maxItems="max_stop_strings"))] | None = None
-    stop_token_ids: Annotated[list[Integer] | None, schema(**served(maxItems="max_stop_token_ids"))] = None
+    stop_token_ids: Annotated[list[Annotated[Integer, schema(minimum=0, maximum=2**31 - 1)]] | None,
+                              schema(**served(maxItems="max_stop_token_ids"))] = None
     n: Annotated[Integer, schema(minimum=1, **served(maximum="max_n"))] = 1
     best_of: Annotated[Integer | None, schema(minimum=1)] = None
     ignore_eos: bool = False
