@@ -85,9 +85,11 @@ def is_spyre(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "spyre"
 
 
-def record_stream(t: torch.Tensor, stream) -> None:
-    """`Tensor.record_stream(s)`: the tensor's block is not reused before `s` has passed this point."""
-    runtime().record_stream(storage_address(t), stream._stream)
+def record_stream(t: torch.Tensor, stream: torch.Stream) -> None:
+    """`Tensor.record_stream(s)`: the tensor's block is not reused before `s` has passed the
+    point where the tensor dies (s: a torch.spyre.Stream, or the torch.Stream torch made of it)."""
+    rt = runtime()
+    rt.record_stream(storage_address(t), rt.stream_of(stream.stream_id))
 
 
 # ---- torch.spyre memory functions (mirroring torch.cuda's) ------------------------------------

@@ -97,6 +97,13 @@ class Runtime:
                 self._side.append(self.card.new_stream(f"torch-{i}"))
             return self._side[i]
 
+    def stream_id(self, stream) -> int:
+        """torch's id of a stream: 0 the default stream, i + 1 the pool's i-th."""
+        return 0 if stream is self.default_stream else self._side.index(stream) + 1
+
+    def stream_of(self, stream_id: int):
+        return self.default_stream if stream_id == 0 else self._side[stream_id - 1]
+
     def synchronize(self) -> None:
         self.card.synchronize()
         self.collect(everything=True)

@@ -25,19 +25,29 @@ def _check_device(device) -> None:
         raise ValueError(f"spyre: expected the spyre device (spyre:0), got {d}")
 
 
-class Stream:
-    """A FIFO queue of the card. `Stream()` takes the next stream of the runtime's pool."""
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
+
+
+class Stream(torch.Stream):
+    """A FIFO queue of the card. `Stream()` takes the next stream of the runtime's pool.
+
+    A torch.Stream (stream id: 0 the card's default stream, 1.. the pool's), so that
+    `tensor.record_stream(s)` reaches the card: the tensor's block then waits for `s` too
+    before it is handed out again."""
+
+    def __new__(cls, device=None, priority: int = 0, *, _stream=None):
+        _check_device(device)
+        rt = runtime()
+        stream = _stream if _stream is not None else rt.side_stream()
+        obj = super().__new__(cls, stream_id=rt.stream_id(stream), device_index=0,
+                              device_type=_PRIVATEUSE1)
+        obj._stream = stream
+        return obj
 
     def __init__(self, device=None, priority: int = 0, *, _stream=None):
-        _check_device(device)
-        self._stream = _stream if _stream is not None else runtime().side_stream()
-        self.priority = priority
+        pass
 
     device = property(lambda self: torch.device("spyre", 0))
-
-    @property
-    def stream_id(self) -> int:
-        return id(self._stream)
 
     def query(self) -> bool:
         """True when everything enqueued on this stream has run."""

@@ -62,7 +62,7 @@ MATMUL = (_dims("batch", "m", "n", "k", "alpha", "beta")
                   "bias_rs", "bias_cs"))
 ATTENTION = (_dims("batch", "hq", "hkv", "l", "s", "d", "dv", "causal", "scale", "mask_dt")
              + [("q", "address"), ("k", "address"), ("v", "address"), ("out", "address"),
-                ("mask", "address"), ("scratch", "address")]
+                ("mask", "address")]
              + _dims("q_bs", "q_hs", "q_ls", "k_bs", "k_hs", "k_ss", "v_bs", "v_hs", "v_ss",
                      "m_bs", "m_hs", "m_ls", "m_ss"))
 GATHER = (_dims("outer", "j", "inner", "dim_size", "wrap", "x_dt", "x_os", "x_ds", "x_is",

@@ -7,6 +7,10 @@ the transpose of a row-major one, e.g. a weight [n, k] read as w.T): BLAS takes 
 a transpose flag, so `x @ w.T` (linear) copies nothing. The host copies any other layout
 first. `out` is row-major, batch stride m * n. `bias` (dtype code, or -1 for none) is read
 through its strides (0 where broadcast).
+
+One row (a decode step's GEMV) is a loop on the calling thread instead of BLAS: it is
+bandwidth-bound, as fast on one core (models/threads.py measured it), and OpenBLAS's thread
+pool on a shared 2-core machine can wait a whole time slice for a descheduled worker.
 """
 
 import numpy as np
@@ -41,6 +45,27 @@ def _gemm(f32, a, a_rowmajor, b, b_rowmajor, out, m, n, k):
             np.dot(at, f32_at(f32, b, k * n).reshape(n, k).T, o)
 
 
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
+def _gemv(f32, a, b, b_rowmajor, out, n, k):
+    """out[n] = a[k] @ b[k, n] (b row-major) or a[k] @ w[n, k].T (b column-major)."""
+    x = f32_at(f32, a, k)
+    o = f32_at(f32, out, n)
+    if b_rowmajor:
+        bm = f32_at(f32, b, k * n).reshape(k, n)
+        o[:] = 0.0
+        for j in range(k):
+            xj = x[j]
+            for i in range(n):
+                o[i] += xj * bm[j, i]
+    else:
+        w = f32_at(f32, b, k * n).reshape(n, k)
+        for i in range(n):
+            acc = np.float32(0.0)
+            for j in range(k):
+                acc += x[j] * w[i, j]
+            o[i] = acc
+
+
 @njit(nogil=True, cache=True)
 def matmul(f32, i32, i64, u16, table):
     batch, m, n, k = table[BATCH], table[M], table[N], table[K]
@@ -55,6 +80,8 @@ def matmul(f32, i32, i64, u16, table):
         o = f32_at(f32, out, m * n).reshape(m, n)
         if k == 0:
             o[:] = 0.0
+        elif m == 1:
+            _gemv(f32, a, b, b_rowmajor, out, n, k)
         else:
             _gemm(f32, a, a_rowmajor, b, b_rowmajor, out, m, n, k)
         if alpha != 1.0:

@@ -153,3 +153,8 @@ def resize_(self, size, memory_format=None):
             copy_bytes(storage, old, old.nbytes())
     return _SET.source_Storage_storage_offset.redispatch(_CPU_KEYS, self, storage, offset, size,
                                                          strides)
+
+
+@aten("record_stream")
+def record_stream(self, s):
+    memory.record_stream(self, s)

@@ -81,14 +81,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                            f"key/value heads need enable_gqa=True and a whole number of groups")
     q, k, v = _last_dim_unit(query), _last_dim_unit(key), _last_dim_unit(value)
     out = memory.empty((b, hq, seq_l, dv), torch.float32)
-    scratch = memory.empty((seq_l * d + seq_s * d + seq_s * dv + seq_l * seq_s,), torch.float32)
     bindings = {
         "batch": b, "hq": hq, "hkv": hkv, "l": seq_l, "s": seq_s, "d": d, "dv": dv,
         "causal": int(bool(is_causal)),
         "scale": dtypes.float_bits(1.0 / math.sqrt(d) if scale is None else float(scale)),
         "mask_dt": dtypes.NONE,
         "q": address(q), "k": address(k), "v": address(v), "out": address(out),
-        "scratch": address(scratch),
         "q_bs": q.stride(0), "q_hs": q.stride(1), "q_ls": q.stride(2),
         "k_bs": k.stride(0), "k_hs": k.stride(1), "k_ss": k.stride(2),
         "v_bs": v.stride(0), "v_hs": v.stride(1), "v_ss": v.stride(2),

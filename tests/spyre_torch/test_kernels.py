@@ -190,11 +190,10 @@ def test_attention_grouped_heads_match_numpy(causal):
     mask = rng.standard_normal((seq_l, seq_s)).astype(np.float32)
     pq, pk, pv, pm = ar.put(q), ar.put(k), ar.put(v), ar.put(mask)
     po = ar.put(np.zeros((b, hq, seq_l, d), np.float32))
-    scratch = ar.put(np.zeros(seq_l * d * 3 + seq_l * seq_s, np.float32))
     ar.call(attention, ATTENTION, batch=b, hq=hq, hkv=hkv, l=seq_l, s=seq_s, d=d, dv=d,
             causal=int(causal), scale=dtypes.float_bits(1 / math.sqrt(d)),
             mask_dt=dtypes.NONE if causal else dtypes.F32, q=pq, k=pk, v=pv, out=po, mask=pm,
-            scratch=scratch, q_bs=hq * seq_l * d, q_hs=seq_l * d, q_ls=d,
+            q_bs=hq * seq_l * d, q_hs=seq_l * d, q_ls=d,
             k_bs=hkv * seq_s * d, k_hs=seq_s * d, k_ss=d, v_bs=hkv * seq_s * d, v_hs=seq_s * d,
             v_ss=d, m_ls=seq_s, m_ss=1)
     ref = _attention_ref(q, k, v, causal, None if causal else mask)

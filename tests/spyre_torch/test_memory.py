@@ -101,3 +101,19 @@ def test_module_weights_are_counted():
     del m
     torch.spyre.empty_cache()
     assert torch.spyre.memory_allocated() == start
+
+
+def test_record_stream_keeps_a_block_until_the_other_stream_passes():
+    s = torch.spyre.Stream()
+    x = torch.ones(256, device="spyre")             # made on the default stream, which idles
+    torch.spyre.synchronize()
+    opened = gate(s)
+    with torch.spyre.stream(s):
+        y = x * 2                                   # ... but read on s, still held
+    x.record_stream(s)
+    del x
+    assert torch.spyre.memory_stats()["pending_frees"] >= 1
+    opened.set()
+    torch.spyre.empty_cache()
+    assert torch.spyre.memory_stats()["pending_frees"] == 0
+    assert y.cpu().tolist() == [2.0] * 256

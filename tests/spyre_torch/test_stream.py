@@ -87,3 +87,9 @@ def test_a_failed_kernel_is_raised_at_the_next_synchronize_naming_the_op():
         torch.spyre.synchronize()
     assert isinstance(err.value.__cause__, IndexError)
     assert "9" in str(err.value.__cause__) and out.shape == (2, 2)
+
+
+def test_a_spyre_stream_is_a_torch_stream_of_the_device():
+    s = torch.spyre.Stream()
+    assert isinstance(s, torch.Stream) and s.device == torch.device("spyre", 0)
+    assert torch.spyre.default_stream().stream_id == 0 and s.stream_id > 0
