@@ -255,3 +255,15 @@ def test_rewind_recomputes_from_zero_and_schedule_solo_plans_that_sequence_alone
     (solo,) = sched.schedule_solo(a)
     assert (solo.seq, solo.start, solo.num_new, solo.sample) == (a, 0, 3, True)
     assert sched.schedule_solo(make_seq(2, [1])) == []   # not running: nothing
+
+
+def test_freed_blocks_are_handed_out_again_first():
+    # LIFO: the cache's working set stays what the load needs at its peak (host pages on the
+    # emulated card), instead of cycling through every block
+    blocks = BlockManager(8, 4)
+    a, b = make_seq(0, [1] * 8), make_seq(1, [2] * 4)
+    blocks.grow(a, 8)
+    blocks.free(a)
+    blocks.grow(b, 4)
+    assert b.block_table == [1]
+    assert blocks.num_free == 7
