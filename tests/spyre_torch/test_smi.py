@@ -25,6 +25,11 @@ def server():
     built = build(real_settings(max_num_seqs=4), progress=False)
     with ServerThread(built.app) as s:
         s.built = built
+        # one request first: its step programs compile now (a cold Numba cache takes a while),
+        # not during the interval smi samples
+        r = httpx.post(f"{s.url}/v1/completions", timeout=600,
+                       json={"prompt": "The river", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
         yield s
     built.engine.shutdown()
 
