@@ -87,8 +87,12 @@ class EagerModel:
         to `device` ("spyre" or "cpu")."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        return cls(model.to(device), device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
+        if getattr(model.config, "tie_word_embeddings", False):
+            # Module.to() replaces each parameter by a new one for a device whose tensors
+            # torch cannot swap in place (as here): a tied LM head becomes a second copy
+            model.tie_weights()
+        return cls(model, device)
 
     def _phase(self, name: str, tokens: int, fn):
         before = _counters(self.device)
