@@ -8,17 +8,22 @@ a transpose flag, so `x @ w.T` (linear) copies nothing. The host copies any othe
 first. `out` is row-major, batch stride m * n. `bias` (dtype code, or -1 for none) is read
 through its strides (0 where broadcast).
 
-One row (a decode step's GEMV) is a loop on the calling thread instead of BLAS: it is
-bandwidth-bound, as fast on one core (models/threads.py measured it), and OpenBLAS's thread
-pool on a shared 2-core machine can wait a whole time slice for a descheduled worker.
+One row (a decode step's GEMV) is a loop instead of BLAS: it is bandwidth-bound, as fast on
+one core for small matrices (models/threads.py measured it; OpenBLAS's thread pool on a
+shared 2-core machine can wait a whole time slice for a descheduled worker), and split over
+the cores by output columns from GEMV_PARALLEL_BYTES of matrix.
 """
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from device.abi import f32_at
+from device.abi import f32_at, get_kernel_threads
 from spyre_torch.kernels import MATMUL, index
 from spyre_torch.kernels.access import as_float
+
+# a one-row product reads its whole matrix once: from this size (models/threads.py's
+# BLAS_PARALLEL_WORK_BYTES) the read is split across the cores, below it one core is as fast
+GEMV_PARALLEL_BYTES = 16 << 20
 
 _I = index(MATMUL)
 BATCH, M, N, K, ALPHA, BETA = _I["batch"], _I["m"], _I["n"], _I["k"], _I["alpha"], _I["beta"]
@@ -46,24 +51,44 @@ def _gemm(f32, a, a_rowmajor, b, b_rowmajor, out, m, n, k):
 
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
-def _gemv(f32, a, b, b_rowmajor, out, n, k):
-    """out[n] = a[k] @ b[k, n] (b row-major) or a[k] @ w[n, k].T (b column-major)."""
-    x = f32_at(f32, a, k)
-    o = f32_at(f32, out, n)
+def _gemv_cols(x, b, b_rowmajor, o, i0, i1):
+    """o[i0:i1] = x @ b[:, i0:i1] (b row-major [k, n]) or x @ w[i0:i1, :].T (w = b [n, k])."""
+    k = x.shape[0]
     if b_rowmajor:
-        bm = f32_at(f32, b, k * n).reshape(k, n)
-        o[:] = 0.0
+        o[i0:i1] = 0.0
         for j in range(k):
             xj = x[j]
-            for i in range(n):
-                o[i] += xj * bm[j, i]
+            for i in range(i0, i1):
+                o[i] += xj * b[j, i]
     else:
-        w = f32_at(f32, b, k * n).reshape(n, k)
-        for i in range(n):
+        for i in range(i0, i1):
             acc = np.float32(0.0)
             for j in range(k):
-                acc += x[j] * w[i, j]
+                acc += x[j] * b[i, j]
             o[i] = acc
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemv_parallel(x, b, b_rowmajor, o, chunks):
+    n = o.shape[0]
+    step = (n + chunks - 1) // chunks
+    for c in prange(chunks):
+        _gemv_cols(x, b, b_rowmajor, o, c * step, min(n, (c + 1) * step))
+
+
+@njit(nogil=True, cache=True)
+def _gemv(f32, a, b, b_rowmajor, out, n, k):
+    """out[n] = a[k] @ b: on the calling thread, or split over the cores when the matrix is
+    big enough (GEMV_PARALLEL_BYTES) to amortise the fork/join."""
+    x = f32_at(f32, a, k)
+    o = f32_at(f32, out, n)
+    bm = f32_at(f32, b, k * n)
+    mat = bm.reshape(k, n) if b_rowmajor else bm.reshape(n, k)
+    threads = get_kernel_threads()
+    if 4 * n * k >= GEMV_PARALLEL_BYTES and threads > 1:
+        _gemv_parallel(x, mat, b_rowmajor, o, 4 * threads)
+    else:
+        _gemv_cols(x, mat, b_rowmajor, o, 0, n)
 
 
 @njit(nogil=True, cache=True)

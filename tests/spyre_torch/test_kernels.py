@@ -213,3 +213,16 @@ def test_gather_rows_with_negative_indices_and_out_of_range():
     np.testing.assert_array_equal(ar.get(po, (3, 4), np.float32), x[idx])
     with pytest.raises(IndexError, match="out of range"):
         ar.call(gather, GATHER, wrap=0, **common)
+
+
+def test_matmul_one_row_large_enough_to_split_across_cores_matches_numpy():
+    from spyre_torch.kernels.matmul import GEMV_PARALLEL_BYTES, matmul
+
+    n, k = 1024, GEMV_PARALLEL_BYTES // (4 * 1024)  # the GEMV split by output columns
+    ar = Arena(4 * (n * k + n + k) + (1 << 12))
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal(k).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+    px, pw, po = ar.put(x), ar.put(w), ar.put(np.zeros(n, np.float32))
+    ar.call(matmul, MATMUL, batch=1, m=1, n=n, k=k, alpha=dtypes.float_bits(1.0), a=px, b=pw,
+            out=po, a_rs=k, a_cs=1, b_rs=1, b_cs=k, bias_dt=dtypes.NONE)
+    np.testing.assert_allclose(ar.get(po, n, np.float32), w.astype(np.float64) @ x, rtol=1e-4, atol=1e-3)
