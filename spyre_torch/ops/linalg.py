@@ -137,3 +137,16 @@ def linear(input, weight, bias=None):  # noqa: A002 - torch's argument name
         x = card_copy(memory.empty(input.shape, input.dtype), input).view(-1, k)
     out = mm2("aten::linear", x, weight.t(), bias)
     return out.view(*lead, n)
+
+
+@aten("linear_backward")
+def linear_backward(input, grad_output, weight, output_mask):  # noqa: A002
+    """The gradients of `linear` (torch's autograd asks for them because linear is taken
+    whole): grad_input = g @ w, grad_weight = g.T @ x, grad_bias = g summed over rows."""
+    n, k = weight.shape
+    g = grad_output.reshape(-1, n)
+    x = input.reshape(-1, k)
+    grad_input = (g @ weight).view(input.shape) if output_mask[0] else None
+    grad_weight = g.t() @ x if output_mask[1] else None
+    grad_bias = g.sum(0) if output_mask[2] else None
+    return grad_input, grad_weight, grad_bias

@@ -369,3 +369,15 @@ def test_a_view_without_a_card_kernel_cannot_fall_back_and_says_so(with_fallback
     x = torch.zeros(2, dtype=torch.complex64).to("spyre")
     with pytest.raises(NotImplementedError, match="aten::view_as_real.*view"):
         torch.view_as_real(x)
+
+
+def test_gradients_through_linear_and_silu_match_the_cpu():
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(2, 4, 3, generator=g), torch.randn(5, 3, generator=g), torch.randn(5, generator=g)]
+    grads = {}
+    for device in ("cpu", "spyre"):
+        x, w, b = (t.to(device).requires_grad_() for t in leaves)
+        torch.nn.functional.silu(torch.nn.functional.linear(x, w, b)).sum().backward()
+        grads[device] = [t.grad.cpu() for t in (x, w, b)]
+    for got, expected in zip(grads["spyre"], grads["cpu"], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
