@@ -143,3 +143,16 @@ def test_module_to_spyre_moves_parameters_and_buffers():
     assert all(p.device.type == "spyre" for p in m.parameters())
     assert m.running_mean.device.type == "spyre"
     assert m.to("cpu").running_var.device.type == "cpu"
+
+
+def test_ops_launch_their_prepared_programs_and_never_compile_again():
+    torch.spyre.warmup()  # every kernel entry compiled (or loaded from Numba's cache) now
+    x = torch.randn(8, 8).to("spyre")
+    (x @ x + 1).softmax(-1).sum().item()           # one program per op, prepared on first use
+    before = torch.spyre.counters()
+    for n in (3, 17):                              # other shapes: the same programs, patched
+        y = torch.randn(n, n).to("spyre")
+        (y @ y + 1).softmax(-1).sum().item()
+    after = torch.spyre.counters()
+    assert (after["compiles"], after["prepares"]) == (before["compiles"], before["prepares"])
+    assert after["launches"] - before["launches"] == 2 * 4
