@@ -33,7 +33,7 @@ from spyre_torch.memory import (  # noqa: F401 - the module's API
 from spyre_torch.ops.fallback import counts as fallback_counts  # noqa: F401
 from spyre_torch.ops.fallback import reset_counts as reset_fallback_counts  # noqa: F401
 from spyre_torch.ops.fallback import set_enabled as set_cpu_fallback  # noqa: F401
-from spyre_torch.runtime import initialized, runtime
+from spyre_torch.runtime import in_bad_fork, initialized, runtime
 from spyre_torch.streams import (  # noqa: F401
     Event,
     Stream,
@@ -71,7 +71,7 @@ def is_initialized() -> bool:
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    return in_bad_fork()
 
 
 def init() -> None:

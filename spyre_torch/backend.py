@@ -39,6 +39,30 @@ class _DeviceGuard(torch._C._acc.DeviceGuard):
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
+def _storages_on_the_card() -> None:
+    """`torch.UntypedStorage(n, device="spyre")` makes a card storage.
+
+    torch builds a storage on a device through that device's C++ allocator, and the
+    Python-only registration has no way to give PrivateUse1 one: torch would call a null
+    allocator (a segfault). Storage moves go through that constructor (`storage.to("spyre")`,
+    `storage.spyre()`, `torch.load(..., map_location="spyre")`), so it is diverted for the
+    spyre device only; every other call reaches torch's own constructor unchanged."""
+    base_new = torch._C.StorageBase.__new__
+
+    def new(cls, *args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == NAME:
+            if len(args) != 1 or not isinstance(args[0], int) or set(kwargs) - {"device"}:
+                raise RuntimeError("spyre: a storage on the card is made from a size in bytes: "
+                                   "torch.UntypedStorage(nbytes, device='spyre')")
+            from spyre_torch.memory import new_storage
+
+            return new_storage(args[0])
+        return base_new(cls, *args, **kwargs)
+
+    torch.UntypedStorage.__new__ = new
+
+
 def registered() -> bool:
     return bool(_libs)
 
@@ -67,5 +91,6 @@ def register() -> bool:
         lib = torch.library.Library("aten", "IMPL")
         fallback = torch.library.Library("_", "IMPL")
         register_ops(lib, fallback)
+        _storages_on_the_card()
         _libs.extend([lib, fallback])
         return True

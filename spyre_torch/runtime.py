@@ -36,11 +36,20 @@ def runtime() -> Runtime:
     rt = _runtime
     if rt is None:
         rt = _create()
+    elif rt.pid != os.getpid():
+        raise RuntimeError("spyre: the card was made in the parent process; a forked child "
+                           "has no copy of its streams (use the 'spawn' start method, or make "
+                           "the card only in the child)")
     return rt
 
 
 def initialized() -> bool:
     return _runtime is not None
+
+
+def in_bad_fork() -> bool:
+    """True in a process forked after the card was made (torch.cuda's notion)."""
+    return _runtime is not None and _runtime.pid != os.getpid()
 
 
 def _create() -> Runtime:
@@ -61,6 +70,7 @@ class Runtime:
 
         size = os.environ.get(MEMORY_ENV)
         self.card = Card(parse_bytes(size) if size else DEFAULT_MEMORY_BYTES)
+        self.pid = os.getpid()
         self.default_stream = self.card.default_stream
         self._side: list = []
         self._next_side = 0

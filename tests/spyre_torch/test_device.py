@@ -156,3 +156,30 @@ def test_ops_launch_their_prepared_programs_and_never_compile_again():
     after = torch.spyre.counters()
     assert (after["compiles"], after["prepares"]) == (before["compiles"], before["prepares"])
     assert after["launches"] - before["launches"] == 2 * 4
+
+
+def test_save_and_load_through_the_card(tmp_path):
+    x = torch.arange(6.0).reshape(2, 3).to("spyre")
+    torch.save({"x": x, "row": x[1]}, tmp_path / "t.pt")
+    back = torch.load(tmp_path / "t.pt")                       # to the card it came from
+    assert back["x"].device.type == "spyre" and back["x"].tolist() == x.tolist()
+    assert back["row"].untyped_storage().data_ptr() == back["x"].untyped_storage().data_ptr()
+    assert torch.load(tmp_path / "t.pt", map_location="cpu")["row"].tolist() == [3.0, 4.0, 5.0]
+    torch.save(torch.arange(3), tmp_path / "c.pt")
+    assert torch.load(tmp_path / "c.pt", map_location="spyre").cpu().tolist() == [0, 1, 2]
+    s = torch.arange(4, dtype=torch.int32).untyped_storage().to(device="spyre")
+    assert s.device.type == "spyre" and torch.UntypedStorage(16, device="spyre").nbytes() == 16
+
+
+def test_a_forked_child_cannot_use_the_parents_card():
+    r = run_python("import os, torch\n"
+                   "torch.ones(1, device='spyre')\n"
+                   "pid = os.fork()\n"
+                   "if pid == 0:\n"
+                   "    try:\n        torch.ones(1, device='spyre')\n"
+                   "    except RuntimeError as e:\n        print('child:', torch.spyre._is_in_bad_fork(), e)\n"
+                   "    os._exit(0)\n"
+                   "os.waitpid(pid, 0)\nprint('parent:', torch.spyre._is_in_bad_fork())")
+    assert r.returncode == 0, r.stderr
+    assert "child: True spyre: the card was made in the parent process" in r.stdout
+    assert "parent: False" in r.stdout
