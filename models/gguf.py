@@ -21,32 +21,28 @@ Three things differ from a Hugging Face checkpoint:
   (logits are divided by it, as llama.cpp's Granite graph does). A multiplier the file
   does not give is neutral, as in llama.cpp (attention scale 1/sqrt(head_dim)).
 
-The header is parsed here rather than by ``gguf.GGUFReader``: that reader builds a numpy
-view per string, and SmolLM2's 98k vocabulary and merge strings take it 8-15 s on this
-machine against ~0.2 s with ``struct``. Tensor bytes stay in a read-only memory map and are
-dequantized with ``gguf.quants.dequantize``, one tensor at a time.
+The container itself (header, metadata, tensor bytes, dequantizing) is models/gguf_file.py.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 import re
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType, Keys
 
-from models.checkpoint import Checkpoint, CheckpointError, check_shapes, expected_shapes
+from models.checkpoint import Checkpoint, check_shapes, expected_shapes
 from models.config import ConfigError, GraniteConfig
-
-GGUF_SUFFIX = ".gguf"
-MAGIC = b"GGUF"
-VERSIONS = (2, 3)
-DEFAULT_ALIGNMENT = 32
+from models.gguf_file import (  # noqa: F401  (GGUFError, is_gguf_file: this module's interface)
+    GGUFError,
+    GGUFFile,
+    dequantize_tensor,
+    is_gguf_file,
+    read_gguf,
+    require,
+)
 
 # llama.cpp's architecture name -> ours (the Hugging Face class name)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM"}
@@ -74,172 +70,6 @@ _LAYER_TENSORS = {
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 _HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
-
-# GGUF metadata value types: id -> struct format (scalars) or numpy dtype (arrays of them).
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                   10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-class GGUFError(CheckpointError):
-    """A GGUF file this server cannot serve: not GGUF, an architecture, a tensor or a tensor
-    type it does not run, metadata that does not describe the tensors."""
-
-
-@dataclass(frozen=True, slots=True)
-class GGUFTensor:
-    """One tensor's entry in the header; its bytes stay in the file."""
-    name: str                 # llama.cpp's name, e.g. "blk.0.attn_q.weight"
-    ggml_type: GGMLQuantizationType
-    shape: tuple[int, ...]    # numpy order (GGML's dims reversed): [rows, cols] = HF's [out, in]
-    offset: int               # byte offset of the data in the file
-    nbytes: int
-
-    @property
-    def type_name(self) -> str:
-        return self.ggml_type.name
-
-
-@dataclass(slots=True)
-class GGUFFile:
-    path: Path
-    version: int
-    metadata: dict[str, object]        # key -> int | float | bool | str | list of those
-    tensors: dict[str, GGUFTensor]     # by llama.cpp name, in file order
-    data: mmap.mmap                    # the whole file, read-only
-
-    @property
-    def architecture(self) -> str:
-        return require(self, Keys.General.ARCHITECTURE)
-
-    def arch_key(self, key: str) -> str:
-        """``Keys.LLM.BLOCK_COUNT`` ("{arch}.block_count") -> "llama.block_count"."""
-        return key.format(arch=self.architecture)
-
-
-def is_gguf_file(path) -> bool:
-    """A path names a GGUF file: by its suffix, as llama.cpp and transformers do."""
-    return str(path).lower().endswith(GGUF_SUFFIX)
-
-
-# ---------------------------------------------------------------- the header
-
-
-class _Cursor:
-    """Reads little-endian GGUF values from a buffer, advancing ``pos``."""
-
-    __slots__ = ("buf", "pos", "path")
-
-    def __init__(self, buf, path: Path):
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def unpack(self, fmt: str):
-        size = struct.calcsize(fmt)
-        if self.pos + size > len(self.buf):
-            raise GGUFError(f"{self.path}: header ends at byte {len(self.buf)}, inside a value "
-                            f"at {self.pos} (a truncated file?)")
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return value
-
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        if self.pos + n > len(self.buf):
-            raise GGUFError(f"{self.path}: a string of {n} bytes at {self.pos} runs past the end "
-                            f"of the file ({len(self.buf)} bytes)")
-        raw = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise GGUFError(f"{self.path}: a string at byte {self.pos - n} is not UTF-8: {e}") from e
-
-    def value(self, kind: int):
-        if kind == _STRING:
-            return self.string()
-        if kind == _ARRAY:
-            return self.array()
-        if kind not in _SCALAR_FORMATS:
-            raise GGUFError(f"{self.path}: metadata value type {kind} at byte {self.pos} is not "
-                            "a GGUF type")
-        return self.unpack(_SCALAR_FORMATS[kind])
-
-    def array(self) -> list:
-        kind, n = self.unpack("<I"), self.unpack("<Q")
-        if kind in _SCALAR_FORMATS:   # numbers in one read
-            dtype = np.dtype(_SCALAR_FORMATS[kind].replace("?", "u1"))
-            if self.pos + n * dtype.itemsize > len(self.buf):
-                raise GGUFError(f"{self.path}: an array of {n} values at {self.pos} runs past "
-                                "the end of the file")
-            values = np.frombuffer(self.buf, dtype, n, self.pos)
-            self.pos += n * dtype.itemsize
-            return (values != 0).tolist() if kind == 7 else values.tolist()
-        return [self.value(kind) for _ in range(n)]
-
-
-def read_gguf(path: str | Path) -> GGUFFile:
-    """The header of a GGUF file (metadata and tensor entries); tensor data stays mapped."""
-    path = Path(path)
-    if not path.is_file():
-        raise GGUFError(f"GGUF file {str(path)!r} does not exist")
-    with open(path, "rb") as f:
-        if f.read(4) != MAGIC:
-            raise GGUFError(f"{path}: not a GGUF file (it does not start with {MAGIC!r})")
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    cur = _Cursor(data, path)
-    cur.pos = 4
-    version = cur.unpack("<I")
-    if version not in VERSIONS:
-        swapped = struct.unpack(">I", struct.pack("<I", version))[0]
-        what = "a big-endian file" if swapped in VERSIONS else f"version {version}"
-        raise GGUFError(f"{path}: {what}; this reader takes little-endian GGUF "
-                        f"versions {list(VERSIONS)}")
-    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
-    metadata: dict[str, object] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("<I"))
-    entries = [_tensor_entry(cur) for _ in range(n_tensors)]
-    alignment = int(metadata.get(Keys.General.ALIGNMENT, DEFAULT_ALIGNMENT))
-    start = -(-cur.pos // alignment) * alignment
-    tensors: dict[str, GGUFTensor] = {}
-    for name, kind, shape, offset in entries:
-        if name in tensors:
-            raise GGUFError(f"{path}: tensor {name!r} appears twice")
-        tensors[name] = _place(path, name, kind, shape, start + offset, len(data))
-    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors, data=data)
-
-
-def _tensor_entry(cur: _Cursor) -> tuple[str, int, tuple[int, ...], int]:
-    name = cur.string()
-    dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
-    kind, offset = cur.unpack("<I"), cur.unpack("<Q")
-    return name, kind, tuple(reversed(dims)), offset
-
-
-def _place(path: Path, name: str, kind: int, shape: tuple[int, ...], offset: int,
-           file_size: int) -> GGUFTensor:
-    try:
-        ggml_type = GGMLQuantizationType(kind)
-    except ValueError:
-        raise GGUFError(f"{path}: tensor {name!r} has type id {kind}, which GGML does not "
-                        "define") from None
-    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
-    if shape and shape[-1] % block:
-        raise GGUFError(f"{path}: tensor {name!r} {ggml_type.name}{list(shape)}: rows of "
-                        f"{shape[-1]} values are not whole blocks of {block}")
-    nbytes = math.prod(shape) // block * block_bytes
-    if offset + nbytes > file_size:
-        raise GGUFError(f"{path}: tensor {name!r} {ggml_type.name}{list(shape)} needs bytes "
-                        f"[{offset}, {offset + nbytes}) of a {file_size}-byte file")
-    return GGUFTensor(name, ggml_type, shape, offset, nbytes)
-
-
-def require(f: GGUFFile, key: str):
-    """A metadata value the model cannot do without."""
-    if key not in f.metadata:
-        raise GGUFError(f"{f.path}: metadata has no {key!r}")
-    return f.metadata[key]
 
 
 # ---------------------------------------------------------------- names and the config
@@ -411,21 +241,6 @@ def _dominant_dtype(f: GGUFFile) -> str:
 
 
 # ---------------------------------------------------------------- tensors
-
-
-def dequantize_tensor(f: GGUFFile, t: GGUFTensor) -> np.ndarray:
-    """float32 array of ``t.shape``: F32 a read-only view of the file, others a new array."""
-    block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
-    row_bytes = t.shape[-1] // block * block_bytes
-    raw = np.frombuffer(f.data, np.uint8, t.nbytes, t.offset)
-    raw = raw.reshape(*t.shape[:-1], row_bytes)           # [rows, bytes of a row]
-    out = dequantize(raw, t.ggml_type)                    # [rows, cols]
-    if out.dtype != np.float32:
-        out = out.astype(np.float32)
-    if out.shape != t.shape:
-        raise GGUFError(f"{f.path}: tensor {t.name!r} dequantized to {list(out.shape)}, "
-                        f"expected {list(t.shape)}")
-    return out
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
