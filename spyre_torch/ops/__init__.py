@@ -7,12 +7,12 @@ implementation that meets a case its kernel does not cover (a dtype, a layout) r
 
 | module | ops |
 | --- | --- |
-| factory.py | empty, empty_strided, fill_, zero_, arange, resize_, set_, item |
+| factory.py | empty, empty_strided, fill_, zero_, arange, resize_, set_, item, record_stream |
 | copy.py | _copy_from (host <-> card through the streams, card <-> card through a kernel) |
 | views.py | view, as_strided, _reshape_alias, view.dtype, unfold (metadata only) |
 | elementwise.py | unary and binary math, comparisons, logical ops, where, masked_fill, clamp |
 | reduce.py | sum, mean, prod, amax, amin, max, min, argmax, argmin, any, all, cumsum, softmax |
-| linalg.py | mm, bmm, addmm, linear, baddbmm |
+| linalg.py | mm, bmm, addmm, baddbmm, mv, linear (and linear_backward) |
 | nn.py | embedding, scaled_dot_product_attention |
 | index.py | index_select, index.Tensor, cat, isin |
 
