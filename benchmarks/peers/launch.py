@@ -181,8 +181,9 @@ def start_vllm(hf_dir: str | os.PathLike, dtype: str = "float32", threads_bind: 
     (float32 or bfloat16), its OpenMP threads bound to the cores `threads_bind`, with
     `kv_cache_gib` GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), and (`preload`) tcmalloc and the
     venv's Intel OpenMP in LD_PRELOAD as vLLM's CPU install guide asks. Other scheduler settings
-    are vLLM's defaults. The request's ``model`` is the directory's name. The first start
-    compiles the model with torch.compile (~3 min here, cached in <cache>/vllm-cache).
+    are vLLM's defaults. The request's ``model`` is the directory's name. Each start
+    compiles the model with torch.compile (~3 min of a 4-4.5 min start here; its cache,
+    <cache>/vllm-cache, did not shorten a second start).
 
     Started as ``python -m vllm.entrypoints.openai.api_server --model DIR``, the module entry
     point that `vllm serve` runs for one API server (run_server): the `vllm` command of
@@ -198,7 +199,7 @@ def start_vllm(hf_dir: str | os.PathLike, dtype: str = "float32", threads_bind: 
            "--disable-uvicorn-access-log"]
     cmd += [str(a) for a in extra_args]
     env = {"VLLM_CPU_OMP_THREADS_BIND": threads_bind, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-           # torch.compile's cache (minutes to fill on 2 cores) beside the venv, not in ~/.cache
+           # torch.compile's cache beside the venv, not in ~/.cache
            "VLLM_CACHE_ROOT": str(Path(python).parent.parent.parent / "vllm-cache")}
     if preload:
         libs = [str(x) for x in (TCMALLOC, Path(python).parent.parent / "lib" / "libiomp5.so")
