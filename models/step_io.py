@@ -74,17 +74,17 @@ class SamplingParams:
         _real("temperature", self.temperature, 0.0, FLOAT32_MAX, "[0, 3.4e38]")
         _integer("top_k", self.top_k, 0, INT32_MAX, " (0 = off)")
         _real("top_p", self.top_p, 0.0, 1.0, "(0, 1]")
-        if self.top_p == 0.0:
-            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not np.float32(self.top_p) > 0.0:     # 5e-324 is > 0, but 0 on the card
+            raise ParamError("top_p", f"top_p must be in (0, 1] as a float32, got {self.top_p!r}")
         _real("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
         if self.seed is not None:
             _integer("seed", self.seed, INT64_MIN, INT64_MAX)
         _real("presence_penalty", self.presence_penalty, -FLOAT32_MAX, FLOAT32_MAX, "float32's range")
         _real("frequency_penalty", self.frequency_penalty, -FLOAT32_MAX, FLOAT32_MAX, "float32's range")
         _real("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, "(0, 3.4e38]")
-        if not self.repetition_penalty > 0.0:
-            raise ParamError("repetition_penalty", f"repetition_penalty must be > 0, got "
-                             f"{self.repetition_penalty!r}")
+        if not np.float32(self.repetition_penalty) > 0.0:
+            raise ParamError("repetition_penalty", f"repetition_penalty must be > 0 as a float32, "
+                             f"got {self.repetition_penalty!r}")
         _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 
 

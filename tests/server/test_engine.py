@@ -436,6 +436,7 @@ def submit_together(engine, *requests):
     ("temperature", 1e39, "temperature"), ("presence_penalty", 1e39, "presence_penalty"),
     ("frequency_penalty", float("nan"), "frequency_penalty"),
     ("repetition_penalty", 0.0, "repetition_penalty"), ("top_p", 0.0, "top_p"),
+    ("top_p", 5e-324, "top_p"), ("repetition_penalty", 1e-46, "repetition_penalty"),  # 0 in float32
     ("min_p", 1.5, "min_p"), ("logprobs", 6, "logprobs"),
 ])
 def test_a_sampling_value_the_step_cannot_hold_is_refused_with_its_field(field, value, param):
