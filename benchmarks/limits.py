@@ -67,7 +67,15 @@ def bandwidth(nbytes: int = 512 << 20) -> dict:
 
 def gemm_peak(shapes, budget: float = 1.0) -> tuple[float, dict]:
     """(best GFLOP/s, {"MxKxN": {"blas": ..., "packed": ...}}) over (M, K, N) shapes, each
-    measured with BLAS's sgemm and with the card's packed GEMM on the same numbers."""
+    measured with BLAS's sgemm (on every core: a runner keeps OpenBLAS at one thread, a
+    process-wide setting) and with the card's packed GEMM on the same numbers."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=numba.get_num_threads(), user_api="blas"):
+        return _gemm_peak(shapes, budget)
+
+
+def _gemm_peak(shapes, budget):
     rng = np.random.default_rng(0)
     table = {}
     for m, k, n in shapes:

@@ -6,14 +6,16 @@ in this folder for the call-by-call map to CUDA/torch.
 
 import os
 
-# Idle OpenMP workers sleep instead of spinning (unless the user set the policy). A step of
-# 64+ token rows runs Numba kernels (an OpenMP team) and OpenBLAS (its own pool) on 2 threads
-# each; on 2 cores the pool that is not working spins on the core the other one needs.
-# Measured in one process on an idle 2-core machine (granite-tiny, one prefill, ms):
-# 64 tokens 268-484 spinning vs 19 passive; 512 tokens 460-548 vs 145-151. Steps under 64
-# rows (one Numba thread) are unchanged: 32 tokens 11.4 vs 11.5. Set before any OpenMP
-# runtime is loaded: libgomp reads it once.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Idle OpenMP workers spin for a short while, then sleep (unless the user chose a policy).
+# Every kernel of a step is a parallel region on every core (models/threads.py): with
+# OMP_WAIT_POLICY=PASSIVE each region woke a sleeping thread (~90 us a region here, ~30 regions
+# a layer); libgomp's default spins 300k iterations. 1e5 spins keep a region at ~2 us while a
+# step runs and let the worker sleep between steps, where the host needs the core. SmolLM2-135M
+# shape, one process per setting: decode b32 189 -> 113 ms, b1 32 -> 23 ms, prefill 512 1770
+# -> 1056 ms against PASSIVE (and the old serial policy). OpenBLAS's pool, which used to spin
+# beside it, no longer runs during a step (BLAS is on one thread there).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 # The same for OpenBLAS's pool: its idle workers spin (sched_yield) for 2**28 cycles after a
 # GEMM by default, through the Numba kernels that follow it; 2**4 puts them to sleep at once.
 # granite-tiny 512-token prefill, same process, interleaved: 157-159 ms -> 139-153 ms, with

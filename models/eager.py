@@ -50,7 +50,7 @@ from models.step_program import (
     _gather_rows,
     _split_qkv,
 )
-from models.threads import layer_weight_bytes, set_step_threads, step_threads
+from models.threads import use_every_core
 from models.weights import resolve_compute_dtype
 
 # ---- one entry per op, with the device ABI: table slots in the order of the bindings ----
@@ -185,6 +185,7 @@ class EagerModel:
         self.block_size = block_size
         self.kv = KVCache(card, model.config, block_size, num_kv_blocks)
         self.stream = card.new_stream("eager")
+        self.stream.enqueue(use_every_core, compute=False)   # the program path's core policy
         self._live: list[DeviceTensor] = []
         self._programs: list[Program] = []
         for op in OPS:          # Numba's in-process code is reused; see the module docstring
@@ -231,8 +232,6 @@ class EagerModel:
             if x.sample:
                 rows.append(qs[-1] - 1)
         T, S, R = len(tokens), len(work), len(rows)
-        # the same core policy as the program path (models.threads.step_threads)
-        self.stream.enqueue(set_step_threads, *step_threads(T, layer_weight_bytes(w)), compute=False)
         tok = self._to_device(np.asarray(tokens, np.int32))
         pos = self._to_device(np.asarray(positions, np.int32))
         slot = self._to_device(np.asarray(slots, np.int32))

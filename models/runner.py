@@ -8,7 +8,7 @@ The runner glues the pieces of a step together, each in its own module:
     models/penalty_slots.py    which row of the card's penalty tables a sequence owns
     models/step_program.py     the compiled step and the layout of its buffers
     models/prompt_logprobs.py  prompt logprobs, and the row they keep between chunks
-    models/threads.py          how many cores a step's kernels and BLAS calls use
+    models/threads.py          how many cores a step's kernels use (every one)
 
 `launch` packs the work, copies it to the card, and launches the program of the smallest
 (token, sequence) bucket that fits, all on one compute stream; it returns a handle at once.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from device import Card, DeviceTensor, LaunchHandle
@@ -36,7 +35,7 @@ from models.prompt_logprobs import PromptLogprobs
 from models.step_inputs import PackedStep, StepLimits, check_work, pack_step
 from models.step_io import SeqWork, StepOutput
 from models.step_program import TIMERS
-from models.threads import attention_threads, layer_weight_bytes, set_step_threads, step_threads
+from models.threads import use_every_core
 from models.weights import resolve_compute_dtype
 
 
@@ -117,11 +116,10 @@ class ModelRunner:
             vocab_size=cfg.vocab_size,
             seed=random.randrange(1 << 62) if seed is None else int(seed))
         self.stream = card.new_stream("compute")
+        self.stream.enqueue(use_every_core, compute=False, label="use_every_core")
         self._programs = StepPrograms(card, self.t_buckets, self.s_buckets, self._static_bindings(),
                                       {"H": cfg.hidden_size, "V": cfg.vocab_size})
         self._launches = 0
-        self._threads = (numba.get_num_threads(),) * 2   # (Numba, BLAS) of the compute stream
-        self._layer_bytes = layer_weight_bytes(self.weights)
         self._last_rows: dict[int, int] = {}       # seq_id -> sample row in the previous launch
         self._prev_sampled = (self.memory.outputs[1].address, 0)  # its `sampled`: address, length
         self._prompt_logprobs = PromptLogprobs()
@@ -144,10 +142,6 @@ class ModelRunner:
             "timers": 0, length_slot("timers"): 0,            # timing off (see `profile`)
             **self.memory.workspace_bindings(),
         }
-
-    def step_threads(self, t: int) -> tuple[int, int]:
-        """(Numba threads, BLAS threads) for a step of bucket size t."""
-        return step_threads(t, self._layer_bytes)
 
     @property
     def scratch_bytes(self) -> int:
@@ -205,16 +199,11 @@ class ModelRunner:
             if return_logits:
                 logits = np.empty(rows, np.float32)
                 readback.append((logits, mem.workspace_field("logits", logits.size)))
-        want = self.step_threads(t)
-        attn_flops = 4 * self.config.num_attention_heads * self.config.head_dim * packed.attn_pairs
         prev_address, prev_len = self._prev_sampled
-        bindings = {**dims, "ATHR": attention_threads(want[0], attn_flops), **self._timer_bindings,
+        bindings = {**dims, **self._timer_bindings,
                     **packed.placement.bindings(mem.inputs.address),
                     **outputs.bindings(out_dev.address),
                     "prev_sampled": prev_address, length_slot("prev_sampled"): prev_len}
-        if want != self._threads:                # per-thread setting: set it on the stream's thread
-            stream.enqueue(set_step_threads, *want, compute=False, label="set_step_threads")
-            self._threads = want
         handle = self._programs.get(t, s).launch(stream, bindings, readback=readback)
         self._launches += 1
         self._last_rows = packed.sample_rows

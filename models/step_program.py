@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from device.abi import f32_at, get_kernel_threads, i32_at, i64_at, set_kernel_threads
+from device.abi import f32_at, i32_at, i64_at
 from device.kernels.activation import swiglu
 from device.kernels.attention import paged_attention, write_kv
 from device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
@@ -132,7 +132,7 @@ def _field_slots(names) -> list[tuple[str, str]]:
 SLOTS = [
     # step shapes
     ("T", "dim"), ("S", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
-    ("NBAN", "dim"), ("ATHR", "dim"),
+    ("NBAN", "dim"),
     # model shapes
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
     ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
@@ -156,7 +156,7 @@ def _slots(names: str) -> tuple[int, ...]:
     return tuple(_INDEX[n] for n in names.split())
 
 
-S_T, S_S, S_R, S_NS, S_MB, S_K, S_NBAN, S_ATHR = _slots("T S R NS MB K NBAN ATHR")
+S_T, S_S, S_R, S_NS, S_MB, S_K, S_NBAN = _slots("T S R NS MB K NBAN")
 S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L, S_NBT, S_BS = _slots("H HQ HKV D I V L NBT BS")
 S_WFMT, S_CFMT = _slots("WFMT CFMT")
 A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS = _slots(
@@ -233,8 +233,6 @@ def step_entry(f32, i32, i64, u16, table):
     MB = table[S_MB]
     K = table[S_K]
     NBAN = table[S_NBAN]
-    ATHR = table[S_ATHR]        # > 0: threads for attention only (a step otherwise serial)
-    step_thr = get_kernel_threads()
     H = table[S_H]
     HQ = table[S_HQ]
     HKV = table[S_HKV]
@@ -339,12 +337,8 @@ def step_entry(f32, i32, i64, u16, table):
         t = lap(timers, K_ROPE, t)
         write_kv(k_cache, v_cache, k3, v3, slot_mapping)
         t = lap(timers, K_WRITE_KV, t)
-        if ATHR > 0:
-            set_kernel_threads(ATHR)
         paged_attention(a3, q3, k_cache, v_cache, block_tables, query_start, context_lens,
                         attn_scale)
-        if ATHR > 0:
-            set_kernel_threads(step_thr)
         round_to_format(attn, cfmt)
         t = lap(timers, K_ATTENTION, t)
         gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H, wfmt)

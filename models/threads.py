@@ -1,9 +1,24 @@
-"""How many cores a step uses: its Numba kernels, its BLAS calls, and its attention.
+"""How many cores a step uses: every one, for every kernel; BLAS on one.
 
-`step_threads` decides per bucket (the constants below say why, with the measurements),
-`set_step_threads` applies it on the thread that runs the kernels (the runner's compute
-stream), and `attention_threads` lets the attention of an otherwise serial step use every core
-when it is worth it (the step entry switches around that one kernel: slot `ATHR`).
+Each kernel of a step, decode or prefill, runs on every Numba thread. The packed GEMM
+(device/kernels/gemm.py) splits its weight panels across the cores, and a decode needs that:
+a batch-1 step is a stream of every weight once, bounded by the memory bandwidth that two
+cores draw, not one. OpenBLAS is called only inside attention's per-tile micro-GEMMs, each
+already on one worker of a parallel loop, so the compute stream keeps BLAS at one thread and
+OpenBLAS's own pool never runs beside Numba's.
+
+This replaces a policy from the BLAS era (steps under 64 rows on one core, BLAS threads by
+work size, attention switching its thread count), which made sense when every parallel region
+cost a sleeping thread's wake-up (OMP_WAIT_POLICY=PASSIVE, ~90 us here) and OpenBLAS's pool
+spun beside OpenMP's. device/__init__.py now lets idle OpenMP workers spin briefly instead
+(GOMP_SPINCOUNT), so a parallel region costs ~2 us. Measured on a SmolLM2-135M-shaped model
+(fp32, 538 MB of weights), one process per setting, same minutes (ms):
+
+    policy                                  prefill 512   decode b1   decode b8   decode b32
+    serial < 64 rows, PASSIVE (before)          1770         31.9        66.2        189
+    every core, PASSIVE                         1882         36.0        72.3        196
+    every core, spin 1e5 (now)                  1056         23.1        35.1        113
+    every core, spin 1e7                        1137         21.3        38.5        110
 """
 
 from __future__ import annotations
@@ -13,22 +28,6 @@ import importlib.metadata
 import os
 
 import numba
-
-# Buckets of fewer token rows than this run the whole step on one core (Numba kernels and
-# BLAS): on a few rows a parallel region or a BLAS fork/join costs more than it saves, and on
-# a busy machine each one can wait a whole time slice for a descheduled worker thread.
-SERIAL_BELOW = 64
-# ... except BLAS when a step's GEMMs are big enough to amortise a fork/join: rows x one
-# layer's weight bytes at least this (granite-tiny: from 2 rows; Granite 8B widths: always).
-# A single row is a GEMV, bandwidth-bound, as fast on one thread (granite-tiny: 2.36 vs 2.30
-# ms for a step's weights); from 2 rows OpenBLAS packs the weights for its GEMM kernel and
-# one thread is 1.4-1.8x slower than two (2, 8, 32 rows: 10.3 / 11.0 / 23.2 ms vs 6.9 / 6.4 /
-# 14.2 ms). Whole decode steps, same process A/B: batch 8 15.8 -> 9.6 ms, 16: 20.2 -> 12.9.
-BLAS_PARALLEL_WORK_BYTES = 16 << 20
-# ... and attention, the one Numba kernel of a decode step with real work of its own: it runs
-# on every core when its FLOPs reach this (~0.1 ms on one core). granite-tiny, 32 sequences
-# of 192 tokens, one layer's attention: 0.59 ms on one thread, 0.32 ms on two.
-ATTN_PARALLEL_FLOPS = 2_000_000
 
 
 def _numba_blas_threads_setter():
@@ -41,8 +40,7 @@ def _numba_blas_threads_setter():
     handle of that library, not through `lib.set_num_threads`, because threadpoolctl >= 3.8
     lets only the first thread that sets a pthreads OpenBLAS change it while that thread lives
     (a second runner's or the eager model's stream would be ignored silently). Cost per call,
-    measured here: 1.05 us through the handle, 1.96 us through `lib.set_num_threads`; the
-    runner calls it only when a step's thread counts differ from the previous step's.
+    measured here: 1.05 us through the handle, 1.96 us through `lib.set_num_threads`.
     `openblas_set_num_threads_local` is named "_local", but in this build it changes the count
     for every calling thread (measured): OpenBLAS's setting is in effect process-wide."""
     import scipy.linalg.cython_blas  # noqa: F401  (loads the library Numba binds to)
@@ -65,30 +63,9 @@ def _numba_blas_threads_setter():
 _blas_threads = _numba_blas_threads_setter()
 
 
-def attention_threads(step_threads: int, flops: int) -> int:
-    """Threads for the attention kernel of a step whose other kernels use step_threads:
-    0 (the same) unless the step is serial and the attention is big enough to share."""
-    full = numba.config.NUMBA_NUM_THREADS
-    return full if step_threads < full and flops >= ATTN_PARALLEL_FLOPS else 0
-
-
-def layer_weight_bytes(weights) -> int:
-    """Bytes of one layer's projection weights."""
-    lw = weights.layers[0]
-    return sum(x.nbytes for x in (lw.qkv, lw.o, lw.gate_up, lw.down))
-
-
-def step_threads(t: int, layer_bytes: int) -> tuple[int, int]:
-    """(Numba threads, BLAS threads) for a step of t token rows (see SERIAL_BELOW)."""
-    full = numba.config.NUMBA_NUM_THREADS
-    if t >= SERIAL_BELOW:
-        return full, full
-    return 1, (full if t * layer_bytes >= BLAS_PARALLEL_WORK_BYTES else 1)
-
-
-def set_step_threads(n: int, blas: int | None = None) -> None:
-    """Threads the calling thread's Numba kernels (n) and BLAS calls (blas, default n) use;
-    Numba's setting is per calling thread, OpenBLAS's in effect process-wide."""
-    numba.set_num_threads(n)
+def use_every_core() -> None:
+    """On the thread that runs a step's kernels (a compute stream's): Numba kernels on every
+    thread, BLAS (attention's micro-GEMMs, already one per worker) on one."""
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     if _blas_threads is not None:
-        _blas_threads(n if blas is None else blas)
+        _blas_threads(1)

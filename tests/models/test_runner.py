@@ -195,54 +195,19 @@ def test_the_memory_plan_adds_up_to_scratch_bytes_and_the_kv_cache(runner):
     assert plan["kv_cache"] == runner.kv.nbytes and min(plan.values()) > 0
 
 
-def test_attention_threads_only_widen_a_serial_step_with_enough_attention():
-    from models.threads import ATTN_PARALLEL_FLOPS, attention_threads
+def test_the_compute_stream_runs_its_kernels_on_every_core_and_blas_on_one(runner):
+    from threadpoolctl import threadpool_info
 
-    full = numba.config.NUMBA_NUM_THREADS
-    assert attention_threads(full, 10 * ATTN_PARALLEL_FLOPS) == 0        # already parallel
-    assert attention_threads(1, ATTN_PARALLEL_FLOPS - 1) == 0            # too little to share
-    assert attention_threads(1, ATTN_PARALLEL_FLOPS) == (full if full > 1 else 0)
-
-
-def test_decode_with_parallel_attention_in_a_serial_step_matches_and_restores_threads(
-        runner, monkeypatch):
-    import models.threads as threads_mod
-
-    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [9, 3]]
-
-    def decode(steps=5):
-        first = runner.launch([prefill(i, p, [i]) for i, p in enumerate(prompts)]).result()
-        toks = [[int(t)] for t in first.token_ids]
-        for k in range(steps):
-            work = [SeqWork(i, [toks[i][-1]], len(p) + k, [i], True, GREEDY)
-                    for i, p in enumerate(prompts)]
-            out = runner.launch(work).result()
-            for i, t in enumerate(out.token_ids):
-                toks[i].append(int(t))
-        return toks
-
-    monkeypatch.setattr(threads_mod, "ATTN_PARALLEL_FLOPS", 1 << 62)    # never
-    serial = decode()
-    monkeypatch.setattr(threads_mod, "ATTN_PARALLEL_FLOPS", 0)          # every step
-    assert runner.step_threads(4)[0] == 1                               # the step is serial
-    assert decode() == serial
     seen = []
+    runner.launch([prefill(0, [3, 1, 4, 1, 5], [0])]).result()
     runner.stream.enqueue(lambda: seen.append(numba.get_num_threads()), compute=False,
                           label="probe")
     runner.stream.synchronize()
-    assert seen == [1]          # the step's own setting is back after its attention
-
-
-def test_step_threads_one_row_is_serial_blas_joins_from_two_rows_numba_from_64():
-    from models.threads import SERIAL_BELOW, step_threads
-
-    full = numba.config.NUMBA_NUM_THREADS
-    layer = 12 << 20                     # granite-tiny's projections: ~12 MB a layer
-    assert step_threads(1, layer) == (1, 1)            # a GEMV: as fast on one thread
-    assert step_threads(2, layer) == (1, full)         # packed GEMM: BLAS on every core
-    assert step_threads(SERIAL_BELOW - 1, layer) == (1, full)
-    assert step_threads(SERIAL_BELOW, layer) == (full, full)
-    assert step_threads(1, 700 << 20) == (1, full)     # Granite 8B widths: always
+    assert seen == [numba.config.NUMBA_NUM_THREADS]
+    # the OpenBLAS Numba's np.dot calls: scipy's bundled one (numpy has its own, unused here)
+    blas = [p for p in threadpool_info()
+            if p["internal_api"] == "openblas" and "scipy.libs" in p["filepath"]]
+    assert blas and all(p["num_threads"] == 1 for p in blas)
 
 
 def test_warmup_progress_to_a_log_file_is_a_start_and_an_end_not_a_redraw_per_program(
