@@ -37,10 +37,13 @@ class Capacity:
     mbmax: int       # block-table width (max_model_len in blocks)
     npen_max: int    # penalty entries: every position of every sequence
     nban_max: int    # banned ids: unique per sampling row, each < V
+    nmw_max: int = 0     # grammar-mask words: a mask of ceil(V/32) words per sampling row
+    nbias_max: int = 0   # logit-bias entries: unique per sampling row, each < V
 
     def input_dims(self) -> dict[str, int]:
         return {"T": self.tmax, "S": self.smax, "R": self.rmax, "MB": self.mbmax,
-                "NPEN": self.npen_max, "NBAN": self.nban_max}
+                "NPEN": self.npen_max, "NBAN": self.nban_max, "NMW": self.nmw_max,
+                "NBIAS": self.nbias_max}
 
 
 def workspace_dims(cap: Capacity, cfg: GraniteConfig) -> dict[str, int]:

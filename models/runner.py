@@ -32,7 +32,7 @@ from models.memory_plan import Capacity, StepMemory
 from models.penalty_slots import PenaltySlots
 from models.programs import StepPrograms, bucket, buckets
 from models.prompt_logprobs import PromptLogprobs
-from models.step_inputs import PackedStep, StepLimits, check_work, pack_step
+from models.step_inputs import PackedStep, StepLimits, check_work, mask_words, pack_step
 from models.step_io import SeqWork, StepOutput
 from models.step_program import TIMERS
 from models.threads import use_every_core
@@ -102,7 +102,8 @@ class ModelRunner:
         want_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         tmax, smax = self.t_buckets[-1], self.s_buckets[-1]
         cap = Capacity(tmax=tmax, smax=smax, rmax=tmax + smax, mbmax=-(-want_len // block_size),
-                       npen_max=0, nban_max=smax * cfg.vocab_size)
+                       npen_max=0, nban_max=smax * cfg.vocab_size,
+                       nmw_max=smax * mask_words(cfg.vocab_size), nbias_max=smax * cfg.vocab_size)
         self.memory = StepMemory(card, cfg, self.weights, cap, block_size, num_kv_blocks,
                                  kv_cache_fraction)
         self.kv = self.memory.kv

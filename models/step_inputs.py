@@ -5,7 +5,8 @@
                                                    # items at fault (ValueError: the list itself)
     step = pack_step(INPUTS, work, t, s, return_rows, limits, last_rows, pen_slots)
     step.host                                      # uint8[step.placement.nbytes]: copy it to the card
-    step.dims                                      # the launch's dim slots (T, S, R, NS, MB, K, NBAN)
+    step.dims                                      # the launch's dim slots (T, S, R, NS, MB, K,
+                                                   # NBAN, NMW, NBIAS)
 
 The buffer holds every field of the INPUTS table (models/step_program.py) placed for this
 launch's dims; the packing writes it through the placement's named views, so it follows the
@@ -54,7 +55,7 @@ class StepLimits:
 class PackedStep:
     host: np.ndarray          # uint8[placement.nbytes]: the INPUTS buffer of this launch
     placement: Placement      # where each INPUTS field sits in it
-    dims: dict[str, int]      # dim slots: T, S, R, NS, MB, K, NBAN
+    dims: dict[str, int]      # dim slots: T, S, R, NS, MB, K, NBAN, NMW, NBIAS
     row_start: list[int]      # token row of each work item's first token
     sample_seq_ids: list[int]  # the sequences that sample, in sampling-row order
     sample_rows: dict[int, int]  # seq_id -> its sampling row (what a from_device decode reads next)
@@ -131,7 +132,24 @@ def check_seq(w: SeqWork, limits: StepLimits, last_rows: dict[int, int]) -> int:
             if lo < 0 or hi >= limits.vocab_size:
                 raise ValueError(f"seq {w.seq_id}: banned token id {lo if lo < 0 else hi} is "
                                  f"outside the vocabulary ({limits.vocab_size})")
+        bad = [t for t in (w.sampling.logit_bias or {}) if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise ValueError(f"seq {w.seq_id}: logit_bias token id {bad[0]} is outside the "
+                             f"vocabulary (0..{limits.vocab_size - 1})")
+        m = w.token_mask
+        if m is not None and not (isinstance(m, np.ndarray) and m.dtype == np.int32
+                                  and m.shape == (mask_words(limits.vocab_size),)):
+            raise ValueError(f"seq {w.seq_id}: token_mask must be int32[{mask_words(limits.vocab_size)}] "
+                             f"(ceil(V/32) words), got {getattr(m, 'dtype', type(m))}"
+                             f"{list(getattr(m, 'shape', ()))}")
+    elif w.token_mask is not None:
+        raise ValueError(f"seq {w.seq_id}: a token_mask on a chunk that does not sample")
     return n
+
+
+def mask_words(vocab_size: int) -> int:
+    """Words of a grammar mask: one bit per token of the vocabulary, 32 to an int32."""
+    return (vocab_size + 31) // 32
 
 
 def _check_vocab(v: dict[str, np.ndarray], vocab_size: int) -> None:
@@ -175,7 +193,9 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     mb = min(max([len(w.block_table) for w in work] + [1]), limits.max_blocks_per_seq) if work else 1
     dims = {"T": t, "S": s, "R": s + t if return_rows else s, "NS": len(samplers), "MB": mb,
             "K": max([w.sampling.logprobs for w in work] + [0]),
-            "NBAN": sum(len(b) for b in bans)}
+            "NBAN": sum(len(b) for b in bans),
+            "NMW": sum(w.token_mask is not None for w in samplers) * mask_words(limits.vocab_size),
+            "NBIAS": sum(len(w.sampling.logit_bias or ()) for w in samplers)}
     placement = layout.place(dims)
     host = np.zeros(placement.nbytes, np.uint8)
     v = placement.views(host)
@@ -199,6 +219,7 @@ def _write_defaults(v: dict[str, np.ndarray], trash_slot: int) -> None:
     v["src_rows"][:] = -1
     v["count_slot"][:] = -1
     v["pen_slot"][:] = -1
+    v["mask_row"][:] = -1
     v["top_p"][:] = 1.0
     v["repetition"][:] = 1.0
 
@@ -241,7 +262,7 @@ def _write_sampling(v: dict[str, np.ndarray], work: list[SeqWork], row_start: li
     """Sampling rows 0..NS-1 (parameters, penalty slot, ban list); returns seq_id -> row."""
     ban_ids = v["ban_ids"]
     samplers = [(w, r0) for w, r0 in zip(work, row_start, strict=True) if w.sample]
-    ban_pos = 0
+    ban_pos = bias_pos = masks = 0
     rows: dict[int, int] = {}
     for j, (w, r0) in enumerate(samplers):
         sp = w.sampling
@@ -260,6 +281,17 @@ def _write_sampling(v: dict[str, np.ndarray], work: list[SeqWork], row_start: li
         v["ban_start"][j] = ban_pos
         ban_ids[ban_pos:ban_pos + len(bans[j])] = bans[j]
         ban_pos += len(bans[j])
+        if w.token_mask is not None:
+            mw = len(w.token_mask)
+            v["mask_row"][j] = masks
+            v["mask_words"][masks * mw:(masks + 1) * mw] = w.token_mask
+            masks += 1
+        bias = sp.logit_bias or {}
+        v["bias_start"][j] = bias_pos
+        v["bias_ids"][bias_pos:bias_pos + len(bias)] = list(bias)
+        v["bias"][bias_pos:bias_pos + len(bias)] = list(bias.values())
+        bias_pos += len(bias)
         rows[w.seq_id] = j
     v["ban_start"][len(samplers):] = ban_pos
+    v["bias_start"][len(samplers):] = bias_pos
     return rows

@@ -17,6 +17,7 @@ MAX_LOGPROBS = KMAX
 INT32_MAX = 2**31 - 1             # the step's integer fields (top_k, token ids, ...) are int32
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # its real ones are float32
+LOGIT_BIAS_MAX = 100.0            # OpenAI's and vLLM's range of a logit_bias value
 
 
 class ParamError(ValueError):
@@ -62,6 +63,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int = 0             # top-n alternatives per sampled token (0..5)
+    logit_bias: dict[int, float] | None = None   # OpenAI's: token id -> bias in [-100, 100],
+                                                 # added to its logit before the penalties
 
     @property
     def uses_penalties(self) -> bool:
@@ -86,6 +89,9 @@ class SamplingParams:
             raise ParamError("repetition_penalty", f"repetition_penalty must be > 0 as a float32, "
                              f"got {self.repetition_penalty!r}")
         _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for token, bias in (self.logit_bias or {}).items():
+            _integer("logit_bias", token, 0, INT32_MAX, " (a token id)")
+            _real("logit_bias", bias, -LOGIT_BIAS_MAX, LOGIT_BIAS_MAX, "[-100, 100]")
 
 
 @dataclass(slots=True)
@@ -103,6 +109,9 @@ class SeqWork:                    # one sequence's share of a step
                                   # positions below it count as the prompt's, the others as output
     banned_token_ids: list[int] | None = None   # tokens this step's sample may not pick (the
                                                 # server's min_tokens: EOS and stop tokens)
+    token_mask: np.ndarray | None = None        # int32[ceil(V/32)]: the only tokens this step's
+                                                # sample may pick (a grammar's bitmask, bit t%32
+                                                # of word t//32), or None
 
 
 @dataclass

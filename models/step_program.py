@@ -13,7 +13,8 @@ A step (T token rows, S sequences, R logit rows, NS of them sampling):
                x += res * (attn @ Wo), rmsnorm, gu = h @ Wgu, swiglu, x += res * (act @ Wdown)
     hsel[R, H] = rmsnorm(x[logit_rows]);   logits[R, V] = hsel @ lm_head / logits_scaling
     count each penalized sequence's tokens into its slot of the penalty tables (on the card)
-    sample rows 0..NS-1 (penalties, bans, temperature, top-k/p, min-p, seeded draw) with the
+    sample rows 0..NS-1 (logit bias, penalties, bans, grammar mask, temperature, top-k/p,
+    min-p, seeded draw) with the
     sampled id, its raw logprob and the top-K raw logprobs; rows NS.. only when asked
     (R > S: every token row, for prompt logprobs) get a log-softmax.
 
@@ -64,7 +65,8 @@ TIMERS = ("embedding", "rmsnorm", "qkv", "rope", "write_kv", "attention", "o_pro
 I32, F32, I64 = np.int32, np.float32, np.int64
 
 # Written by the host at each launch (one copy). Dims: T token rows, S sequences, R logit
-# rows, MB block-table width, NBAN banned ids, all of this launch.
+# rows, MB block-table width, NBAN banned ids, NMW grammar-mask words (masked rows times
+# ceil(V/32)), NBIAS logit-bias entries, all of this launch.
 INPUTS = Layout("inputs", [
     Field("tokens", I32, ("T",)),               # (rows with src_rows >= 0: read on the card)
     Field("positions", I32, ("T",)),
@@ -80,6 +82,11 @@ INPUTS = Layout("inputs", [
     Field("pen_slot", I32, ("S",)),             # penalty slot the row's penalties read, or -1
     Field("ban_start", I32, ("S+1",)),
     Field("ban_ids", I32, ("NBAN",)),           # not to sample (min_tokens)
+    Field("mask_row", I32, ("S",)),             # per sampling row: its mask's row, -1: no grammar
+    Field("mask_words", I32, ("NMW",)),         # [masked rows, ceil(V/32)] bitmasks (llguidance's)
+    Field("bias_start", I32, ("S+1",)),         # per sampling row: its logit_bias entries
+    Field("bias_ids", I32, ("NBIAS",)),
+    Field("bias", F32, ("NBIAS",)),
     Field("temperature", F32, ("S",)),
     Field("top_p", F32, ("S",)),
     Field("min_p", F32, ("S",)),
@@ -132,7 +139,7 @@ def _field_slots(names) -> list[tuple[str, str]]:
 SLOTS = [
     # step shapes
     ("T", "dim"), ("S", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
-    ("NBAN", "dim"),
+    ("NBAN", "dim"), ("NMW", "dim"), ("NBIAS", "dim"),
     # model shapes
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
     ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
@@ -156,7 +163,7 @@ def _slots(names: str) -> tuple[int, ...]:
     return tuple(_INDEX[n] for n in names.split())
 
 
-S_T, S_S, S_R, S_NS, S_MB, S_K, S_NBAN = _slots("T S R NS MB K NBAN")
+S_T, S_S, S_R, S_NS, S_MB, S_K, S_NBAN, S_NMW, S_NBIAS = _slots("T S R NS MB K NBAN NMW NBIAS")
 S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L, S_NBT, S_BS = _slots("H HQ HKV D I V L NBT BS")
 S_WFMT, S_CFMT = _slots("WFMT CFMT")
 A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS = _slots(
@@ -168,6 +175,8 @@ A_TOKENS, A_POSITIONS, A_SLOT_MAPPING, A_SRC_ROWS, A_QUERY_START, A_CONTEXT_LENS
 A_BLOCK_TABLES, A_LOGIT_ROWS, A_TOP_K, A_COUNT_SLOT, A_PROMPT_LENS, A_PEN_SLOT = _slots(
     "block_tables logit_rows top_k count_slot prompt_lens pen_slot")
 A_BAN_START, A_BAN_IDS, A_SEEDS, A_COUNTERS = _slots("ban_start ban_ids seeds counters")
+A_MASK_ROW, A_MASK_WORDS, A_BIAS_START, A_BIAS_IDS, A_BIAS = _slots(
+    "mask_row mask_words bias_start bias_ids bias")
 A_TEMPERATURE, A_TOP_P, A_MIN_P, A_PRESENCE, A_FREQUENCY, A_REPETITION = _slots(
     "temperature top_p min_p presence frequency repetition")
 A_X, A_HBUF, A_Y, A_QKV, A_Q, A_K, A_V, A_ATTN, A_GATE_UP, A_ACT = _slots(
@@ -233,6 +242,8 @@ def step_entry(f32, i32, i64, u16, table):
     MB = table[S_MB]
     K = table[S_K]
     NBAN = table[S_NBAN]
+    NMW = table[S_NMW]
+    NBIAS = table[S_NBIAS]
     H = table[S_H]
     HQ = table[S_HQ]
     HKV = table[S_HKV]
@@ -268,6 +279,12 @@ def step_entry(f32, i32, i64, u16, table):
     pen_slot = _i32(i32, table, A_PEN_SLOT, S)
     ban_start = _i32(i32, table, A_BAN_START, S + 1)
     ban_ids = _i32(i32, table, A_BAN_IDS, NBAN)
+    mask_row = _i32(i32, table, A_MASK_ROW, S)
+    mw = (V + 31) // 32                      # words per grammar mask
+    mask_words = _i32(i32, table, A_MASK_WORDS, NMW).reshape(NMW // mw, mw)
+    bias_start = _i32(i32, table, A_BIAS_START, S + 1)
+    bias_ids = _i32(i32, table, A_BIAS_IDS, NBIAS)
+    bias = _f32(f32, table, A_BIAS, NBIAS)
     temperature = _f32(f32, table, A_TEMPERATURE, S)
     top_p = _f32(f32, table, A_TOP_P, S)
     min_p = _f32(f32, table, A_MIN_P, S)
@@ -373,8 +390,8 @@ def step_entry(f32, i32, i64, u16, table):
     t = lap(timers, K_LOG_SOFTMAX, t)
 
     # ---- penalty state: this step's tokens (from-device ones included) counted into the
-    # slots, then sampling rows 0..NS-1: penalties, bans, temperature, filters, a draw; raw
-    # logprobs, top-K
+    # slots, then sampling rows 0..NS-1: logit bias, penalties, bans, grammar masks,
+    # temperature, filters, a draw; raw logprobs, top-K
     count_tokens(pen_counts, pen_prompt, count_slot, prompt_lens, query_start, positions, tokens)
     sampled = _i32(i32, table, A_SAMPLED, NS)
     logprob = _f32(f32, table, A_LOGPROB, NS)
@@ -384,5 +401,6 @@ def step_entry(f32, i32, i64, u16, table):
         sample_with_state(sampled, logprob, top_ids, top_lp, logits[:NS], temperature[:NS],
                           top_k[:NS], top_p[:NS], min_p[:NS], seeds[:NS], counters[:NS],
                           presence[:NS], frequency[:NS], repetition[:NS], pen_slot[:NS],
-                          pen_counts, pen_prompt, ban_start[:NS + 1], ban_ids)
+                          pen_counts, pen_prompt, ban_start[:NS + 1], ban_ids, mask_row[:NS],
+                          mask_words, bias_start[:NS + 1], bias_ids, bias)
     lap(timers, K_SAMPLING, t)

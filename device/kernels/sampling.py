@@ -8,7 +8,9 @@
     sample_with_state(out_ids, out_logprobs, out_top_ids, out_top_logprobs,
            logits, temperature, top_k, top_p, min_p, seeds, counters,
            presence_penalty, frequency_penalty, repetition_penalty,
-           pen_slot, output_counts, prompt_mask, ban_offsets, ban_ids)
+           pen_slot, output_counts, prompt_mask, ban_offsets, ban_ids,
+           mask_row, mask_words, bias_offsets, bias_ids, bias_values)
+    apply_token_mask(z, words); add_logit_bias(z, ids, values)
     count_tokens(output_counts, prompt_mask, count_slot, prompt_lens,
                  query_start, positions, tokens)
 
@@ -43,6 +45,13 @@ Inputs:
     ban_offsets        int32[S+1]    optional in `sample` (both or neither): row s may not
     ban_ids            int32[M]      sample ban_ids[ban_offsets[s]:ban_offsets[s+1]] (vLLM's
                                      min_tokens: EOS and stop tokens); duplicates allowed
+  the grammar masks and logit biases (`sample_with_state`):
+    mask_row           int32[S]      row of mask_words holding row s's allowed tokens, -1: none
+    mask_words         int32[M, W]   W = ceil(V / 32) words per mask: token t is allowed when
+                                     bit t % 32 of word t // 32 is set (llguidance's bitmask)
+    bias_offsets       int32[S+1]    row s adds bias_values[o[s]:o[s+1]] to the logits of
+    bias_ids           int32[B]      bias_ids[o[s]:o[s+1]] (OpenAI's logit_bias; unique per row)
+    bias_values        float32[B]
 
 `count_tokens` fills the tables: for each sequence s of a step with count_slot[s] >= 0,
 its token rows query_start[s]..query_start[s+1]-1 are counted into its slot, a row at a
@@ -53,11 +62,14 @@ included, and the penalties of its samples see every token before them: the host
 a slot number per sequence, never the token history.
 
 Order per row, vLLM v1's (vllm/model_executor/layers/utils.py apply_penalties, in float32):
-the repetition scale (x * (1/r) for x > 0, x * r otherwise, on tokens of the prompt or the
+the logit bias (vLLM applies it before the penalties), the repetition scale (x * (1/r) for x > 0, x * r otherwise, on tokens of the prompt or the
 output), then x -= frequency * count, then x -= presence on generated tokens; the ban
 (those logits are set to -inf, in fact the lowest float32, so neither greedy nor a draw
 can pick them; if a row bans every token of the vocabulary its ban is ignored and it
-samples the unbanned distribution, rather than failing the whole batch); temperature;
+samples the unbanned distribution, rather than failing the whole batch); the grammar mask
+(tokens it does not allow are banned the same way; when ban and mask together leave nothing,
+the mask alone applies: the grammar wins over min_tokens; a mask allowing nothing is
+ignored); temperature;
 min_p (drop tokens whose probability is below min_p times the top one's); top_k (keep the
 k most likely); top_p (keep the smallest set of most likely tokens whose mass reaches
 top_p of what is left); then one draw from what remains, renormalized. Ties at a top_k
@@ -285,6 +297,60 @@ def _ban(z, ban, marks):
 
 
 @njit(nogil=True, cache=True)
+def _allowed(words, t):
+    """Whether the bitmask words (int32[ceil(V/32)]) allow token t."""
+    return (words[t >> 5] >> (t & 31)) & 1 != 0
+
+
+@njit(nogil=True, cache=True)
+def apply_token_mask(z, words):
+    """Set z[t] (float32[V]) to the banned value for every token t whose bit in words
+    (int32[ceil(V/32)], bit t % 32 of word t // 32) is clear; returns how many are allowed.
+    A mask that allows nothing changes nothing (and returns 0)."""
+    v_n = z.shape[0]
+    if words.shape[0] * 32 < v_n:
+        raise ValueError("apply_token_mask: want ceil(V/32) words (words, V)", words.shape[0], v_n)
+    n = 0
+    for t in range(v_n):
+        if _allowed(words, t):
+            n += 1
+    if n == 0:
+        return 0
+    for t in range(v_n):
+        if not _allowed(words, t):
+            z[t] = _BANNED
+    return n
+
+
+@njit(nogil=True, cache=True)
+def add_logit_bias(z, ids, values):
+    """z[ids[j]] += values[j] (OpenAI's logit_bias), in float32."""
+    for j in range(ids.shape[0]):
+        z[ids[j]] = z[ids[j]] + values[j]
+
+
+@njit(nogil=True, cache=True)
+def _ban_and_mask(z, ban, words, marks):
+    """The ban, then the mask (words: empty for none). When together they leave no token,
+    only the mask applies (a grammar that allows only what min_tokens bans must still hold)."""
+    if words.shape[0] == 0:
+        _ban(z, ban, marks)
+        return
+    if ban.shape[0] > 0:
+        marks[:] = 0
+        for j in range(ban.shape[0]):
+            marks[ban[j]] = 1
+        left = 0
+        for t in range(z.shape[0]):
+            if marks[t] == 0 and _allowed(words, t):
+                left += 1
+                break
+        if left > 0:
+            _ban(z, ban, marks)
+    apply_token_mask(z, words)
+
+
+@njit(nogil=True, cache=True)
 def _argmax(z):
     """(index, value) of the first largest element of float32[n]."""
     zmax = z[0]
@@ -440,31 +506,33 @@ def _sample(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temper
                   penalty_ids[p0:p1], penalty_counts[p0:p1])
         _finish_row(s, out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits[s], z,
                     temperature[s], top_k[s], top_p[s], min_p[s], seeds[s], counters[s],
-                    ban_ids[ban_offsets[s]:ban_offsets[s + 1]])
+                    ban_ids[ban_offsets[s]:ban_offsets[s + 1]], ban_ids[:0])
 
 
 @njit(nogil=True, cache=True)
 def _finish_row(s, out_ids, out_logprobs, out_top_ids, out_top_logprobs, row, z, temperature,
-                top_k, top_p, min_p, seed, counter, ban):
-    """Row s from its penalized logits z: the ban, the draw, the raw logprob and top-K."""
+                top_k, top_p, min_p, seed, counter, ban, words):
+    """Row s from its penalized logits z: the ban and the grammar mask (words, empty: none),
+    the draw, the raw logprob and top-K."""
     v_n = row.shape[0]
     w = np.empty(v_n, np.float32)
     idx = np.empty(v_n, np.int32)
     bits = np.empty(v_n, np.int32)
     lse = _log_sum_exp(row, w, bits)
     _top_raw(out_top_ids[s], out_top_logprobs[s], row, lse)
-    _ban(z, ban, bits)
+    _ban_and_mask(z, ban, words, bits)
     tok = _sample_row(z, temperature, top_k, top_p, min_p, seed, counter, w, idx, bits)
     out_ids[s] = tok
     out_logprobs[s] = row[tok] - lse
 
 
 @njit(nogil=True, cache=True)
-def _check_state(logits, pen_slot, output_counts, prompt_mask):
+def _check_state(logits, pen_slot, output_counts, prompt_mask, mask_row, mask_words,
+                 bias_offsets, bias_ids, bias_values):
     s_n, v_n = logits.shape
-    if pen_slot.shape[0] != s_n:
-        raise ValueError("sample_with_state: pen_slot's length differs from the rows of logits",
-                         pen_slot.shape[0], s_n)
+    if pen_slot.shape[0] != s_n or mask_row.shape[0] != s_n:
+        raise ValueError("sample_with_state: pen_slot's or mask_row's length differs from the "
+                         "rows of logits", pen_slot.shape[0], mask_row.shape[0], s_n)
     if output_counts.shape != prompt_mask.shape or output_counts.shape[1] != v_n:
         raise ValueError("sample_with_state: want output_counts and prompt_mask [P, V] (P, V, V of logits)",
                          output_counts.shape[0], output_counts.shape[1], v_n)
@@ -472,42 +540,69 @@ def _check_state(logits, pen_slot, output_counts, prompt_mask):
         if pen_slot[s] < -1 or pen_slot[s] >= output_counts.shape[0]:
             raise IndexError("sample_with_state: pen_slot out of range (row, slot, slots)",
                              s, pen_slot[s], output_counts.shape[0])
+        if mask_row[s] < -1 or mask_row[s] >= mask_words.shape[0]:
+            raise IndexError("sample_with_state: mask_row out of range (row, mask row, masks)",
+                             s, mask_row[s], mask_words.shape[0])
+    if mask_words.shape[0] > 0 and mask_words.shape[1] != (v_n + 31) // 32:
+        raise ValueError("sample_with_state: want mask_words [M, ceil(V/32)] (width, V)",
+                         mask_words.shape[1], v_n)
+    if bias_offsets.shape[0] != s_n + 1 or bias_offsets[0] != 0 \
+            or bias_offsets[s_n] > bias_ids.shape[0] or bias_values.shape[0] != bias_ids.shape[0]:
+        raise ValueError("sample_with_state: want bias_offsets [S+1] from 0 to at most "
+                         "len(bias_ids) = len(bias_values) (S, len)", s_n, bias_ids.shape[0])
+    for s in range(s_n):
+        if bias_offsets[s + 1] < bias_offsets[s]:
+            raise ValueError("sample_with_state: bias_offsets decrease at row", s)
+    for j in range(bias_offsets[s_n]):
+        if bias_ids[j] < 0 or bias_ids[j] >= v_n:
+            raise IndexError("sample_with_state: logit bias token id out of range (id, vocab)",
+                             bias_ids[j], v_n)
+        if not np.isfinite(bias_values[j]):
+            raise ValueError("sample_with_state: a logit bias is not finite (entry)", j)
 
 
 @njit(nogil=True, cache=True)
 def sample_with_state(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature,
                       top_k, top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
                       repetition_penalty, pen_slot, output_counts, prompt_mask, ban_offsets,
-                      ban_ids):
+                      ban_ids, mask_row, mask_words, bias_offsets, bias_ids, bias_values):
     """`sample`, the penalties read from each row's slot of the tables `count_tokens` keeps
-    (pen_slot -1: none); see the module docstring."""
+    (pen_slot -1: none), with each row's logit bias and grammar mask (mask_row -1: none);
+    see the module docstring."""
     s_n = logits.shape[0]
     no_lists = np.zeros(s_n + 1, np.int32)
     _check(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature, top_k,
            top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
            repetition_penalty, no_lists, no_lists[:0], no_lists[:0], ban_offsets, ban_ids)
-    _check_state(logits, pen_slot, output_counts, prompt_mask)
+    _check_state(logits, pen_slot, output_counts, prompt_mask, mask_row, mask_words,
+                 bias_offsets, bias_ids, bias_values)
     _sample_state(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature,
                   top_k, top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
-                  repetition_penalty, pen_slot, output_counts, prompt_mask, ban_offsets, ban_ids)
+                  repetition_penalty, pen_slot, output_counts, prompt_mask, ban_offsets, ban_ids,
+                  mask_row, mask_words, bias_offsets, bias_ids, bias_values)
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def _sample_state(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, temperature,
                   top_k, top_p, min_p, seeds, counters, presence_penalty, frequency_penalty,
-                  repetition_penalty, pen_slot, output_counts, prompt_mask, ban_offsets, ban_ids):
+                  repetition_penalty, pen_slot, output_counts, prompt_mask, ban_offsets, ban_ids,
+                  mask_row, mask_words, bias_offsets, bias_ids, bias_values):
     s_n, v_n = logits.shape
+    no_words = np.zeros(0, np.int32)
     for s in prange(s_n):
         z = np.empty(v_n, np.float32)
+        z[:] = logits[s]
+        b0 = bias_offsets[s]
+        b1 = bias_offsets[s + 1]
+        add_logit_bias(z, bias_ids[b0:b1], bias_values[b0:b1])    # before the penalties (vLLM)
         slot = pen_slot[s]
         if slot >= 0:
-            _penalize_table(z, logits[s], presence_penalty[s], frequency_penalty[s],
+            _penalize_table(z, z, presence_penalty[s], frequency_penalty[s],
                             repetition_penalty[s], output_counts[slot], prompt_mask[slot])
-        else:
-            z[:] = logits[s]
+        words = mask_words[mask_row[s]] if mask_row[s] >= 0 else no_words
         _finish_row(s, out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits[s], z,
                     temperature[s], top_k[s], top_p[s], min_p[s], seeds[s], counters[s],
-                    ban_ids[ban_offsets[s]:ban_offsets[s + 1]])
+                    ban_ids[ban_offsets[s]:ban_offsets[s + 1]], words)
 
 
 @njit(nogil=True, cache=True)

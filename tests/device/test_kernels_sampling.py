@@ -3,7 +3,10 @@ import pytest
 from scipy import stats
 
 from device.kernels.sampling import (
+    _BANNED,
     _penalize_table,
+    add_logit_bias,
+    apply_token_mask,
     count_tokens,
     sample,
     sample_with_state,
@@ -477,8 +480,9 @@ def test_sample_with_a_ban_is_callable_from_njit_code():
 # --- penalty state on the card: count_tokens and sample_with_state ----------
 
 def _state_call(logits, pen_slot, counts, prompt, temperature=0.0, presence=0.0, frequency=0.0,
-                repetition=1.0, bans=None, seed=7):
-    s, _ = logits.shape
+                repetition=1.0, bans=None, seed=7, masks=None, biases=None):
+    """masks: per row an int32[ceil(V/32)] bitmask or None; biases: per row {id: bias}."""
+    s, v = logits.shape
 
     def col(x, dt):
         return np.full(s, x, dt) if np.isscalar(x) else np.asarray(x, dt)
@@ -492,8 +496,45 @@ def _state_call(logits, pen_slot, counts, prompt, temperature=0.0, presence=0.0,
                       np.zeros(s, np.float32), col(seed, np.uint64), np.arange(s, dtype=np.int64),
                       col(presence, np.float32), col(frequency, np.float32),
                       col(repetition, np.float32), np.asarray(pen_slot, np.int32), counts, prompt,
-                      ban_offsets, np.array([t for b in bans for t in b], np.int32))
+                      ban_offsets, np.array([t for b in bans for t in b], np.int32),
+                      *_mask_args(s, v, masks), *_bias_args(s, biases))
     return ids, lp
+
+
+def _mask_args(s, v, masks):
+    masks = masks or [None] * s
+    rows = [m for m in masks if m is not None]
+    words = np.array(rows, np.int32).reshape(len(rows), (v + 31) // 32)
+    mask_row, m = np.full(s, -1, np.int32), 0
+    for i, mask in enumerate(masks):
+        if mask is not None:
+            mask_row[i], m = m, m + 1
+    return mask_row, words
+
+
+def _bias_args(s, biases):
+    biases = biases or [{} for _ in range(s)]
+    offsets = np.zeros(s + 1, np.int32)
+    offsets[1:] = np.cumsum([len(b) for b in biases])
+    return (offsets, np.array([t for b in biases for t in b], np.int32),
+            np.array([x for b in biases for x in b.values()], np.float32))
+
+
+def bitmask(allowed, v):
+    """llguidance's bitmask (int32[ceil(V/32)]) allowing the token ids `allowed`."""
+    bits = np.zeros((v + 31) // 32 * 32, np.uint8)
+    bits[list(allowed)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32).copy()
+
+
+def ref_apply_mask(z, words):
+    """numpy reference of apply_token_mask."""
+    v = z.shape[0]
+    allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:v].astype(bool)
+    out = z.copy()
+    if allowed.any():
+        out[~allowed] = _BANNED
+    return out
 
 
 def _count(counts, prompt, steps):
@@ -617,3 +658,97 @@ def test_sample_with_state_rejects_a_slot_out_of_range():
     counts = np.zeros((2, 10), np.int32)
     with pytest.raises(IndexError, match="pen_slot"):
         _state_call(_logits(1, v=10), [2], counts, counts.copy())
+
+
+# --- grammar masks and logit bias (sample_with_state) -------------------------
+
+@pytest.mark.parametrize("v", [1, 31, 32, 33, 1000, 8192])
+def test_apply_token_mask_is_the_numpy_reference(v):
+    rng = np.random.default_rng(v)
+    for density in (0.0, 0.01, 0.5, 1.0):
+        allowed = np.nonzero(rng.random(v) < density)[0]
+        words = bitmask(allowed, v)
+        z = rng.standard_normal(v).astype(np.float32)
+        want = ref_apply_mask(z, words)
+        got = z.copy()
+        n = apply_token_mask(got, words)
+        np.testing.assert_array_equal(got, want)
+        assert n == len(allowed)
+
+
+def test_apply_token_mask_matches_llguidance_numpy_helper():
+    lln = pytest.importorskip("llguidance.numpy")
+    v = 100
+    words = bitmask([3, 40, 99], v)
+    z = np.arange(v, dtype=np.float32)[None, :].copy()
+    lln.apply_token_bitmask_inplace(z, words[None, :])
+    got = np.arange(v, dtype=np.float32)
+    apply_token_mask(got, words)
+    assert np.isfinite(z[0]).nonzero()[0].tolist() == (got > _BANNED).nonzero()[0].tolist() == [3, 40, 99]
+
+
+def test_a_mask_restricts_greedy_and_random_draws_and_rows_without_one_are_free():
+    v, s = 300, 4
+    logits = _logits(s, v=v, seed=41)
+    counts, prompt = np.zeros((1, v), np.int32), np.zeros((1, v), np.int32)
+    allowed = [5, 17, 250]
+    masks = [bitmask(allowed, v), None, bitmask([7], v), None]
+    for temperature in (0.0, 1.0):
+        for seed in range(20):
+            ids, lp = _state_call(logits, [-1] * s, counts, prompt, temperature=temperature,
+                                  seed=seed, masks=masks)
+            assert ids[0] in allowed and ids[2] == 7
+            np.testing.assert_allclose(lp, _log_softmax(logits)[np.arange(s), ids], atol=1e-5)
+        if temperature == 0.0:
+            assert ids[0] == allowed[int(np.argmax(logits[0, allowed]))]
+            assert ids[[1, 3]].tolist() == logits[[1, 3]].argmax(1).tolist()
+
+
+def test_the_mask_wins_over_a_ban_that_would_leave_nothing():
+    v = 64
+    logits = _logits(2, v=v, seed=42)
+    counts, prompt = np.zeros((1, v), np.int32), np.zeros((1, v), np.int32)
+    # row 0: the grammar allows only 9 (an EOS), min_tokens bans 9: 9 is sampled
+    # row 1: the grammar allows 9 and 10, the ban takes 9: 10 is sampled
+    ids, _ = _state_call(logits, [-1, -1], counts, prompt, bans=[[9], [9]],
+                         masks=[bitmask([9], v), bitmask([9, 10], v)])
+    assert ids.tolist() == [9, 10]
+
+
+def test_logit_bias_is_added_before_the_penalties_and_moves_greedy():
+    v = 50
+    logits = _logits(3, v=v, seed=43)
+    counts, prompt = np.zeros((3, v), np.int32), np.zeros((3, v), np.int32)
+    low = [int(np.argmin(row)) for row in logits]
+    ids, lp = _state_call(logits, [-1, -1, -1], counts, prompt,
+                          biases=[{low[0]: 100.0}, {}, {int(logits[2].argmax()): -100.0}])
+    assert ids[0] == low[0] and ids[1] == logits[1].argmax() and ids[2] != logits[2].argmax()
+    np.testing.assert_allclose(lp, _log_softmax(logits)[np.arange(3), ids], atol=1e-5)  # raw
+    # bias then repetition penalty (vLLM order): a positive biased logit is divided by r
+    row = np.array([[1.0, 1.5]], np.float32)
+    c, p = np.zeros((1, 2), np.int32), np.zeros((1, 2), np.int32)
+    p[0, 0] = 1                                   # token 0 is in the prompt
+    ids, _ = _state_call(row, [0], c, p, repetition=2.0, biases=[{0: 1.5}])
+    assert ids[0] == 1                            # (1 + 1.5) / 2 = 1.25 < 1.5
+    z = row[0].copy()
+    add_logit_bias(z, np.array([0], np.int32), np.array([1.5], np.float32))
+    assert z.tolist() == [2.5, 1.5]
+
+
+def test_sample_with_state_rejects_bad_masks_and_biases():
+    v = 40
+    logits = _logits(1, v=v)
+    counts = np.zeros((1, v), np.int32)
+    with pytest.raises(IndexError, match="logit bias token id"):
+        _state_call(logits, [-1], counts, counts.copy(), biases=[{v: 1.0}])
+    with pytest.raises(ValueError, match="not finite"):
+        _state_call(logits, [-1], counts, counts.copy(), biases=[{1: np.inf}])
+    ids, lp = np.zeros(1, np.int32), np.zeros(1, np.float32)
+    z32, f32 = np.zeros(1, np.int32), np.zeros(1, np.float32)
+    with pytest.raises(IndexError, match="mask_row"):
+        sample_with_state(ids, lp, np.zeros((1, 0), np.int32), np.zeros((1, 0), np.float32),
+                          logits, f32, z32, np.ones(1, np.float32), f32, np.zeros(1, np.uint64),
+                          np.zeros(1, np.int64), f32, f32, np.ones(1, np.float32),
+                          np.full(1, -1, np.int32), counts, counts.copy(), np.zeros(2, np.int32),
+                          z32[:0], np.array([1], np.int32), np.zeros((1, 2), np.int32),
+                          np.zeros(2, np.int32), z32[:0], f32[:0])

@@ -75,14 +75,23 @@ def runner(model_dir):
     r.card.close()
 
 
+def allow(tokens, vocab=256):
+    """A grammar bitmask (int32[ceil(V/32)]) allowing only `tokens`."""
+    bits = np.zeros(vocab, np.uint8)
+    bits[list(tokens)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32).copy()
+
+
 def work_with_everything():
-    """Two prefills (penalties, a ban, prompt logprobs, top logprobs) and a non-sampling chunk."""
+    """Two prefills (penalties, a ban, a logit bias, a grammar mask, prompt logprobs, top
+    logprobs) and a non-sampling chunk."""
     sampling = SamplingParams(temperature=0.8, top_k=20, seed=3, presence_penalty=0.5,
-                              repetition_penalty=1.2, logprobs=3)
+                              repetition_penalty=1.2, logprobs=3, logit_bias={40: 5.0, 41: -2.0})
     return [
         SeqWork(0, [5, 6, 7, 8, 9], 0, [0], True, sampling, prompt_logprobs=True,
                 num_prompt=5, banned_token_ids=[11, 3]),
-        SeqWork(1, [1, 2, 3], 0, [1], True, SamplingParams(temperature=0.0, logprobs=2)),
+        SeqWork(1, [1, 2, 3], 0, [1], True, SamplingParams(temperature=0.0, logprobs=2),
+                token_mask=allow([17, 99, 200])),
         SeqWork(2, list(range(20, 30)), 0, [2], False, SamplingParams(), prompt_logprobs=True),
     ]
 
@@ -100,13 +109,18 @@ def test_the_packed_inputs_are_the_table_placed_for_the_launch_dims(runner):
     assert views["pen_slot"].tolist() == [3, -1, -1, -1]
     assert views["ban_ids"].tolist() == [3, 11]
     assert views["seeds"][0] == 3 and views["top_k"][:2].tolist() == [20, 0]
+    assert views["mask_row"].tolist() == [-1, 0, -1, -1]
+    assert views["mask_words"].tolist() == allow([17, 99, 200]).tolist()
+    assert views["bias_start"].tolist() == [0, 2, 2, 2, 2]
+    assert views["bias_ids"].tolist() == [40, 41] and views["bias"].tolist() == [5.0, -2.0]
     assert step.placement.nbytes <= runner.memory.inputs.nbytes
 
 
 def test_the_buffers_on_the_card_are_the_tables_placed_at_capacity(runner):
     # 32 tokens, 4 seqs, 4096 positions in blocks of 16, vocabulary 256
     cap = memory_plan.Capacity(tmax=32, smax=4, rmax=32 + 4, mbmax=4096 // BLOCK,
-                               npen_max=4 * 4096, nban_max=4 * 256)
+                               npen_max=4 * 4096, nban_max=4 * 256, nmw_max=4 * 8,
+                               nbias_max=4 * 256)
     assert runner.memory.inputs.nbytes == sp.INPUTS.place(cap.input_dims()).nbytes
     assert all(t.nbytes == sp.OUTPUTS.place({"S": 4, "K": sp.KMAX}).nbytes
                for t in runner.memory.outputs)
@@ -151,6 +165,7 @@ def test_reordered_tables_give_identical_steps(model_dir, monkeypatch):
     permuted.close()
     permuted.card.close()
     assert len(want[0].prompt_logprobs) == 2 and want[0].top_ids.shape == (2, 3)
+    assert want[0].token_ids[1] in (17, 99, 200)          # the grammar mask held
     for a, b in zip(want, got, strict=True):
         assert a.seq_ids == b.seq_ids
         for key in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
@@ -176,3 +191,37 @@ def test_a_field_shorter_than_the_entry_reads_stops_the_launch(model_dir, monkey
     finally:
         r.close()
         r.card.close()
+
+
+# ---- grammar masks and logit bias reach the card ------------------------------------------
+
+def test_a_mask_and_a_logit_bias_steer_greedy_decoding_on_the_card(runner):
+    greedy = SamplingParams(temperature=0.0)
+    free = runner.launch([SeqWork(0, [5, 6, 7], 0, [0], True, greedy)]).result()
+    free_token = int(free.token_ids[0])
+    pick = (free_token + 123) % 256
+    steered = runner.launch([
+        SeqWork(1, [5, 6, 7], 0, [1], True, greedy, token_mask=allow([pick, 250])),
+        SeqWork(2, [5, 6, 7], 0, [2], True, SamplingParams(temperature=0.0,
+                                                           logit_bias={pick: 100.0})),
+        SeqWork(3, [5, 6, 7], 0, [3], True, SamplingParams(temperature=0.0,
+                                                           logit_bias={free_token: -100.0})),
+        SeqWork(4, [5, 6, 7], 0, [4], True, greedy),
+    ]).result()
+    assert int(steered.token_ids[0]) in (pick, 250)
+    assert int(steered.token_ids[1]) == pick
+    assert int(steered.token_ids[2]) != free_token
+    assert int(steered.token_ids[3]) == free_token        # a row without either is unchanged
+    # the logprobs stay the raw distribution's
+    np.testing.assert_allclose(steered.logprobs[3], free.logprobs[0], rtol=1e-6)
+
+
+def test_bad_masks_and_biases_are_named_before_launch(runner):
+    from models.step_io import SeqWorkError
+    greedy = SamplingParams(temperature=0.0)
+    with pytest.raises(SeqWorkError, match="token_mask must be int32"):
+        runner.launch([SeqWork(0, [5], 0, [0], True, greedy, token_mask=np.zeros(3, np.int32))])
+    with pytest.raises(SeqWorkError, match="logit_bias token id 256"):
+        runner.launch([SeqWork(0, [5], 0, [0], True, SamplingParams(logit_bias={256: 1.0}))])
+    with pytest.raises(SeqWorkError, match="logit_bias"):
+        runner.launch([SeqWork(0, [5], 0, [0], True, SamplingParams(logit_bias={3: 101.0}))])
