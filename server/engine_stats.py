@@ -1,0 +1,63 @@
+"""What the engine counts and times: ``EngineStats`` (steps, failures, how busy the device
+was, finish reasons) and the ``EngineObserver`` hooks the metrics implement
+(``server/metrics.py``), fed per request and per token."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+class EngineObserver:
+    """Metrics hooks; the default does nothing (server/metrics.py implements them)."""
+
+    def on_scheduled(self, queue_seconds: float, num_prompt_tokens: int) -> None: ...
+    def on_tokens(self, n: int) -> None: ...
+    def on_first_token(self, seconds: float) -> None: ...
+    def on_token_gap(self, seconds: float) -> None: ...
+    def on_finished(self, reason: str, e2e_seconds: float) -> None: ...
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    failed_steps: int = 0
+    busy_wall_seconds: float = 0.0  # wall time while the engine had work
+    busy_device_seconds: float = 0.0  # device compute time in those periods
+    tokens_discarded: int = 0  # sampled for sequences that had already stopped
+    finished: dict = field(default_factory=dict)
+
+    @property
+    def device_busy_fraction(self) -> float:
+        if self.busy_wall_seconds <= 0:
+            return 0.0
+        return min(1.0, self.busy_device_seconds / self.busy_wall_seconds)
+
+    def add_busy(self, wall_since: float, device_since: float, card) -> None:
+        """An iteration that had work, begun at ``wall_since`` (``time.perf_counter``) when
+        the card had computed ``device_since`` seconds (``device_seconds``)."""
+        self.busy_wall_seconds += time.perf_counter() - wall_since
+        self.busy_device_seconds += device_seconds(card) - device_since
+
+    def count_finished(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+
+
+def device_seconds(card) -> float:
+    """The card's compute time so far (0 without a card)."""
+    if card is None:
+        return 0.0
+    return float(card.counters["compute_seconds"])
+
+
+def time_token(observer: EngineObserver, req, seq, now: float) -> None:
+    """A token of ``seq`` (of request ``req``) arrived at ``now``: time to first token of
+    the request, or the gap since the sequence's last token."""
+    if seq.first_token_time is None:
+        seq.first_token_time = now
+        if req.first_token is None:
+            req.first_token = now
+            observer.on_first_token(now - req.arrival)
+    elif seq.last_token_time is not None:
+        observer.on_token_gap(now - seq.last_token_time)
+    seq.last_token_time = now

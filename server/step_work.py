@@ -1,0 +1,36 @@
+"""What the engine hands the runner for one scheduled chunk: a ``SeqWork``
+(``models/step_io.py``), the boundary between the server and the model."""
+
+from __future__ import annotations
+
+from models import SamplingParams, SeqWork
+from server.scheduler import ScheduledChunk
+from server.stopping import banned_tokens
+
+
+def seq_work(c: ScheduledChunk, eos_ids: frozenset[int], vocab_size: int | None) -> SeqWork:
+    seq = c.seq
+    p = seq.params
+    if c.from_device:
+        token_ids = [-1]
+    else:
+        token_ids = seq.token_ids[c.start : c.start + c.num_new]
+    sampling: SamplingParams = p.sampling
+    return SeqWork(
+        seq_id=seq.seq_id,
+        token_ids=token_ids,
+        start_pos=c.start,
+        block_table=list(seq.block_table),
+        sample=c.sample,
+        sampling=sampling,
+        num_generated=c.num_generated,
+        from_device=c.from_device,
+        prompt_logprobs=c.prompt_logprobs,
+        # the card keeps the penalty state from the tokens it computes; positions below
+        # num_prompt are the prompt's (vLLM: repetition counts them, presence and
+        # frequency only the output), so the host sends no token history
+        num_prompt=seq.num_prompt if sampling.uses_penalties else None,
+        # the token sampled here is output token number num_generated (from 0)
+        banned_token_ids=(banned_tokens(p, eos_ids, vocab_size) or None)
+        if c.sample and c.num_generated < p.min_tokens else None,
+    )
