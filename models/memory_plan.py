@@ -35,20 +35,18 @@ class Capacity:
     smax: int        # sequences (the largest sequence bucket)
     rmax: int        # logit rows: every token row asked for, plus the sampling rows
     mbmax: int       # block-table width (max_model_len in blocks)
-    npen_max: int    # penalty entries: every position of every sequence
     nban_max: int    # banned ids: unique per sampling row, each < V
     nmw_max: int = 0     # grammar-mask words: a mask of ceil(V/32) words per sampling row
     nbias_max: int = 0   # logit-bias entries: unique per sampling row, each < V
 
     def input_dims(self) -> dict[str, int]:
         return {"T": self.tmax, "S": self.smax, "R": self.rmax, "MB": self.mbmax,
-                "NPEN": self.npen_max, "NBAN": self.nban_max, "NMW": self.nmw_max,
-                "NBIAS": self.nbias_max}
+                "NBAN": self.nban_max, "NMW": self.nmw_max, "NBIAS": self.nbias_max}
 
 
 def workspace_dims(cap: Capacity, cfg: GraniteConfig) -> dict[str, int]:
     """The dims WORKSPACE is declared in, for this capacity and model."""
-    return {"TMAX": cap.tmax, "RMAX": cap.rmax, "SMAX": cap.smax, "NPENMAX": cap.npen_max,
+    return {"TMAX": cap.tmax, "RMAX": cap.rmax, "SMAX": cap.smax,
             "H": cfg.hidden_size, "QD": cfg.q_size, "KD": cfg.kv_size,
             "I": cfg.intermediate_size, "V": cfg.vocab_size}
 

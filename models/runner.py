@@ -102,7 +102,7 @@ class ModelRunner:
         want_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         tmax, smax = self.t_buckets[-1], self.s_buckets[-1]
         cap = Capacity(tmax=tmax, smax=smax, rmax=tmax + smax, mbmax=-(-want_len // block_size),
-                       npen_max=0, nban_max=smax * cfg.vocab_size,
+                       nban_max=smax * cfg.vocab_size,
                        nmw_max=smax * mask_words(cfg.vocab_size), nbias_max=smax * cfg.vocab_size)
         self.memory = StepMemory(card, cfg, self.weights, cap, block_size, num_kv_blocks,
                                  kv_cache_fraction)

@@ -119,8 +119,7 @@ def test_the_packed_inputs_are_the_table_placed_for_the_launch_dims(runner):
 def test_the_buffers_on_the_card_are_the_tables_placed_at_capacity(runner):
     # 32 tokens, 4 seqs, 4096 positions in blocks of 16, vocabulary 256
     cap = memory_plan.Capacity(tmax=32, smax=4, rmax=32 + 4, mbmax=4096 // BLOCK,
-                               npen_max=4 * 4096, nban_max=4 * 256, nmw_max=4 * 8,
-                               nbias_max=4 * 256)
+                               nban_max=4 * 256, nmw_max=4 * 8, nbias_max=4 * 256)
     assert runner.memory.inputs.nbytes == sp.INPUTS.place(cap.input_dims()).nbytes
     assert all(t.nbytes == sp.OUTPUTS.place({"S": 4, "K": sp.KMAX}).nbytes
                for t in runner.memory.outputs)
