@@ -50,8 +50,8 @@ def _flag(default, help: str, parse: Callable[[str], object] = str, sizing: bool
 class Settings:
     """What ``serve`` needs; one field per flag (``warmup`` takes the ``sizing`` ones)."""
 
-    model: str = _flag("granite-tiny", "checkpoint directory (Hugging Face format) or an embedded "
-                       "profile name", sizing=True)
+    model: str = _flag("granite-tiny", "a model name (granite-tiny, smollm2-135m-instruct), a "
+                       "checkpoint directory (Hugging Face format) or a .gguf file", sizing=True)
     host: str = _flag("127.0.0.1", "address to listen on")
     port: int = _flag(8000, "TCP port to listen on", int)
     served_model_name: str | None = _flag(None, "model name clients use (default: the --model name)")
@@ -121,4 +121,4 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | tuple[str, ...
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         parser.add_argument(flag, type=parse, default=env_value if env_value is not None else f.default,
-                            help=help_text, metavar="DIR|NAME" if name == "model" else name.upper())
+                            help=help_text, metavar="NAME|DIR|GGUF" if name == "model" else name.upper())
