@@ -5,8 +5,8 @@
 The first four are the card's arena seen as float32, int32, int64 and uint16
 (1-D, C-contiguous, same bytes). `table` is int64[n_slots], a view of the
 program's operand region: slot i holds a byte address or a dimension, written
-at launch. A kernel turns an address into a typed view with the helpers
-below (`f32_at(f32, addr, n)` is `f32[addr >> 2 : (addr >> 2) + n]`), then
+at launch. A kernel turns an address into a typed view with `view_at`, named
+below for each view (`f32_at(f32, addr, n)` is `f32[addr >> 2 : (addr >> 2) + n]`), then
 `.reshape(...)`. They raise on a misaligned address or a view past the arena.
 """
 
@@ -27,47 +27,25 @@ ENTRY_ARGS = (
 
 
 @njit(nogil=True, cache=True)
-def f32_at(f32, addr, n):
-    """float32[n] at byte address `addr`."""
-    if addr & 3:
-        raise ValueError("f32_at: address is not 4-byte aligned")
-    start = addr >> 2
-    if addr < 0 or n < 0 or start + n > f32.shape[0]:
-        raise IndexError("f32_at: view lies outside the arena")
-    return f32[start:start + n]
+def view_at(arena, addr, n):
+    """`n` elements of `arena` (any of the four views) from byte address `addr`: it must be a
+    multiple of the element size, and the view must lie inside the arena."""
+    size = arena.itemsize
+    if addr % size:
+        if size == 8:
+            raise ValueError("address is not 8-byte aligned (an int64 view)")
+        if size == 4:
+            raise ValueError("address is not 4-byte aligned (a float32 or int32 view)")
+        raise ValueError("address is not 2-byte aligned (a uint16 view)")
+    start = addr // size
+    if addr < 0 or n < 0 or start + n > arena.shape[0]:
+        raise IndexError("view lies outside the arena")
+    return arena[start:start + n]
 
 
-@njit(nogil=True, cache=True)
-def i32_at(i32, addr, n):
-    """int32[n] at byte address `addr`."""
-    if addr & 3:
-        raise ValueError("i32_at: address is not 4-byte aligned")
-    start = addr >> 2
-    if addr < 0 or n < 0 or start + n > i32.shape[0]:
-        raise IndexError("i32_at: view lies outside the arena")
-    return i32[start:start + n]
-
-
-@njit(nogil=True, cache=True)
-def i64_at(i64, addr, n):
-    """int64[n] at byte address `addr`."""
-    if addr & 7:
-        raise ValueError("i64_at: address is not 8-byte aligned")
-    start = addr >> 3
-    if addr < 0 or n < 0 or start + n > i64.shape[0]:
-        raise IndexError("i64_at: view lies outside the arena")
-    return i64[start:start + n]
-
-
-@njit(nogil=True, cache=True)
-def u16_at(u16, addr, n):
-    """uint16[n] at byte address `addr`."""
-    if addr & 1:
-        raise ValueError("u16_at: address is not 2-byte aligned")
-    start = addr >> 1
-    if addr < 0 or n < 0 or start + n > u16.shape[0]:
-        raise IndexError("u16_at: view lies outside the arena")
-    return u16[start:start + n]
+# the names the kernels use, one per arena view: f32_at(f32, addr, n) is float32[n] at byte
+# address addr, i32_at(i32, ...) int32[n], i64_at(i64, ...) int64[n], u16_at(u16, ...) uint16[n]
+f32_at = i32_at = i64_at = u16_at = view_at
 
 
 # ---- the calling thread's kernel thread count, from inside an entry -------------------------
