@@ -83,6 +83,7 @@ class Engine:
         observer: EngineObserver | None = None,
         step_timeout: float | None = None,
         on_death: Callable[[BaseException], None] | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -96,7 +97,8 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.card = card
         self.observer = observer or EngineObserver()
-        self.blocks = BlockManager(self.num_kv_blocks, self.block_size)
+        self.blocks = BlockManager(self.num_kv_blocks, self.block_size,
+                                   enable_caching=enable_prefix_caching)
         forget = getattr(runner, "forget", None)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
                                    token_buckets=getattr(runner, "t_buckets", None),

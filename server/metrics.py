@@ -113,6 +113,13 @@ class _LiveCollector:
             yield gauge("spyre_kv_blocks_free", "KV cache blocks free right now.", engine.blocks.num_free)
             yield counter("spyre_preemptions", "Sequences preempted (blocks freed, recomputed later).",
                           engine.scheduler.num_preemptions)
+            cache = engine.blocks.stats
+            yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                          "queried tokens.", cache.queries)
+            yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                          "tokens.", cache.hits)
+            yield gauge("spyre_kv_blocks_cached", "KV cache blocks holding a cached prefix block (in use "
+                        "or free).", engine.blocks.num_cached)
             yield counter("spyre_engine_steps", "Steps launched by the engine.", engine.stats.steps)
             yield counter("spyre_engine_failed_steps", "Steps that raised; only the requests at fault failed.",
                           engine.stats.failed_steps)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from server.block_manager import BlockManager
 from server.sequence import SeqStatus, Sequence
@@ -60,6 +60,8 @@ class ScheduledChunk:
     from_device: bool  # the one decode token is read on the device
     prompt_logprobs: bool  # score the prompt tokens of this chunk (echo + logprobs)
     num_generated: int  # output tokens before this chunk's sample: the RNG counter
+    cached: list[tuple[int, bytes]] = field(default_factory=list)  # (block, hash) registered
+    # in the prefix cache at this launch: not what they say if the step fails
 
 
 class Scheduler:
@@ -139,11 +141,17 @@ class Scheduler:
         if chunk.sample != (token is not None):
             raise ValueError(f"seq {chunk.seq.seq_id}: a chunk with sample={chunk.sample} "
                              f"was collected with token {token}")
-        self._leave_step(chunk)
         seq = chunk.seq
+        if seq.kv_suspect:  # it read a cached block a failed step wrote: recomputed from 0
+            token = None
+        self._leave_step(chunk)
         if token is None or seq.status is SeqStatus.FINISHED:
             return False
         seq.token_ids.append(token)
+        if seq.num_inflight == 0 and seq.block_table:
+            # every step of it is read back: full blocks whose last token only this read-back
+            # made known go in the cache too (a finished sequence's output, for a chat's next turn)
+            self.blocks.cache_full_blocks(seq, seq.num_computed)
         return True
 
     def step_failed(self, chunks: list[ScheduledChunk]) -> None:
@@ -151,6 +159,7 @@ class Scheduler:
         nothing, and what they wrote is unknown: a sequence that goes on must ``rewind``."""
         for chunk in chunks:
             self._leave_step(chunk)
+        self._drop_cached(chunks)
 
     def undo_launch(self, chunks: list[ScheduledChunk]) -> None:
         """The launch of the newest step raised before it ran: its chunks are taken back, as
@@ -159,14 +168,37 @@ class Scheduler:
             self._leave_step(chunk)
             if chunk.seq.status is not SeqStatus.FINISHED:
                 chunk.seq.num_computed = chunk.start
+        self._drop_cached(chunks)
 
     def rewind(self, seq: Sequence) -> None:
         """Recompute ``seq`` from position 0 (its KV cache and runner state are suspect after
-        a failed step); no launched step may hold it. Its blocks and known tokens stay."""
+        a failed step); no launched step may hold it. Its known tokens stay; its blocks are
+        let go (some may be shared: it recomputes into blocks of its own)."""
         if seq.num_inflight or seq.num_pending:
             raise RuntimeError(f"seq {seq.seq_id}: rewind with {seq.num_inflight} steps in flight "
                                f"and {seq.num_pending} samples pending")
+        self.blocks.free(seq)
         seq.num_computed = 0
+        seq.kv_suspect = False
+
+    def _drop_cached(self, chunks: list[ScheduledChunk]) -> None:
+        """The blocks the failed ``chunks`` registered in the prefix cache hold what the
+        step wrote, which is unknown: they leave the cache, and every sequence that counts
+        one of them as computed (one that found it in the cache, the writer itself) is
+        recomputed from position 0 in blocks of its own once no launched step holds it; the
+        tokens its steps in flight sample are dropped."""
+        bad = {block: h for c in chunks for block, h in c.cached}
+        if not bad:
+            return
+        bs = self.blocks.block_size
+        for seq in [*self.running, *self.waiting]:
+            if any(bad.get(block) == self.blocks.hash_of(block) and (i + 1) * bs <= seq.num_computed
+                   for i, block in enumerate(seq.block_table) if block in bad):
+                seq.kv_suspect = True
+                if not seq.num_inflight:
+                    self.rewind(seq)
+        for block, h in bad.items():
+            self.blocks.uncache(block, h)
 
     def _leave_step(self, chunk: ScheduledChunk) -> None:
         """Undo what ``_take`` counted for ``chunk``'s launch; free the blocks of a finished
@@ -178,6 +210,8 @@ class Scheduler:
         if seq.num_inflight == 0 and seq.status is SeqStatus.FINISHED and seq.block_table:
             self.blocks.free(seq)
             self.deferred_free.remove(seq)
+        if seq.num_inflight == 0 and seq.kv_suspect and seq.status is not SeqStatus.FINISHED:
+            self.rewind(seq)
         self._release_if_idle(seq)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -264,13 +298,20 @@ class Scheduler:
             if seq.seq_id in self._preempted_now or not self._ready(seq) or seq.num_pending:
                 break  # FCFS: the head waits, nobody overtakes it
             target, sample = self._target(seq)
-            remaining = target - seq.num_computed
+            hit = self._cached_prefix(seq, target)
+            start = len(hit) * bs if hit else seq.num_computed
+            remaining = target - start
             if remaining <= 0:
                 break
             num_new = min(remaining, budget)
-            if not self.blocks.can_grow(seq, seq.num_computed + num_new):
+            if not self.blocks.can_share(seq, hit, start + num_new):
                 break
             self.waiting.popleft()
+            if hit:
+                self.blocks.share(seq, hit, seq.num_tokens)
+                seq.num_computed = start
+            elif seq.num_computed == 0 and seq.params.reads_prefix_cache and self.blocks.enable_caching:
+                self.blocks.stats.queries += seq.num_tokens  # looked up, nothing found
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._take(seq, num_new, sample and num_new == remaining))
@@ -317,6 +358,14 @@ class Scheduler:
         # 27-token remainder pad to 64 rather than trickle one token a step into bucket 32
         return floor - decoded if 2 * (floor - decoded) >= prefill else budget
 
+    def _cached_prefix(self, seq: Sequence, target: int) -> list[int]:
+        """The cached blocks a sequence about to start from position 0 can start from: the
+        longest cached prefix of its known tokens, leaving at least one token of ``target``
+        to compute (the step samples from it; vLLM's cap at num_tokens - 1)."""
+        if seq.num_computed or seq.block_table or not seq.params.reads_prefix_cache:
+            return []
+        return self.blocks.lookup(seq, min(target, seq.num_tokens) - 1)
+
     def _take(self, seq: Sequence, num_new: int, sample: bool) -> ScheduledChunk:
         start = seq.num_computed
         self.blocks.grow(seq, start + num_new)
@@ -331,4 +380,9 @@ class Scheduler:
         seq.num_inflight += 1
         if sample:
             seq.num_pending += 1
-        return ScheduledChunk(seq, start, num_new, sample, from_device, prompt_lp, num_generated)
+        # the full blocks this launch writes (and any whose last token became known since)
+        # are in the cache at once: a step launched later reads them after this one wrote
+        # them, and a sequence admitted later in this step reads them after this step's
+        # write_kv of the layer (every row's KV is written before any row's attention)
+        cached = self.blocks.cache_full_blocks(seq, seq.num_computed)
+        return ScheduledChunk(seq, start, num_new, sample, from_device, prompt_lp, num_generated, cached)

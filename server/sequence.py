@@ -42,6 +42,14 @@ class GenerationParams:
             s.presence_penalty != 0.0 or s.frequency_penalty != 0.0 or s.repetition_penalty != 1.0
         )
 
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether a sequence may start from cached KV blocks instead of position 0. Not
+        with prompt logprobs (they need the logits of every prompt position: vLLM skips the
+        cache for them too), nor with penalties (the card counts a sequence's prompt tokens
+        into its penalty slot as it computes them, from position 0: models/penalty_slots.py)."""
+        return not self.prompt_logprobs and not self.uses_penalties
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -64,6 +72,9 @@ class Sequence:
     num_pending: int = 0  # tokens sampled by launched steps, not read back yet
     num_computed: int = 0  # tokens written (or being written) into the KV cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks of known tokens
+    num_cached_blocks: int = 0  # leading blocks of block_table registered (or tried) in the cache
+    kv_suspect: bool = False  # holds a cached block a failed step wrote: recompute from 0
     status: SeqStatus = SeqStatus.WAITING
     num_inflight: int = 0  # launched steps this sequence is part of, not collected yet
     release_pending: bool = False  # ended or preempted: release it once num_inflight is 0

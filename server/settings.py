@@ -90,6 +90,9 @@ class Settings:
     drain_timeout: float = _flag(30.0, "seconds to finish running requests after SIGTERM", float)
     step_timeout: float = _flag(120.0, "seconds a step may take before the engine is declared dead "
                                 "(in-flight requests fail, the server exits 1 to be restarted)", float)
+    enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of a prompt prefix computed before "
+                                        "(full blocks, content-addressed, least recently used "
+                                        "evicted first)", parse_bool)
     warmup: bool = _flag(True, "compile and prepare every step program before listening", parse_bool)
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
 
