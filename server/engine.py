@@ -55,6 +55,7 @@ from server.sequence import GenerationParams, Sequence
 from server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
 from server.step_work import seq_work
 from server.stopping import check_stop, eos_token_ids
+from server.structured import grammar_stop
 from server.watchdog import EngineFatal, EngineStalled, Fault
 
 log = logging.getLogger("spyre_serve.engine")
@@ -245,12 +246,17 @@ class Engine:
                     continue
                 chunks = self.scheduler.schedule()
                 step = self._launch(chunks)
-                if inflight is not None:
+                collected = inflight is not None
+                if collected:
                     step = self._collect_pair(inflight, step)
                 inflight = step
                 self._publish_counts()
                 if inflight is None:
-                    if not chunks:                    # idle (a failed launch replans at once)
+                    # a read-back may have made ready sequences that wait for their token on
+                    # the host (grammars): plan again at once, as after a failed launch
+                    if collected:
+                        self.stats.add_busy(t0, c0, self.card)
+                    elif not chunks:                  # idle
                         self._wake.wait(0.05)
                         self._wake.clear()
                     continue
@@ -271,6 +277,8 @@ class Engine:
                 self._open.add(req)
                 for seq in req.seqs:
                     seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+                    if seq.params.grammar is not None:
+                        seq.matcher = seq.params.grammar.matcher()
                     self.scheduler.add(seq)
             else:
                 req = self._requests.get(item)
@@ -367,6 +375,8 @@ class Engine:
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(token_logprob(out, i, token, seq.params.logprobs))
         stop = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+        if seq.matcher is not None and stop is None:
+            stop = grammar_stop(seq, token)
         if stop is not None:
             self._open.finish_seq(seq, *stop)
 

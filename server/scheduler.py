@@ -240,6 +240,8 @@ class Scheduler:
             return False
         if seq.num_pending == 1 and seq.num_computed != seq.num_tokens - 1:
             return False
+        if seq.num_pending and seq.params.grammar is not None:
+            return False  # its grammar's mask is built from its last token: known on the host only
         return True
 
     # ---- the step -------------------------------------------------------------

@@ -33,6 +33,8 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0..5: sampled token + top-n
+    grammar: object | None = None  # server.structured.Grammar: structured output (each choice
+    # gets its own matcher from it); its sequences never decode from_device
     prompt_logprobs: bool = False  # echo with logprobs: score the prompt too
 
     @property
@@ -88,6 +90,7 @@ class Sequence:
     num_tokens_sent: int = 0  # output tokens (and logprobs) already handed to the client
     prompt_logprobs_sent: bool = False
     detok: object | None = None  # models.tokenizer.IncrementalDetokenizer
+    matcher: object | None = None  # server.structured.Matcher: its grammar, advanced per known token
     first_token_time: float | None = None
     last_token_time: float | None = None
 

@@ -33,4 +33,7 @@ def seq_work(c: ScheduledChunk, eos_ids: frozenset[int], vocab_size: int | None)
         # the token sampled here is output token number num_generated (from 0)
         banned_token_ids=(banned_tokens(p, eos_ids, vocab_size) or None)
         if c.sample and c.num_generated < p.min_tokens else None,
+        # structured output: what the grammar allows after the tokens known on the host (the
+        # scheduler launches such a sequence only when none is pending: never from_device)
+        token_mask=seq.matcher.mask() if c.sample and seq.matcher is not None else None,
     )

@@ -22,6 +22,7 @@ from server.openai.protocol import ChatCompletionRequest
 from server.openai.response import full_response, new_head, stream_response
 from server.openai.sampling import generation_params
 from server.openai.serving import serving_of
+from server.openai.tools import ToolRequest, chat_structure, tool_choices
 
 router = APIRouter()
 
@@ -33,23 +34,27 @@ async def create_chat_completion(request: Request):
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     serving.check_limits(req)
+    tools = ToolRequest.of(req)
     ids = await serving.blocking("rendering the chat template for these messages", "messages", chat_prompt,
                                  serving.tokenizer, req.messages, req.add_generation_prompt,
-                                 req.chat_template_kwargs, req.add_special_tokens)
+                                 req.chat_template_kwargs, req.add_special_tokens,
+                                 tools.template_tools if tools is not None else None)
     [ids] = truncated([ids], req.truncate_prompt_tokens, serving.engine.max_model_len)
     serving.check_tokens(ids, "messages")
     max_tokens = serving.max_tokens(req.output_limit, [ids])
     k = (req.top_logprobs or 0) if req.logprobs else None  # top alternatives per token; None: no logprobs
     params = generation_params(req, max_tokens, k, prompt_logprobs=False, vocab_size=serving.vocab_size)
+    await chat_structure(serving, req, tools, params)
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     serving.check_fits(ids, params, {"prompt": "messages", "max_tokens": limit_param})
     serving.check_admission(req.n)
+    finished, streamed = tool_choices(tools, finished_choice, streamed_choice)
     head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name)
     sub = serving.submit(head["id"], [ids], params)
     if req.stream:
-        return stream_response(sub, head, req.stream_usage, partial(streamed_choice, serving.texts, k),
+        return stream_response(sub, head, req.stream_usage, partial(streamed, serving.texts, k),
                                opening_choices(len(sub.choices)))
-    return await full_response(sub, request.is_disconnected, head, partial(finished_choice, serving.texts, k))
+    return await full_response(sub, request.is_disconnected, head, partial(finished, serving.texts, k))
 
 
 def message_logprobs(texts: TokenTexts, k: int | None, logprobs: list, ids: list[int]) -> dict | None:

@@ -15,6 +15,7 @@ from functools import partial
 from fastapi import APIRouter, Request
 
 from server.engine import SeqUpdate
+from server.openai import structured
 from server.openai.bridge import Choice, Submission
 from server.openai.logprobs import TokenTexts, completion_logprobs, joined
 from server.openai.openapi import GENERATION_ERRORS, route
@@ -40,6 +41,8 @@ async def create_completion(request: Request):
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
     params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
                                vocab_size=serving.vocab_size)
+    structured.apply(params, await structured.request_grammar(serving, req),
+                     structured.logit_bias(req, serving.vocab_size))
     for ids in prompts:
         serving.check_fits(ids, params)
     serving.check_admission(len(prompts) * req.n)

@@ -147,12 +147,16 @@ def check_template_kwargs(tokenizer, kwargs: dict | None) -> dict:
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                template_kwargs: dict | None, add_special_tokens: bool = False) -> list[int]:
+                template_kwargs: dict | None, add_special_tokens: bool = False,
+                tools: list[dict] | None = None) -> list[int]:
     """The conversation rendered by the chat template, then encoded (without special tokens
-    unless ``add_special_tokens``: the template writes them)."""
+    unless ``add_special_tokens``: the template writes them). ``tools`` (a chat request's, OpenAI's
+    shape) is the template's ``tools`` variable, as transformers and vLLM hand it."""
     kwargs = check_template_kwargs(tokenizer, template_kwargs)
     convo = [m.for_template() for m in messages]
     try:
+        if tools:
+            kwargs = {**kwargs, "tools": tools}
         text = tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              **kwargs)
     except jinja2.TemplateError as exc:

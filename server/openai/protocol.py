@@ -44,17 +44,6 @@ FLOORS = {"n": (1, "at least 1"), "min_tokens": (0, ">= 0")}
 # (structured output, tool calling, logit_bias, stop strings kept, special tokens shown)
 # lifts them one by one: implement the field, then delete its row here.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "response_format": ((None, {"type": "text"}), "structured output (response_format)"),
-    "structured_outputs": ((None,), "structured output (structured_outputs)"),
-    "guided_json": ((None,), "structured output (guided_json)"),
-    "guided_regex": ((None,), "structured output (guided_regex)"),
-    "guided_choice": ((None,), "structured output (guided_choice)"),
-    "guided_grammar": ((None,), "structured output (guided_grammar)"),
-    "tools": ((None, []), "tool calling (tools)"),
-    "tool_choice": ((None, "none"), "tool calling (tool_choice)"),
-    "tool_calls": ((None, []), "tool calling (tool_calls)"),  # on a chat message
-    "tool_call_id": ((None,), "tool calling (tool_call_id)"),  # on a chat message
-    "logit_bias": ((None, {}), "logit_bias"),
     "include_stop_str_in_output": ((False,), "include_stop_str_in_output: true"),
     "skip_special_tokens": ((True,), "skip_special_tokens: false"),
     "continuous_usage_stats": ((False,), "usage in every chunk (continuous_usage_stats)"),  # stream_options'
@@ -62,7 +51,7 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 }
 
 # the rows above that are not the request's own fields but a chat message's or stream_options'
-NESTED_FIELDS = ("tool_calls", "tool_call_id", "continuous_usage_stats")
+NESTED_FIELDS = ("continuous_usage_stats",)
 
 
 def refuse_unless_neutral(v, info):
@@ -165,16 +154,18 @@ class SamplingRequest(StrictModel):
     user: str | None = None  # OpenAI's end-user id, for the caller's own records: no effect
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # not acted on yet: only their neutral values are accepted (UNSUPPORTED)
-    response_format: Annotated[dict[str, Any] | None, neutral("response_format")] = None
-    structured_outputs: Annotated[dict[str, Any] | None, neutral("structured_outputs")] = None
-    guided_json: Annotated[str | dict[str, Any] | None, neutral("guided_json")] = None
-    guided_regex: Annotated[str | None, neutral("guided_regex")] = None
-    guided_choice: Annotated[list[str] | None, neutral("guided_choice")] = None
-    guided_grammar: Annotated[str | None, neutral("guided_grammar")] = None
-    tools: Annotated[list[dict[str, Any]] | None, neutral("tools")] = None
-    tool_choice: Annotated[str | dict[str, Any] | None, neutral("tool_choice")] = None
-    logit_bias: Annotated[dict[str, float] | None, neutral("logit_bias")] = None
+    # structured output (server/openai/structured.py: checked and compiled there, a 400 naming
+    # the field): OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar": ...}
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # tool calls (chat; server/openai/tools.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to [-100, 100]
     include_stop_str_in_output: Annotated[bool, neutral("include_stop_str_in_output")] = False
     skip_special_tokens: Annotated[bool, neutral("skip_special_tokens")] = True
 
@@ -305,13 +296,8 @@ class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # handed to the chat template with the message, as vLLM does
-    tool_calls: Annotated[list[dict[str, Any]] | None, neutral("tool_calls")] = None
-    tool_call_id: Annotated[str | None, neutral("tool_call_id")] = None
-
-    @field_validator("tool_calls", "tool_call_id")
-    @classmethod
-    def _unsupported(cls, v, info):
-        return refuse_unless_neutral(v, info)
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -321,11 +307,30 @@ class ChatMessage(StrictModel):
         return "".join(p.text for p in self.content)
 
     def for_template(self) -> dict:
-        """The message as the chat template reads it: role, content as text, name if given."""
+        """The message as the chat template reads it: role, content as text, name if given, an
+        assistant's tool calls (their JSON arguments as objects, as vLLM hands them to templates)
+        and a tool message's call id."""
         out = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _call_for_template(call: dict) -> dict:
+    """A tool call with its ``function.arguments`` parsed from JSON text when they are (templates
+    iterate over them, e.g. ``arguments | tojson``)."""
+    fn = call.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            return call
+        return {**call, "function": {**fn, "arguments": args}}
+    return call
 
 
 class ChatCompletionRequest(SamplingRequest):

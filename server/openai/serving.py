@@ -30,6 +30,7 @@ from server.openai.prompts import with_chat_template
 from server.openai.protocol import SamplingRequest
 from server.sequence import GenerationParams
 from server.settings import Settings
+from server.structured import Grammars
 
 log = logging.getLogger("spyre_serve.api")
 
@@ -50,10 +51,13 @@ class Serving:
     vocab_size: int
     texts: TokenTexts = field(init=False)  # token id -> text, for logprobs
     offload: Offload = field(init=False)  # threads for rendering and tokenizing
+    grammars: Grammars = field(init=False)  # structured output: compiled grammars (LRU)
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
         self.offload = Offload(OFFLOAD_THREADS, self.settings.render_timeout)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size,
+                                 getattr(self.engine, "eos_token_ids", ()))
 
     @classmethod
     def for_model(cls, engine: Engine, model, settings: Settings) -> Serving:

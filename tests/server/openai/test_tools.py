@@ -1,0 +1,129 @@
+"""server/openai/tools.py: tools and tool_choice checked, Granite's calls parsed (whole and
+streamed, in vLLM's delta shapes), the forced choices' schemas, and the template's tools."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+
+from server.openai.errors import APIError
+from server.openai.prompts import chat_prompt
+from server.openai.protocol import ChatCompletionRequest
+from server.openai.tools import ToolRequest, complete_items, parse_call_list, tool_choices
+
+TEMPLATE = Path(__file__).resolve().parents[3] / "examples" / "tool_chat_template_granite.jinja"
+F = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+G = {"type": "function", "function": {"name": "g"}}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def tools_of(**body):
+    return ToolRequest.of(ChatCompletionRequest(messages=MSG, **body))
+
+
+def test_tool_choice_defaults_to_auto_with_tools_and_names_must_exist():
+    assert tools_of() is None and tools_of(tools=[F]).choice == "auto"
+    assert tools_of(tools=[F], tool_choice={"type": "function", "function": {"name": "f"}}).named == "f"
+    for body, param in [({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "h"}}}, "tool_choice"),
+                        ({"tools": [F], "tool_choice": "sometimes"}, "tool_choice"),
+                        ({"tools": [F, F]}, "tools"),
+                        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]}, "tools"),
+                        ({"tools": [{"type": "retrieval"}]}, "tools")]:
+        with pytest.raises(APIError) as info:
+            tools_of(**body)
+        assert info.value.param == param, body
+
+
+@pytest.mark.parametrize("text", ['<|tool_call|>[{"name": "f", "arguments": {"x": 1}}]',
+                                  ' <tool_call> [{"name": "f", "arguments": {"x": 1}}]',
+                                  '[{"name": "f", "arguments": {"x": 1}}]'])
+def test_granite_calls_are_parsed_with_or_without_the_marker(text):
+    assert parse_call_list(text, "arguments") == [("f", '{"x": 1}')]
+    calls, content = tools_of(tools=[F]).parse(text)
+    assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
+
+
+@pytest.mark.parametrize("text", ["Hello there", "[not json", '{"name": "f"}', '[1, 2]'])
+def test_text_that_is_no_call_list_stays_content(text):
+    assert tools_of(tools=[F]).parse(text) == ([], text)
+
+
+def test_none_never_parses_and_named_is_the_arguments():
+    assert tools_of(tools=[F], tool_choice="none").parse('[{"name": "f", "arguments": {}}]')[0] == []
+    calls, _ = tools_of(tools=[F], tool_choice={"type": "function", "function": {"name": "f"}}).parse('{"x": 2}')
+    assert calls[0]["function"] == {"name": "f", "arguments": '{"x": 2}'}
+
+
+def test_required_builds_vllms_schema_of_a_list_of_calls():
+    schema = json.loads(tools_of(tools=[F, G], tool_choice="required").grammar_spec().source)
+    jsonschema.validate([{"name": "f", "parameters": {"x": 1}}, {"name": "g", "parameters": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "f", "parameters": {}}], schema)
+    assert tools_of(tools=[F]).grammar_spec() is None
+    calls, _ = tools_of(tools=[F, G], tool_choice="required").parse('[{"name": "g", "parameters": {"y": "z"}}]')
+    assert calls[0]["function"] == {"name": "g", "arguments": '{"y": "z"}'}
+
+
+def test_complete_items_skips_brackets_inside_strings():
+    assert complete_items('[{"a": "}]"}, {"b": 1') == (['{"a": "}]"}'], False)
+    assert complete_items('[{"a": 1}]') == (['{"a": 1}'], True)
+
+
+def stream(tools, pieces):
+    """Run tool_choices' streamed choice over text pieces, the last one finishing with "stop"."""
+    def plain(texts, k, idx, u):
+        return {"index": idx, "delta": {"content": u.text}, "finish_reason": u.finish_reason}
+
+    _, streamed = tool_choices(tools, None, plain)
+    return [streamed(None, None, 0, SimpleNamespace(text=p, finish_reason="stop" if i == len(pieces) - 1 else None))
+            for i, p in enumerate(pieces)]
+
+
+def test_a_streamed_call_list_is_sent_call_by_call_in_vllms_delta_shape():
+    text = '<|tool_call|>[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]'
+    chunks = stream(tools_of(tools=[F, G]), [text[i:i + 7] for i in range(0, len(text), 7)])
+    deltas = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
+        [(0, "f", '{"x": 1}'), (1, "g", "{}")]
+    assert all(d["id"] and d["type"] == "function" for d in deltas)
+    assert not any(c["delta"].get("content") for c in chunks)
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_streamed_text_stays_content_and_a_named_call_streams_its_arguments():
+    chunks = stream(tools_of(tools=[F]), [" ", "Hel", "lo"])
+    assert "".join(c["delta"].get("content", "") for c in chunks) == " Hello"
+    assert chunks[-1]["finish_reason"] == "stop"
+    chunks = stream(tools_of(tools=[F], tool_choice={"type": "function", "function": {"name": "f"}}),
+                    ['{"x"', ": 4", "}"])
+    deltas = [d for c in chunks for d in c["delta"]["tool_calls"]]
+    assert deltas[0]["id"] and deltas[0]["function"]["name"] == "f"
+    assert all("id" not in d and "name" not in d["function"] for d in deltas[1:])
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"x": 4}'
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_the_template_gets_the_tools_and_the_calls_of_the_conversation():
+    from models import resolve_model
+    from models.tokenizer import load_tokenizer
+    from server.openai.prompts import with_chat_template
+
+    tokenizer = with_chat_template(load_tokenizer(resolve_model("granite-tiny")), str(TEMPLATE))
+    req = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "x?"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                              "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "42"}], tools=[F])
+    text = tokenizer.decode(chat_prompt(tokenizer, req.messages, True, None, False, req.tools))
+    assert "<|start_of_role|>available_tools<|end_of_role|>" in text and '"name": "f"' in text
+    assert '<|tool_call|>[{"name": "f", "arguments": {"x": 1}}]' in text
+    assert "<|start_of_role|>tool_response<|end_of_role|>42" in text
