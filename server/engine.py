@@ -85,6 +85,7 @@ class Engine:
         step_timeout: float | None = None,
         on_death: Callable[[BaseException], None] | None = None,
         enable_prefix_caching: bool = True,
+        max_prefill_with_decodes: int | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -103,7 +104,8 @@ class Engine:
         forget = getattr(runner, "forget", None)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
                                    token_buckets=getattr(runner, "t_buckets", None),
-                                   on_release=(lambda seq: forget(seq.seq_id)) if forget else None)
+                                   on_release=(lambda seq: forget(seq.seq_id)) if forget else None,
+                                   max_prefill_with_decodes=max_prefill_with_decodes)
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._inbox = Inbox()

@@ -72,6 +72,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         token_buckets: list[int] | None = None,
         on_release: Callable[[Sequence], None] | None = None,
+        max_prefill_with_decodes: int | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
@@ -82,6 +83,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.token_buckets = sorted(token_buckets or [])
+        # prefill tokens a step that carries decodes may take (None: the whole budget): a
+        # prefill chunk makes every decode in its step wait for it (see _prefill_budget)
+        self.max_prefill_with_decodes = max_prefill_with_decodes
         self.on_release = on_release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -338,7 +342,11 @@ class Scheduler:
     def _prefill_budget(self, decoded: int, budget: int) -> int:
         """Prefill tokens for a step that already holds `decoded` decode tokens: the budget
         left, cut so that the step ends on a token bucket when that keeps at least half of
-        the prefill the step would otherwise take."""
+        the prefill the step would otherwise take. With decodes in the step, prefill takes at
+        most `max_prefill_with_decodes` tokens, so that no decode waits long for a prefill
+        chunk (the inter-token latency; vLLM's chunked prefill bounds it the same way)."""
+        if decoded and self.max_prefill_with_decodes is not None:
+            budget = min(budget, self.max_prefill_with_decodes)
         if not self.token_buckets or budget == 0 or decoded == 0:
             return budget               # without decodes, padding beats another step
         wanted = 0                      # prefill tokens the running and first waiting want

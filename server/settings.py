@@ -40,6 +40,31 @@ def parse_dtype(text: str) -> str:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+JINJA_CHARS = "{}\n"  # a --chat-template holding one of these is a template, not a path
+
+
+def chat_template_text(value: str) -> str:
+    """``--chat-template`` as vLLM reads it: the file it names, else the template itself; a
+    value without Jinja's characters that names no readable file is refused (ValueError),
+    since it was meant as a path."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the name, undecodable text
+        if not any(c in value for c in JINJA_CHARS):
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it could not be read: "
+                             f"{why}") from None
+        return value
+
+
+def parse_chat_template(text: str) -> str:
+    """A ``--chat-template`` that reads (``chat_template_text``), kept as given."""
+    try:
+        chat_template_text(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _flag(default, help: str, parse: Callable[[str], object] = str, sizing: bool = False):
@@ -58,6 +83,9 @@ class Settings:
     max_num_seqs: int = _flag(32, "most sequences in one step (running requests)", int, sizing=True)
     max_num_batched_tokens: int = _flag(512, "token budget of one step (prefill chunk size)", int,
                                         sizing=True)
+    max_prefill_tokens_with_decodes: int | None = _flag(
+        None, "most prompt tokens a step that also decodes may take (default: the whole step "
+        "budget); smaller keeps decodes from waiting on prefill chunks, at some TTFT", int)
     dtype: str = _flag("auto", "width of the weights on the card: auto (the checkpoint's), float32, "
                        "bfloat16 or float16; 16-bit weights are widened to float32 in the kernels",
                        parse_dtype, sizing=True)
@@ -83,7 +111,11 @@ class Settings:
     max_stop_length: int = _flag(256, "longest stop string, in characters", int)
     max_stop_token_ids: int = _flag(64, "most stop_token_ids in one request", int)
     chat_template: str | None = _flag(None, "Jinja chat template to use instead of the tokenizer's: "
-                                      "a file, or the template itself")
+                                      "a file, or the template itself", parse_chat_template)
+    generation_config: str = _flag("auto", "sampling defaults for what a request leaves unset (temperature, "
+                                   "top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens): "
+                                   "auto (the model's generation_config.json), vllm (none), or a directory "
+                                   "holding a generation_config.json")
     render_timeout: float = _flag(5.0, "seconds a request's chat template may take to render (and "
                                   "its prompt to tokenize), off the event loop; longer is a 400", float)
     max_body_bytes: int = _flag(1 << 20, "largest request body; larger gets 413", parse_size)

@@ -168,6 +168,22 @@ def test_a_prefill_beside_decodes_is_not_cut_to_a_trickle():
     assert first_step(0, 100) == [100]                   # no decodes: whole, padded to 128
 
 
+def test_a_prefill_beside_decodes_takes_at_most_max_prefill_with_decodes():
+    def first_step(decodes, prompt_len, cap):
+        sched = Scheduler(BlockManager(400, 16), 64, 512, token_buckets=[2 ** i for i in range(10)],
+                          max_prefill_with_decodes=cap)
+        for i in range(decodes):
+            sched.add(make_seq(i, [5, 6]))
+        for chunk in sched.schedule():
+            sched.collected(chunk, 7)
+        sched.add(make_seq(decodes, list(range(prompt_len))))
+        return sorted(c.num_new for c in sched.schedule())
+
+    assert first_step(8, 300, 64) == [1] * 8 + [56]      # 8 + 64 = 72 -> ends on bucket 64
+    assert first_step(8, 300, None) == [1] * 8 + [248]   # the whole budget: ends on 256
+    assert first_step(0, 300, 64) == [300]               # no decodes to protect: no cap
+
+
 # ---- release (the runner's per-sequence state), undo, rewind, solo steps ---------------
 
 def releasing(**kw) -> tuple[Scheduler, list[int]]:
