@@ -32,9 +32,10 @@ class PromptLogprobs:
                                                    # whose prefill goes on in a later step
 
     def of_chunk(self, w: SeqWork, lsm: np.ndarray, r0: int):
-        """(logprobs float32[n], top ids int32[n, K], top logprobs float32[n, K]) of the
-        chunk's tokens at position >= 1; lsm [rows, V] is the step's log-softmax, the chunk's
-        rows start at r0. K = w.sampling.logprobs."""
+        """(logprobs float32[n], top ids int32[n, K], top logprobs float32[n, K], ranks
+        int32[n]) of the chunk's tokens at position >= 1; lsm [rows, V] is the step's
+        log-softmax, the chunk's rows start at r0. K = w.sampling.logprobs; a token's rank is
+        1 + the tokens of its row more likely than it (vLLM's: ties share the rank)."""
         n = len(w.token_ids)
         rows, targets = [], []
         prev = self._pending.pop(w.seq_id, None)
@@ -48,11 +49,13 @@ class PromptLogprobs:
             self._pending[w.seq_id] = lsm[r0 + n - 1].copy()
         k = w.sampling.logprobs
         if not rows:
-            return (np.zeros(0, np.float32), np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
+            return (np.zeros(0, np.float32), np.zeros((0, k), np.int32), np.zeros((0, k), np.float32),
+                    np.zeros(0, np.int32))
         mat = np.stack(rows)                                       # [n', V]
         idx = np.asarray(targets, dtype=np.int64)
-        lp = mat[np.arange(len(idx)), idx].astype(np.float32)
-        return (lp, *top_k_of_rows(mat, k))
+        lp = mat[np.arange(len(idx)), idx]
+        ranks = (mat > lp[:, None]).sum(axis=1).astype(np.int32) + 1
+        return (lp.astype(np.float32), *top_k_of_rows(mat, k), ranks)
 
     def __len__(self) -> int:
         """Sequences with a row kept."""

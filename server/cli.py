@@ -120,7 +120,8 @@ def build(s: Settings, progress: bool = True) -> Built:
         log.info("compiling and preparing %d step programs (token buckets %s)", len(shapes), runner.t_buckets)
         runner.warmup(progress=progress)
     compiles = card.counters.snapshot()["compiles"]
-    metrics = Metrics(s.served_name(model), card=card, compiles_at_ready=compiles)
+    metrics = Metrics(s.served_name(model), card=card, compiles_at_ready=compiles,
+                      max_model_len=runner.max_model_len)
     engine = Engine(runner, model.tokenizer, max_num_seqs=s.max_num_seqs,
                     max_num_batched_tokens=s.max_num_batched_tokens, card=card,
                     step_timeout=s.step_timeout, enable_prefix_caching=s.enable_prefix_caching,

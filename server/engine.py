@@ -278,7 +278,8 @@ class Engine:
                 req: EngineRequest = item
                 self._open.add(req)
                 for seq in req.seqs:
-                    seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+                    seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids,
+                                                       skip_special_tokens=seq.params.skip_special_tokens)
                     if seq.params.grammar is not None:
                         seq.matcher = seq.params.grammar.matcher()
                     self.scheduler.add(seq)
@@ -301,6 +302,7 @@ class Engine:
             self._step_failed(chunks, exc, ran=False)
             return None
         self.stats.steps += 1
+        self.observer.on_step(sum(c.num_new for c in chunks))
         for c in chunks:
             req = self._requests.get(c.seq.request_id)
             if req is not None and req.first_scheduled is None:

@@ -18,10 +18,24 @@ from server.engine import Engine, EngineObserver
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """vLLM's ``build_1_2_5_buckets``: 1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return out
+            out.append(value)
+        exponent += 1
 
 
 class Metrics(EngineObserver):
-    def __init__(self, model_name: str, card=None, compiles_at_ready: int | None = None) -> None:
+    def __init__(self, model_name: str, card=None, compiles_at_ready: int | None = None,
+                 max_model_len: int = 1 << 20) -> None:
         self.model_name = model_name
         self.card = card
         self.compiles_at_ready = compiles_at_ready
@@ -52,6 +66,14 @@ class Metrics(EngineObserver):
             "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", labels,
             buckets=E2E_BUCKETS, registry=r,
         )
+        self.max_tokens_param = Histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", labels,
+            buckets=buckets_1_2_5(max_model_len), registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
+            buckets=ITERATION_TOKENS_BUCKETS, registry=r,
+        )
         r.register(_LiveCollector(self))
 
     def attach(self, engine: Engine) -> None:
@@ -75,6 +97,12 @@ class Metrics(EngineObserver):
     def on_finished(self, reason: str, e2e_seconds: float) -> None:
         self.request_success.labels(self.model_name, reason).inc()
         self.e2e.labels(self.model_name).observe(e2e_seconds)
+
+    def on_step(self, num_tokens: int) -> None:
+        self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+
+    def on_request_params(self, max_tokens: int) -> None:
+        self.max_tokens_param.labels(self.model_name).observe(max_tokens)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -112,6 +140,8 @@ class _LiveCollector:
             yield gauge("spyre_kv_blocks_total", "KV cache blocks on the card.", engine.blocks.num_blocks)
             yield gauge("spyre_kv_blocks_free", "KV cache blocks free right now.", engine.blocks.num_free)
             yield counter("spyre_preemptions", "Sequences preempted (blocks freed, recomputed later).",
+                          engine.scheduler.num_preemptions)
+            yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                           engine.scheduler.num_preemptions)
             cache = engine.blocks.stats
             yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "

@@ -77,6 +77,7 @@ class OpenRequests:
         reason = req.seqs[0].finish_reason or "abort"
         self._stats.count_finished(reason)
         self._observer().on_finished(reason, time.monotonic() - req.arrival)
+        self._observer().on_request_params(req.seqs[0].params.max_tokens)
 
     def finish(self, req: EngineRequest, reason: str, notify: bool, error: str | None = None) -> None:
         """End every sequence of ``req`` not finished yet with ``reason``, then close it."""

@@ -32,10 +32,10 @@ def token_logprob(out, i: int, token: int, num_top: int) -> TokenLogprob:
     return TokenLogprob(token, float(out.logprobs[i]), top)
 
 
-def store_prompt_logprobs(c: ScheduledChunk, triple) -> None:
+def store_prompt_logprobs(c: ScheduledChunk, scores) -> None:
     """Keep the prompt logprobs the runner returned for chunk ``c`` on its sequence:
-    ``triple`` is (logprobs, top ids, top logprobs), one row per scored position."""
-    lps, top_ids, top_lps = triple
+    ``scores`` is (logprobs, top ids, top logprobs, ranks), one row per scored position."""
+    lps, top_ids, top_lps, ranks = scores
     n = len(lps)
     # entry k scores the token at position first + k: token_ids[1:] of the chunk,
     # plus the previous chunk's last (position start) when the runner returns one more
@@ -45,7 +45,7 @@ def store_prompt_logprobs(c: ScheduledChunk, triple) -> None:
         pos = first + k
         if 0 < pos < seq.num_prompt:
             top = [(int(top_ids[k, j]), float(top_lps[k, j])) for j in range(top_ids.shape[1])]
-            seq.prompt_logprobs[pos] = TokenLogprob(seq.token_ids[pos], float(lps[k]), top)
+            seq.prompt_logprobs[pos] = TokenLogprob(seq.token_ids[pos], float(lps[k]), top, int(ranks[k]))
 
 
 def take_update(seq: Sequence) -> SeqUpdate | None:

@@ -35,7 +35,9 @@ class GenerationParams:
     logprobs: int | None = None  # None: no logprobs; 0..5: sampled token + top-n
     grammar: object | None = None  # server.structured.Grammar: structured output (each choice
     # gets its own matcher from it); its sequences never decode from_device
-    prompt_logprobs: bool = False  # echo with logprobs: score the prompt too
+    prompt_logprobs: bool = False  # echo with logprobs, or prompt_logprobs: score the prompt too
+    include_stop_str_in_output: bool = False  # keep the stop string (a stop token's text) in the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
 
     @property
     def uses_penalties(self) -> bool:
@@ -60,6 +62,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1 + tokens above it in the distribution (prompt tokens; None: not known)
 
 
 @dataclass(slots=True)
@@ -135,14 +138,18 @@ class Sequence:
 
     @property
     def stop_holdback(self) -> int:
-        """Characters kept back while streaming: a stop string may still start in them."""
+        """Characters kept back while streaming: a stop string may still start in them (none
+        when a stop string stays in the text: vLLM's stop buffer)."""
+        if self.params.include_stop_str_in_output:
+            return 0
         return max((len(s) for s in self.params.stop), default=1) - 1
 
     def append_text(self, delta: str) -> str | None:
         """Add detokenized text; return the stop string it completes, if any.
 
-        The text is cut before the stop string. Only the tail that could hold a
-        new match is searched, so a stop string spanning tokens is found once.
+        The text is cut before the stop string, or after it with
+        ``include_stop_str_in_output``. Only the tail that could hold a new match is
+        searched, so a stop string spanning tokens is found once.
         """
         before = len(self.text)
         self.text += delta
@@ -159,7 +166,8 @@ class Sequence:
                 best = (i, stop)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
+        end = best[0] + len(best[1]) if self.params.include_stop_str_in_output else best[0]
+        self.text = self.text[:end]
         return best[1]
 
     def take_text(self) -> str:

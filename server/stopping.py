@@ -28,6 +28,14 @@ def banned_tokens(p: GenerationParams, eos_ids: frozenset[int], vocab_size: int 
     return sorted(set(ids))
 
 
+def keep_stop_text(seq: Sequence, token: int) -> None:
+    """A token that stops ``seq`` (an EOS or stop token id) is left out of its text unless
+    ``include_stop_str_in_output`` (vLLM); a special one decodes to nothing unless
+    ``skip_special_tokens`` is false."""
+    if seq.params.include_stop_str_in_output:
+        seq.text += seq.detok.add(token) + seq.detok.flush()
+
+
 def check_stop(seq: Sequence, token: int, eos_ids: frozenset[int],
                max_model_len: int) -> tuple[str, int | str | None] | None:
     """``token`` has just joined ``seq``: detokenize it into the sequence's text and say
@@ -35,8 +43,10 @@ def check_stop(seq: Sequence, token: int, eos_ids: frozenset[int],
     p = seq.params
     allow_stop = seq.num_generated >= p.min_tokens
     if allow_stop and not p.ignore_eos and token in eos_ids:
+        keep_stop_text(seq, token)
         return "stop", None
     if allow_stop and token in p.stop_token_ids:
+        keep_stop_text(seq, token)
         return "stop", token
     stop = seq.append_text(seq.detok.add(token))
     if stop is not None:

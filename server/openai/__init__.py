@@ -6,11 +6,12 @@
 - ``protocol``: the request bodies (pydantic); ``body``: reading one within the size limit;
   ``openapi``: what /openapi.json declares of them;
 - ``errors``: the OpenAI error shape and the app's exception handlers; ``auth``: the API key;
+  ``request_id``: ``X-Request-Id``, taken as the request's id and sent back;
 - ``prompts``: prompts and chat messages as token ids; ``offload``: that work off the event
   loop, within a time bound; ``sampling``: request fields as the engine's ``GenerationParams``;
 - ``bridge``: engine thread -> event loop (``Submission``, ``collect``);
 - ``response``: one JSON body or a stream; ``sse``: the stream's events;
   ``logprobs``: logprobs as each API writes them;
 - endpoints: ``completions``, ``chat``, ``tokenization`` (/tokenize, /detokenize),
-  ``status`` (/v1/models, /health, /metrics).
+  ``status`` (/v1/models, /health, /ping, /version, /metrics).
 """

@@ -1,8 +1,9 @@
 """``create_app``: the FastAPI app of the OpenAI API over one engine.
 
 It builds what the endpoints share (``Serving``), puts the error handlers on, includes
-each endpoint module's router, behind the API key except /health and /metrics, and puts the
-request bodies' schemas into /openapi.json (``openapi``). Everything
+each endpoint module's router, behind the API key except /health, /ping, /version and
+/metrics, puts ``X-Request-Id`` on every response (``request_id``), and puts the request
+bodies' schemas into /openapi.json (``openapi``). Everything
 else lives in the modules named in ``server/openai/__init__.py``.
 """
 
@@ -22,6 +23,7 @@ from server.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.openai.request_id import RequestIdMiddleware
 from server.openai.serving import Serving
 from server.settings import Settings
 
@@ -29,11 +31,12 @@ from server.settings import Settings
 def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastAPI:
     """The app serving ``model`` (``models.LoadedModel``) through ``engine``, with the limits,
     the API key and the served name of ``settings``; ``metrics`` renders /metrics."""
-    app = FastAPI(title="spyre-serve", version="0.1.0",
+    app = FastAPI(title="spyre-serve", version=status.version(),
                   description="OpenAI-compatible inference server (vLLM's fields) on an emulated Spyre card. "
                               "Every error is `{\"error\": {message, type, param, code}}`.")
     app.state.serving = Serving.for_model(engine, model, settings)
     app.state.metrics = metrics
+    app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     guarded = [Depends(api_key_guard(settings.api_key))]
     for module in (completions, chat, tokenization, status):

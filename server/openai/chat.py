@@ -2,8 +2,12 @@
 
 The messages go through the tokenizer's chat template (``prompts.chat_prompt``, off the
 event loop), whose text is encoded without special tokens unless ``add_special_tokens``; the
-answer is an assistant message (no tool calls yet). A stream opens with one chunk per choice
-naming the role, as OpenAI's does; a chunk's choice carries the new text as ``delta``.
+answer is an assistant message (its tool calls read out of it when the request has tools:
+``tools.py``), or with ``add_generation_prompt`` false a
+message of the last message's role, which it goes on (vLLM's rule). With ``echo`` (vLLM's) the
+last message's content starts the answer when it has the answer's role. A stream opens with
+one chunk per choice naming the role, as OpenAI's does (then the echo, one chunk per choice);
+a chunk's choice carries the new text as ``delta``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from server.openai.logprobs import TokenTexts, chat_logprobs
 from server.openai.openapi import GENERATION_ERRORS, route
 from server.openai.prompts import chat_prompt, truncated
 from server.openai.protocol import ChatCompletionRequest
+from server.openai.request_id import request_ids
 from server.openai.response import full_response, new_head, stream_response
 from server.openai.sampling import generation_params
 from server.openai.serving import serving_of
@@ -30,6 +35,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", **route(ChatCompletionRequest, GENERATION_ERRORS, streams=True))
 async def create_chat_completion(request: Request):
     serving = serving_of(request)
+    response_id, engine_id = request_ids(request, "chatcmpl")
     req = await serving.read(request, ChatCompletionRequest)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -43,39 +49,62 @@ async def create_chat_completion(request: Request):
     serving.check_tokens(ids, "messages")
     max_tokens = serving.max_tokens(req.output_limit, [ids])
     k = (req.top_logprobs or 0) if req.logprobs else None  # top alternatives per token; None: no logprobs
-    params = generation_params(req, max_tokens, k, prompt_logprobs=False, vocab_size=serving.vocab_size)
+    params = generation_params(req, max_tokens, k, prompt_logprobs=False, vocab_size=serving.vocab_size,
+                               defaults=serving.defaults)
     await chat_structure(serving, req, tools, params)
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     serving.check_fits(ids, params, {"prompt": "messages", "max_tokens": limit_param})
     serving.check_admission(req.n)
     finished, streamed = tool_choices(tools, finished_choice, streamed_choice)
-    head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name)
-    sub = serving.submit(head["id"], [ids], params)
+    head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name,
+                    response_id)
+    sub = serving.submit(engine_id, [ids], params)
+    role = reply_role(req)
+    echo = echoed(req, role)
     if req.stream:
         return stream_response(sub, head, req.stream_usage, partial(streamed, serving.texts, k),
-                               opening_choices(len(sub.choices)))
-    return await full_response(sub, request.is_disconnected, head, partial(finished, serving.texts, k))
+                               opening_choices(len(sub.choices), role, echo))
+    return await full_response(sub, request.is_disconnected, head,
+                               partial(finished, serving.texts, k, role, echo))
+
+
+def reply_role(req: ChatCompletionRequest) -> str:
+    """The answer's role (vLLM's): the assistant's after a generation prompt, else the last
+    message's, which the answer goes on."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def echoed(req: ChatCompletionRequest, role: str) -> str:
+    """What ``echo`` puts before the answer (vLLM's): the last message's content when that
+    message has the answer's role, else nothing."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == role else ""
 
 
 def message_logprobs(texts: TokenTexts, k: int | None, logprobs: list, ids: list[int]) -> dict | None:
     return {"content": chat_logprobs(texts, logprobs, ids, k)} if k is not None else None
 
 
-def finished_choice(texts: TokenTexts, k: int | None, idx: int, c: Choice) -> dict:
-    """A choice of the JSON body: the whole assistant message."""
+def finished_choice(texts: TokenTexts, k: int | None, role: str, echo: str, idx: int, c: Choice) -> dict:
+    """A choice of the JSON body: the whole message, after the echo."""
     return {
         "index": idx,
-        "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+        "message": {"role": role, "content": echo + c.text, "tool_calls": []},
         "logprobs": message_logprobs(texts, k, c.logprobs, c.token_ids),
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
     }
 
 
-def opening_choices(n: int) -> list[dict]:
-    """The first chunk of each choice: the role, no text yet."""
-    return [{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for idx in range(n)]
+def opening_choices(n: int, role: str = "assistant", echo: str = "") -> list[dict]:
+    """The first chunk of each choice: the role, no text yet; then, with an echo, one chunk
+    of each choice with it (vLLM's order)."""
+    chunks = [{"index": idx, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}
+              for idx in range(n)]
+    if echo:
+        chunks += [{"index": idx, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+                   for idx in range(n)]
+    return chunks
 
 
 def streamed_choice(texts: TokenTexts, k: int | None, idx: int, u: SeqUpdate) -> dict:

@@ -4,7 +4,8 @@ Every prompt of a request gets ``n`` choices; a text prompt is encoded with the 
 special tokens unless ``add_special_tokens`` is false (vLLM's default: a Llama prompt starts
 with BOS, and ``usage.prompt_tokens`` is what ``/tokenize`` counts). With ``echo`` a choice's text starts with its
 prompt, and with ``logprobs`` too the prompt's tokens are scored (the first has none); a
-stream sends the prompt in each choice's first chunk.
+stream sends the prompt in each choice's first chunk. ``prompt_logprobs`` (vLLM's) puts each
+prompt token's logprob, rank and top alternatives in the choice (not in a stream).
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from fastapi import APIRouter, Request
 from server.engine import SeqUpdate
 from server.openai import structured
 from server.openai.bridge import Choice, Submission
-from server.openai.logprobs import TokenTexts, completion_logprobs, joined
+from server.openai.logprobs import TokenTexts, completion_logprobs, joined, prompt_logprobs
 from server.openai.openapi import GENERATION_ERRORS, route
 from server.openai.prompts import completion_prompts, truncated
 from server.openai.protocol import CompletionRequest
+from server.openai.request_id import request_ids
 from server.openai.response import full_response, new_head, stream_response
 from server.openai.sampling import generation_params
 from server.openai.serving import serving_of
+from server.sequence import TokenLogprob
 
 router = APIRouter()
 
@@ -31,6 +34,7 @@ router = APIRouter()
 @router.post("/v1/completions", **route(CompletionRequest, GENERATION_ERRORS, streams=True))
 async def create_completion(request: Request):
     serving = serving_of(request)
+    response_id, engine_id = request_ids(request, "cmpl")
     req = await serving.read(request, CompletionRequest)
     serving.check_limits(req)
     prompts = await serving.blocking("tokenizing the prompt", "prompt", completion_prompts, serving.tokenizer,
@@ -39,23 +43,26 @@ async def create_completion(request: Request):
     for ids in prompts:
         serving.check_tokens(ids, "prompt")
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
-    params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
-                               vocab_size=serving.vocab_size)
+    shown = None if req.stream else req.prompt_logprobs  # vLLM: a stream has none (0 passes, > 0 is a 400)
+    echo_scored = req.echo and req.logprobs is not None
+    params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=echo_scored or shown is not None,
+                               vocab_size=serving.vocab_size, defaults=serving.defaults,
+                               prompt_top=max((req.logprobs or 0) if echo_scored else 0, shown or 0))
     structured.apply(params, await structured.request_grammar(serving, req),
                      structured.logit_bias(req, serving.vocab_size))
     for ids in prompts:
         serving.check_fits(ids, params)
     serving.check_admission(len(prompts) * req.n)
-    head = new_head("cmpl", "text_completion", serving.model_name)
-    sub = serving.submit(head["id"], prompts, params)
+    head = new_head("cmpl", "text_completion", serving.model_name, response_id)
+    sub = serving.submit(engine_id, prompts, params)
     echo = None
     if req.echo:
-        echo = Echo(serving.texts, sub, echoed_texts(serving.tokenizer, req, prompts), req.logprobs is not None)
+        echo = Echo(serving.texts, sub, echoed_texts(serving.tokenizer, req, prompts), req.logprobs)
     if req.stream:
         choice_of = partial(streamed_choice, serving.texts, sub, echo, req.logprobs)
         return stream_response(sub, head, req.stream_usage, choice_of)
     return await full_response(sub, request.is_disconnected, head,
-                               partial(finished_choice, serving.texts, echo, req.logprobs))
+                               partial(finished_choice, serving.texts, echo, req.logprobs, shown))
 
 
 def echoed_texts(tokenizer, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
@@ -75,27 +82,35 @@ class Echo:
     texts: TokenTexts
     sub: Submission
     prompt_texts: list[str]  # one per prompt (``echoed_texts``)
-    logprobs: bool
+    logprobs: int | None  # the request's: top alternatives per token, None for no logprobs
 
     def __call__(self, idx: int) -> tuple[str, dict | None]:
         c = self.sub.choices[idx]
         text = self.prompt_texts[idx // self.sub.n]
-        if not self.logprobs:
+        if self.logprobs is None:
             return text, None
-        scores = c.prompt_logprobs or [None] * len(c.prompt_ids)
+        k = self.logprobs  # the card computed as many as prompt_logprobs asked, if more
+        scores = [lp if lp is None else TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])
+                  for lp in (c.prompt_logprobs or [None] * len(c.prompt_ids))]
         return text, completion_logprobs(self.texts, scores, c.prompt_ids, 0)
 
 
-def finished_choice(texts: TokenTexts, echo: Echo | None, logprobs: int | None, idx: int, c: Choice) -> dict:
-    """A choice of the JSON body, from its finished ``Choice``."""
+def finished_choice(texts: TokenTexts, echo: Echo | None, logprobs: int | None, shown: int | None, idx: int,
+                    c: Choice) -> dict:
+    """A choice of the JSON body, from its finished ``Choice``; with ``shown`` (the request's
+    prompt_logprobs) its prompt's logprobs too."""
     prefix, prefix_lps = echo(idx) if echo is not None else ("", None)
     lps = None
     if logprobs is not None:
         lps = completion_logprobs(texts, c.logprobs, c.token_ids, len(prefix))
         if prefix_lps is not None:
             lps = joined(prefix_lps, lps)
-    return {"index": idx, "text": prefix + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason}
+    choice = {"index": idx, "text": prefix + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
+              "stop_reason": c.stop_reason}
+    if shown is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(texts, c.prompt_logprobs or [None] * len(c.prompt_ids),
+                                                    c.prompt_ids, shown)
+    return choice
 
 
 def streamed_choice(texts: TokenTexts, sub: Submission, echo: Echo | None, logprobs: int | None, idx: int,

@@ -1,7 +1,8 @@
 """Logprobs as the two APIs write them (vLLM's shapes).
 
 Completions: four parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs`` as
-{text: logprob}, ``text_offset`` in characters). Chat: one entry per token with its text,
+{text: logprob}, ``text_offset`` in characters), and vLLM's ``prompt_logprobs`` (per prompt
+token {id: {logprob, rank, decoded_token}}). Chat: one entry per token with its text,
 logprob, UTF-8 bytes and top alternatives. A token's text is what the tokenizer decodes it
 to alone, special tokens kept; JSON has no -inf, so a logprob below ``LOGPROB_FLOOR`` is
 reported as the floor.
@@ -52,6 +53,24 @@ def completion_logprobs(texts: TokenTexts, tokens: list[TokenLogprob | None], id
         top = {texts(tid): floored(v) for tid, v in lp.top}
         top.setdefault(s, floored(lp.logprob))
         out["top_logprobs"].append(top)
+    return out
+
+
+def prompt_logprobs(texts: TokenTexts, tokens: list[TokenLogprob | None], ids: list[int], k: int) -> list:
+    """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token None (the first
+    has no logprob) or ``{token id: {logprob, rank, decoded_token}}``, the token itself first
+    (its rank in the whole vocabulary), then its ``k`` top alternatives (ranks 1..k)."""
+    out: list[dict | None] = []
+    for t, lp in zip(ids, tokens, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        top = lp.top[:k]
+        rank = lp.rank if lp.rank is not None else next((r for r, (tid, _) in enumerate(top, 1) if tid == t), None)
+        entry = {str(t): {"logprob": floored(lp.logprob), "rank": rank, "decoded_token": texts(t)}}
+        for r, (tid, v) in enumerate(top, 1):
+            entry.setdefault(str(tid), {"logprob": floored(v), "rank": r, "decoded_token": texts(tid)})
+        out.append(entry)
     return out
 
 

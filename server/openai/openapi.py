@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from server.openai.errors import ERROR_DESCRIPTIONS, ErrorResponse
+from server.openai.request_id import HEADER, MAX_LENGTH
 
 REF = "#/components/schemas/{model}"
 # The errors a route that generates can answer with; the others list fewer.
@@ -32,13 +33,19 @@ def errors(*statuses: int) -> dict:
 
 def route(model: type[BaseModel], statuses: tuple[int, ...], streams: bool = False) -> dict:
     """Keyword arguments for ``router.post``: the JSON body ``model``, the error responses,
-    and with ``streams`` a 200 that is JSON or, with ``"stream": true``, server-sent events."""
+    and with ``streams`` (a generation) a 200 that is JSON or, with ``"stream": true``,
+    server-sent events, and the ``X-Request-Id`` header that names it."""
     body = {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}
     responses = errors(*statuses)
+    extra: dict = {"requestBody": body}
     if streams:
         responses[200] = {"description": "the completion; with `stream`, server-sent events ending `data: [DONE]`",
                           "content": {"application/json": {}, "text/event-stream": {}}}
-    return {"openapi_extra": {"requestBody": body}, "responses": responses}
+        extra["parameters"] = [{"name": HEADER, "in": "header", "required": False,
+                                "schema": {"type": "string", "minLength": 1, "maxLength": MAX_LENGTH},
+                                "description": "the request's id (vLLM's): the answer's id is `cmpl-<id>` or "
+                                               "`chatcmpl-<id>`, and the response carries the header back"}]
+    return {"openapi_extra": extra, "responses": responses}
 
 
 def served_values(model_name: str, vocab_size: int, settings, template_variables: list[str]) -> dict:

@@ -22,7 +22,6 @@ import copy
 import inspect
 import logging
 from functools import lru_cache
-from pathlib import Path
 
 import jinja2
 import jinja2.ext
@@ -31,6 +30,7 @@ import jinja2.sandbox
 
 from server.openai.errors import APIError
 from server.openai.protocol import ChatMessage
+from server.settings import chat_template_text
 
 log = logging.getLogger("spyre_serve.api")
 
@@ -46,10 +46,8 @@ def with_chat_template(tokenizer, template: str | None):
     path, or the template itself) instead of its own."""
     if template is None:
         return tokenizer
-    path = Path(template)
-    text = path.read_text() if len(template) < 4096 and "{" not in template and path.is_file() else template
     tokenizer = copy.copy(tokenizer)
-    tokenizer.chat_template = text
+    tokenizer.chat_template = chat_template_text(template)
     return tokenizer
 
 

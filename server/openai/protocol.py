@@ -41,11 +41,9 @@ FLOORS = {"n": (1, "at least 1"), "min_tokens": (0, ">= 0")}
 
 # Fields a client may send that this server does not act on yet: each is accepted at its
 # neutral values (what leaving it out means) and refused otherwise, naming it. Issue 12
-# (structured output, tool calling, logit_bias, stop strings kept, special tokens shown)
-# lifts them one by one: implement the field, then delete its row here.
+# (structured output, tool calling, logit_bias) lifts them one by one: implement the field,
+# then delete its row here.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "include_stop_str_in_output": ((False,), "include_stop_str_in_output: true"),
-    "skip_special_tokens": ((True,), "skip_special_tokens: false"),
     "continuous_usage_stats": ((False,), "usage in every chunk (continuous_usage_stats)"),  # stream_options'
     "suffix": ((None, ""), "suffix (insertion)"),
 }
@@ -149,9 +147,12 @@ class SamplingRequest(StrictModel):
     min_tokens: Annotated[Integer, schema(minimum=0)] = 0
     presence_penalty: Annotated[float, _range_schema("presence_penalty")] = 0.0
     frequency_penalty: Annotated[float, _range_schema("frequency_penalty")] = 0.0
-    repetition_penalty: Annotated[float, _range_schema("repetition_penalty")] = 1.0
+    # None: the model's generation_config.json default (``--generation-config``), else 1
+    repetition_penalty: Annotated[float | None, _range_schema("repetition_penalty")] = None
     truncate_prompt_tokens: Annotated[Integer | None, schema(minimum=-1)] = None
     user: str | None = None  # OpenAI's end-user id, for the caller's own records: no effect
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token's text) kept
+    skip_special_tokens: bool = True  # vLLM's: false keeps special tokens in the text
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured output (server/openai/structured.py: checked and compiled there, a 400 naming
@@ -166,8 +167,6 @@ class SamplingRequest(StrictModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to [-100, 100]
-    include_stop_str_in_output: Annotated[bool, neutral("include_stop_str_in_output")] = False
-    skip_special_tokens: Annotated[bool, neutral("skip_special_tokens")] = True
 
     @field_validator(*(f for f in UNSUPPORTED if f not in NESTED_FIELDS), check_fields=False)
     @classmethod
@@ -262,6 +261,8 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Annotated[Integer | None, schema(minimum=0)] = 16
     logprobs: Annotated[Integer | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
     echo: bool = False
+    # vLLM's: each prompt token's logprob, rank and top alternatives, in the choice
+    prompt_logprobs: Annotated[Integer | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
     suffix: Annotated[str | None, neutral("suffix")] = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
 
@@ -279,11 +280,19 @@ class CompletionRequest(SamplingRequest):
             raise ValueError(f"max_tokens must be >= 0, got {v}")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
-    def _logprobs(cls, v):
+    def _logprobs(cls, v, info):
         if v is not None and not (0 <= v <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {v}")
+            raise ValueError(f"{info.field_name} must be between 0 and {MAX_LOGPROBS}, got {v}")
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, v, info):
+        """vLLM's rule: a stream has no place for them (0 asks for none, and passes)."""
+        if v and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return v
 
 
@@ -342,6 +351,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's: the chat template writes the special tokens itself
     chat_template_kwargs: TemplateKwargs = None
+    echo: bool = False  # vLLM's: the last message's content before the reply, when it has the reply's role
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod

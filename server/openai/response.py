@@ -22,10 +22,11 @@ from server.openai.sse import MEDIA_TYPE, sse_stream
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 
 
-def new_head(id_prefix: str, object_name: str, model: str) -> dict:
-    """The fields a response or each of its chunks starts with; a new id, made now."""
-    return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name, "created": int(time.time()),
-            "model": model}
+def new_head(id_prefix: str, object_name: str, model: str, response_id: str | None = None) -> dict:
+    """The fields a response or each of its chunks starts with: ``response_id``
+    (``request_id.request_ids``) or a new id, made now."""
+    return {"id": response_id or f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name,
+            "created": int(time.time()), "model": model}
 
 
 async def full_response(sub: Submission, is_disconnected: Callable[[], Awaitable[bool]], head: dict,

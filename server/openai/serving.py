@@ -28,6 +28,7 @@ from server.openai.logprobs import TokenTexts
 from server.openai.offload import Offload, TimedOut
 from server.openai.prompts import with_chat_template
 from server.openai.protocol import SamplingRequest
+from server.openai.sampling import generation_defaults
 from server.sequence import GenerationParams
 from server.settings import Settings
 from server.structured import Grammars
@@ -49,6 +50,8 @@ class Serving:
     model_name: str  # what clients put in "model"
     model_root: str  # where the model came from (/v1/models' "root")
     vocab_size: int
+    # the model's sampling defaults (generation_config.json, ``--generation-config``)
+    defaults: dict = field(default_factory=dict)
     texts: TokenTexts = field(init=False)  # token id -> text, for logprobs
     offload: Offload = field(init=False)  # threads for rendering and tokenizing
     grammars: Grammars = field(init=False)  # structured output: compiled grammars (LRU)
@@ -64,7 +67,7 @@ class Serving:
         """For a loaded model (``models.LoadedModel``: name, path, config, tokenizer)."""
         tokenizer = with_chat_template(model.tokenizer, settings.chat_template)
         return cls(engine, tokenizer, settings, settings.served_name(model), str(model.path),
-                   model.config.vocab_size)
+                   model.config.vocab_size, generation_defaults(model.path, settings.generation_config))
 
     async def read(self, request: Request, model: type[Body]) -> Body:
         """The request's body as ``model``, within ``--max-body-bytes``, for the model this
@@ -99,10 +102,12 @@ class Serving:
 
     def max_tokens(self, requested: int | None, prompts: list[list[int]]) -> int:
         """``requested``, or when the request leaves it out, what the longest prompt leaves of
-        the context (the same for every prompt of a request)."""
-        if requested is not None:
-            return requested
-        return min(max(0, self.engine.max_model_len - len(ids)) for ids in prompts)
+        the context (the same for every prompt of a request); at most the model's
+        ``max_new_tokens`` (generation_config.json), as vLLM caps it."""
+        if requested is None:
+            requested = min(max(0, self.engine.max_model_len - len(ids)) for ids in prompts)
+        cap = self.defaults.get("max_tokens")
+        return requested if cap is None else min(requested, cap)
 
     def check_fits(self, ids: list[int], params: list[GenerationParams], renames: dict[str, str] | None = None) -> None:
         """400 when the prompt and its choices can never run: too long for the context or

@@ -1,11 +1,13 @@
-"""What the server serves and whether it is up: ``GET /v1/models``, ``/health``, ``/metrics``.
+"""What the server serves and whether it is up: ``GET /v1/models``, ``/health`` (and vLLM's
+``/ping``, GET or POST), ``/version``, ``/metrics``.
 
 ``router`` (/v1/models) is guarded by the API key like the other /v1 routes; ``open_router``
-(/health, /metrics) is not, so that load balancers and Prometheus need no key.
+(/health, /ping, /version, /metrics) is not, so that load balancers and Prometheus need no key.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 
 from fastapi import APIRouter, Request
@@ -38,6 +40,20 @@ async def list_models(request: Request):
     }
 
 
+def version() -> str:
+    """This server's version (the installed package's)."""
+    try:
+        return importlib.metadata.version("spyre-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@open_router.get("/version")
+async def get_version():
+    """``{"version": ...}``, as vLLM answers."""
+    return {"version": version()}
+
+
 @open_router.get("/health", responses=errors(503))
 async def health(request: Request):
     """200 while the engine loop runs and admits requests; 503 otherwise. What stopped the
@@ -48,6 +64,13 @@ async def health(request: Request):
     if not engine.accepting:
         return error_response(APIError(503, "the server is shutting down", retry_after=RETRY_AFTER_SECONDS))
     return Response(status_code=200)
+
+
+@open_router.get("/ping", responses=errors(503))
+@open_router.post("/ping", responses=errors(503))
+async def ping(request: Request):
+    """vLLM's /ping (SageMaker's health check, GET or POST): /health's answer."""
+    return await health(request)
 
 
 @open_router.get("/metrics")

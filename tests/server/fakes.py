@@ -149,6 +149,7 @@ class FakeRunner:
                     np.array([-0.5 - 0.01 * t for t in scored], dtype=np.float32),
                     np.array([[t] * k for t in scored], dtype=np.int32).reshape(n, k),
                     np.full((n, k), -0.5, dtype=np.float32),
+                    np.ones(n, dtype=np.int32),  # each token its row's most likely
                 )
             if w.sample:
                 t = next_token(context, self.eos_every)

@@ -40,6 +40,9 @@ def test_preemption_completes_every_request_with_its_greedy_text(small_cache_ser
     results = asyncio.run(together())
     engine = small_cache_server.built.engine
     assert engine.scheduler.num_preemptions > 0, "the cache should have been too small for all six"
+    metrics = httpx.get(url + "/metrics").text
+    assert f'vllm:num_preemptions_total{{model_name="granite-tiny"}} {float(engine.scheduler.num_preemptions)}' \
+        in metrics
     for i, r in enumerate(results):
         assert r["choices"][0]["text"] == alone[PROMPTS[i % 3]]
         assert r["usage"]["completion_tokens"] == MAX_TOKENS

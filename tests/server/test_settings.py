@@ -69,3 +69,20 @@ def test_the_served_name_is_the_flag_or_the_models():
 
     assert Settings().served_name(Model()) == "granite-tiny"
     assert Settings(served_model_name="g").served_name(Model()) == "g"
+
+
+def test_a_chat_template_is_a_file_or_a_template_and_a_missing_file_is_refused(tmp_path, capsys):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    assert parser_for("chat_template").parse_args(["--chat-template", str(template)]).chat_template == str(template)
+    assert parser_for("chat_template").parse_args(["--chat-template", "{{ messages }}"]).chat_template \
+        == "{{ messages }}"
+    with pytest.raises(SystemExit):
+        parser_for("chat_template").parse_args(["--chat-template", str(tmp_path / "missing.jinja")])
+    err = capsys.readouterr().err
+    assert "--chat-template" in err and "looks like a file path, but it could not be read" in err
+
+
+def test_generation_config_is_auto_unless_told():
+    assert Settings().generation_config == "auto"
+    assert parser_for("generation_config").parse_args(["--generation-config", "vllm"]).generation_config == "vllm"

@@ -22,7 +22,7 @@ def test_every_api_route_wants_the_key(locked, method, path, body):
     assert locked.request(method, path, json=body, headers={"Authorization": "Bearer sesame"}).status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/health", "/metrics"])
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/ping", "/version"])
 def test_health_and_metrics_need_no_key(locked, path):
     assert locked.get(path).status_code == 200
 

@@ -79,10 +79,17 @@ def test_a_generating_route_declares_json_or_a_stream(doc):
     assert set(ok["content"]) == {"application/json", "text/event-stream"}
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_generating_route_declares_the_x_request_id_header(doc, path):
+    [header] = doc["paths"][path]["post"]["parameters"]
+    assert (header["name"], header["in"], header["required"]) == ("X-Request-Id", "header", False)
+    assert header["schema"]["maxLength"] == 256
+
+
 def test_the_document_loads_as_openapi_with_every_operation_and_docs_is_served(doc):
     labels = [result.ok().label for result in schemathesis.openapi.from_dict(doc).get_all_operations()]
     assert labels == ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
-                      "GET /v1/models", "GET /health", "GET /metrics"]
+                      "GET /v1/models", "GET /version", "GET /health", "GET /ping", "POST /ping", "GET /metrics"]
     r = client_for().get("/docs")
     assert r.status_code == 200 and "/openapi.json" in r.text
 

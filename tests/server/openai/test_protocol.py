@@ -77,13 +77,10 @@ def refusal(model, **body) -> tuple[tuple, str]:
 
 
 @pytest.mark.parametrize(("field", "value", "words"), [
-    ("include_stop_str_in_output", True, "include_stop_str_in_output: true is not supported yet"),
-    ("skip_special_tokens", False, "skip_special_tokens: false is not supported yet"),
+    ("suffix", " the end", "suffix (insertion) is not supported yet"),
 ])
-@pytest.mark.parametrize("model", ["completion", "chat"])
-def test_a_field_the_server_does_not_act_on_is_refused_by_name(model, field, value, words):
-    req = (CompletionRequest, {"prompt": "x"}) if model == "completion" else (ChatCompletionRequest, CHAT)
-    loc, msg = refusal(req[0], **req[1], **{field: value})
+def test_a_field_the_server_does_not_act_on_is_refused_by_name(field, value, words):
+    loc, msg = refusal(CompletionRequest, prompt="x", **{field: value})
     assert loc == (field,) and msg.startswith(words)
 
 
@@ -175,7 +172,22 @@ def test_a_value_in_range_that_leaves_it_as_a_32_bit_float_is_refused():
 
 def test_the_schema_of_a_field_not_acted_on_lists_its_neutral_values():
     props = CompletionRequest.model_json_schema()["properties"]
-    assert props["skip_special_tokens"]["enum"] == [True]
+    assert props["suffix"]["enum"] == [None, ""]
+
+
+def test_prompt_logprobs_are_0_to_5_and_not_for_a_stream_as_in_vllm():
+    assert CompletionRequest(prompt="x", prompt_logprobs=5).prompt_logprobs == 5
+    assert "prompt_logprobs must be between 0 and 5, got 6" in message(CompletionRequest, prompt="x",
+                                                                       prompt_logprobs=6)
+    assert "prompt_logprobs are not available when stream is true" in message(
+        CompletionRequest, prompt="x", stream=True, prompt_logprobs=1)
+    assert CompletionRequest(prompt="x", stream=True, prompt_logprobs=0).prompt_logprobs == 0
+
+
+def test_the_fields_vllm_adds_are_taken_at_any_value():
+    req = CompletionRequest(prompt="x", include_stop_str_in_output=True, skip_special_tokens=False)
+    assert (req.include_stop_str_in_output, req.skip_special_tokens, req.repetition_penalty) == (True, False, None)
+    assert ChatCompletionRequest(**CHAT, echo=True).echo
 
 
 def test_an_integer_may_be_written_as_json_schema_allows_but_not_as_a_fraction_a_string_or_a_bool():

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from server.openai.sampling import generation_params
+from server.openai.sampling import generation_defaults, generation_params
 
 VOCAB = 100
 
@@ -56,3 +60,36 @@ def test_a_top_k_of_the_vocabulary_or_more_is_off():
 
 def test_seeds_of_choices_wrap_within_64_bits():
     assert [p.sampling.seed for p in params(n=2, seed=2**63 - 1)] == [2**63 - 1, -(2**63)]
+
+
+def test_the_models_defaults_fill_what_the_request_leaves_unset():
+    defaults = {"temperature": 0.3, "top_k": 7, "top_p": 0.8, "min_p": 0.05, "repetition_penalty": 1.1}
+    s = generation_params(CompletionRequest(prompt="x"), 8, None, False, VOCAB, defaults=defaults)[0].sampling
+    assert (s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty) == (0.3, 7, 0.8, 0.05, 1.1)
+    req = CompletionRequest(prompt="x", temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+    s = generation_params(req, 8, None, False, VOCAB, defaults=defaults)[0].sampling
+    assert (s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty) == (1.0, 0, 1.0, 0.0, 1.0)
+
+
+def test_the_card_scores_as_many_alternatives_as_either_logprobs_asks():
+    p = generation_params(CompletionRequest(prompt="x"), 8, 1, True, VOCAB, prompt_top=4)[0]
+    assert (p.logprobs, p.sampling.logprobs, p.prompt_logprobs) == (1, 4, True)
+    assert generation_params(CompletionRequest(prompt="x"), 8, 2, False, VOCAB, prompt_top=4)[0].sampling.logprobs == 2
+
+
+def test_vllms_flags_reach_the_engine():
+    p = params(include_stop_str_in_output=True, skip_special_tokens=False)[0]
+    assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
+    assert (params()[0].include_stop_str_in_output, params()[0].skip_special_tokens) == (False, True)
+
+
+def test_generation_defaults_are_the_files_sampling_values_that_differ_from_transformers(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 50,
+         "repetition_penalty": 1.0, "max_new_tokens": 256}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 256}
+    assert generation_defaults(tmp_path, "vllm") == {}
+    assert generation_defaults(tmp_path / "nothing-here") == {}  # auto, and no file: no defaults
+    assert generation_defaults(tmp_path / "model.gguf", str(tmp_path)) == generation_defaults(tmp_path)
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        generation_defaults(tmp_path, str(tmp_path / "nothing-here"))
