@@ -13,8 +13,6 @@ from tests.reliability.conftest import beside
 
 # a value each field is refused with, and where it goes in the body
 REFUSED = {
-    "include_stop_str_in_output": True,
-    "skip_special_tokens": False,
     "suffix": " and then",
     "best_of": 3,
     "temprature": 0.5,  # a field nobody knows (a typo)
