@@ -53,6 +53,9 @@ def check_json_schema(schema, what: str, param: str | None = None) -> None:
         where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
         raise APIError(400, f"{what} is not a valid JSON schema: {exc.message} (at {where})",
                        param or what) from None
+    except Exception as exc:  # noqa: BLE001 - a "$schema" that is no URI, a schema jsonschema cannot read
+        raise APIError(400, f"{what} is not a valid JSON schema: {type(exc).__name__}: {str(exc)[:200]}",
+                       param or what) from None
 
 
 def _from_response_format(rf: dict) -> tuple[GrammarSpec, str] | None:

@@ -8,11 +8,12 @@ import json
 import re
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.reliability.conftest import running_server
+from tests.reliability.conftest import NORMAL, beside, running_server
 from tests.server.conftest import PROMPT
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "tool_chat_template_granite.jinja"
@@ -211,3 +212,18 @@ def test_tools_and_tool_messages_reach_the_template_and_auto_parses_granite_call
         client.chat.completions.create(model=None, messages=MESSAGES, tools=TOOLS, max_tokens=4,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert info.value.body["param"] == "tool_choice"
+
+
+def test_a_normal_stream_beside_structured_and_refused_requests_gives_its_solo_text(server):
+    solo = httpx.post(server.url + "/v1/completions", json=NORMAL, timeout=600).json()["choices"][0]["text"]
+
+    async def structured(client):
+        sent = [client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "seed": i,
+                                                     "guided_json": SCHEMA}) for i in range(4)]
+        sent += [client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
+                                                      "guided_regex": "(unclosed"})]
+        return await asyncio.gather(*sent)
+
+    text, responses = beside(server, structured)
+    assert text == solo
+    assert [r.status_code for r in responses] == [200] * 4 + [400]
