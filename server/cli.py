@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="load a model and serve the OpenAI API over HTTP",
         description="Load a model onto the emulated card, compile its step programs, and serve "
-        "/v1/completions, /v1/chat/completions, /v1/models, /health, /tokenize, /detokenize, /metrics.",
+        "/v1/completions, /v1/chat/completions, /v1/models, /health, /ping, /version, /tokenize, /detokenize, "
+        "/metrics.",
         epilog=f"Environment: each flag as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MODEL, {ENV_PREFIX}PORT, "
         f"{ENV_PREFIX}API_KEY); a flag on the command line wins.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -58,6 +58,13 @@ def chat_template_text(value: str) -> str:
         return value
 
 
+def parse_generation_config(text: str) -> str:
+    """``--generation-config``: auto, vllm, or a directory that holds a generation_config.json."""
+    if text in ("auto", "vllm") or os.path.isfile(os.path.join(text, "generation_config.json")):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not auto, vllm or a directory holding a generation_config.json")
+
+
 def parse_chat_template(text: str) -> str:
     """A ``--chat-template`` that reads (``chat_template_text``), kept as given."""
     try:
@@ -115,7 +122,7 @@ class Settings:
     generation_config: str = _flag("auto", "sampling defaults for what a request leaves unset (temperature, "
                                    "top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens): "
                                    "auto (the model's generation_config.json), vllm (none), or a directory "
-                                   "holding a generation_config.json")
+                                   "holding a generation_config.json", parse_generation_config)
     render_timeout: float = _flag(5.0, "seconds a request's chat template may take to render (and "
                                   "its prompt to tokenize), off the event loop; longer is a 400", float)
     max_body_bytes: int = _flag(1 << 20, "largest request body; larger gets 413", parse_size)

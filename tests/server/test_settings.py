@@ -83,6 +83,12 @@ def test_a_chat_template_is_a_file_or_a_template_and_a_missing_file_is_refused(t
     assert "--chat-template" in err and "looks like a file path, but it could not be read" in err
 
 
-def test_generation_config_is_auto_unless_told():
+def test_generation_config_is_auto_unless_told(tmp_path, capsys):
     assert Settings().generation_config == "auto"
     assert parser_for("generation_config").parse_args(["--generation-config", "vllm"]).generation_config == "vllm"
+    with pytest.raises(SystemExit):
+        parser_for("generation_config").parse_args(["--generation-config", str(tmp_path)])
+    assert "is not auto, vllm or a directory holding a generation_config.json" in capsys.readouterr().err
+    (tmp_path / "generation_config.json").write_text("{}")
+    assert parser_for("generation_config").parse_args(["--generation-config", str(tmp_path)]).generation_config \
+        == str(tmp_path)
