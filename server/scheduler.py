@@ -6,7 +6,18 @@ Policy (the block manager does the accounting):
    oldest admitted first;
 2. running sequences still prefilling get the next chunk of their prompt;
 3. waiting sequences are admitted first come, first served while the token
-   budget, ``max_num_seqs`` and the free KV blocks allow.
+   budget, ``max_num_seqs`` and the free KV blocks allow; one that starts from
+   position 0 starts instead from the longest prefix of its tokens whose full KV
+   blocks are cached (server/block_manager.py), sharing them, unless it asks for
+   prompt logprobs or penalties (``GenerationParams.reads_prefix_cache``).
+
+Every launch registers the full blocks it fills in the prefix cache at once (``_take``):
+steps run in order on one stream, and within a step every row's KV is written before
+any row's attention, so a sequence admitted later in the same step (another choice of
+the same request: ``n > 1`` prefills its prompt's full blocks once) or in a later step
+reads them as written. When a step fails, what it registered leaves the cache and every
+sequence that counted one of those blocks as computed is recomputed from position 0
+(``_drop_cached``).
 
 The device runs a step padded up to its token bucket (a power of two), so a step
 of 32 decodes and a 128-token prompt would compute 256 rows for 160 tokens. When

@@ -18,12 +18,17 @@ WORDS = ("the river runs past the old mill where seven birds sang about stone br
          "quiet harbour and boats rest until morning light returns to the hills").split()
 
 
-async def one(client: httpx.AsyncClient, rng: random.Random) -> str:
-    """One client: a random prompt and length; it streams to the end, streams and hangs up
+def random_body(rng: random.Random) -> dict:
+    """A random prompt and length."""
+    return {"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 60))),
+            "max_tokens": rng.randint(4, 96), "temperature": rng.choice([0, 0.8]), "ignore_eos": True}
+
+
+async def one(client: httpx.AsyncClient, rng: random.Random, make_body=random_body) -> str:
+    """One client: a request of ``make_body(rng)``; it streams to the end, streams and hangs up
     after a few chunks, waits for the whole body, or gives up waiting. Returns its outcome:
     the status, or 'left' when it hung up first."""
-    body = {"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 60))),
-            "max_tokens": rng.randint(4, 96), "temperature": rng.choice([0, 0.8]), "ignore_eos": True}
+    body = make_body(rng)
     kind = rng.random()
     if kind < 0.6:                                      # stream; most hang up part way
         leave_after = rng.randint(1, 6) if kind < 0.45 else None
@@ -47,14 +52,14 @@ async def one(client: httpx.AsyncClient, rng: random.Random) -> str:
         return "left"
 
 
-async def storm(url: str, n: int, concurrency: int, seed: int) -> Counter:
+async def storm(url: str, n: int, concurrency: int, seed: int, make_body=random_body) -> Counter:
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         async def guarded(i: int) -> str:
             async with gate:
-                return await one(client, random.Random(rng.random() + i))
+                return await one(client, random.Random(rng.random() + i), make_body)
 
         return Counter(await asyncio.gather(*(guarded(i) for i in range(n))))
 
