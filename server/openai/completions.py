@@ -4,8 +4,9 @@ Every prompt of a request gets ``n`` choices; a text prompt is encoded with the 
 special tokens unless ``add_special_tokens`` is false (vLLM's default: a Llama prompt starts
 with BOS, and ``usage.prompt_tokens`` is what ``/tokenize`` counts). With ``echo`` a choice's text starts with its
 prompt, and with ``logprobs`` too the prompt's tokens are scored (the first has none); a
-stream sends the prompt in each choice's first chunk. ``prompt_logprobs`` (vLLM's) puts each
-prompt token's logprob, rank and top alternatives in the choice (not in a stream).
+stream sends the prompt in each choice's first chunk. ``prompt_logprobs`` (vLLM's; echo with
+logprobs asks for them too) puts each prompt token's logprob, rank and top alternatives in the
+choice (not in a stream).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ async def create_completion(request: Request):
     for ids in prompts:
         serving.check_tokens(ids, "prompt")
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
-    shown = None if req.stream else req.prompt_logprobs  # vLLM: a stream has none (0 passes, > 0 is a 400)
     echo_scored = req.echo and req.logprobs is not None
+    # vLLM's prompt_logprobs, which echo with logprobs asks for too; a stream has none (0 passes, > 0 is a 400)
+    shown = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if echo_scored else None
+    shown = None if req.stream else shown
     params = generation_params(req, max_tokens, req.logprobs, prompt_logprobs=echo_scored or shown is not None,
                                vocab_size=serving.vocab_size, defaults=serving.defaults,
                                prompt_top=max((req.logprobs or 0) if echo_scored else 0, shown or 0))

@@ -145,6 +145,9 @@ def test_prompt_logprobs_give_each_prompt_token_its_logprob_rank_and_top(client)
     assert len(scores) == len(ids) and scores[0] is None
     echo = post(client, "/v1/completions", prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
     want = echo["choices"][0]["logprobs"]["token_logprobs"]
+    # vLLM: echo with logprobs asks for prompt_logprobs too (as many alternatives as logprobs)
+    assert [e if e is None else list(e) for e in echo["choices"][0]["prompt_logprobs"]] == \
+        [None] + [[str(t)] for t in ids[1:]]
     ranked_below_top = 0
     for t, entry, lp in zip(ids[1:], scores[1:], want[1:], strict=True):
         mine = entry[str(t)]
