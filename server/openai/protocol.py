@@ -40,9 +40,8 @@ RANGES = {
 FLOORS = {"n": (1, "at least 1"), "min_tokens": (0, ">= 0")}
 
 # Fields a client may send that this server does not act on yet: each is accepted at its
-# neutral values (what leaving it out means) and refused otherwise, naming it. Issue 12
-# (structured output, tool calling, logit_bias) lifts them one by one: implement the field,
-# then delete its row here.
+# neutral values (what leaving it out means) and refused otherwise, naming it. Implement a
+# field, then delete its row here (structured output, tool calls and logit_bias went so).
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "continuous_usage_stats": ((False,), "usage in every chunk (continuous_usage_stats)"),  # stream_options'
     "suffix": ((None, ""), "suffix (insertion)"),

@@ -227,3 +227,13 @@ def test_a_normal_stream_beside_structured_and_refused_requests_gives_its_solo_t
     text, responses = beside(server, structured)
     assert text == solo
     assert [r.status_code for r in responses] == [200] * 4 + [400]
+
+
+def test_each_choice_of_n_follows_the_grammar_on_its_own(client):
+    r = client.completions.create(model=None, prompt=PROMPT, max_tokens=400, temperature=1.0, seed=3, n=3,
+                                  extra_body={"guided_json": SCHEMA})
+    texts = [c.text for c in r.choices]
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert len(set(texts)) == 3
