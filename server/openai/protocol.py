@@ -351,6 +351,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False  # vLLM's: the chat template writes the special tokens itself
     chat_template_kwargs: TemplateKwargs = None
     echo: bool = False  # vLLM's: the last message's content before the reply, when it has the reply's role
+    parallel_tool_calls: bool = True  # OpenAI's: false allows one tool call at most
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod

@@ -17,6 +17,8 @@ its text, and ``tool_choice`` enforced with structured output.
   "parameters": that tool's parameter schema}`` (at least one), vLLM's schema.
 - {"type": "function", "function": {"name": N}}: the reply is constrained to N's parameter
   schema and is N's arguments.
+``parallel_tool_calls: false`` allows one call: "required" asks for a list of one, "auto" keeps
+the first call it reads.
 So "required" and a named function hold whatever the weights (granite-tiny's are random).
 A reply with tool calls has ``finish_reason`` "tool_calls" (unless it was cut: "length").
 
@@ -59,6 +61,7 @@ class ToolRequest:
     choice: str                             # "none" | "auto" | "required" | "named"
     named: str | None = None                # the function's name when choice is "named"
     by_name: dict[str, dict] = field(default_factory=dict)
+    parallel: bool = True                   # parallel_tool_calls: false allows one call at most
 
     @classmethod
     def of(cls, req) -> ToolRequest | None:
@@ -99,7 +102,7 @@ class ToolRequest:
         elif choice not in ("none", "auto", "required"):
             raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                            "tool_choice")
-        return cls(list(tools), choice, named, by_name)
+        return cls(list(tools), choice, named, by_name, getattr(req, "parallel_tool_calls", True))
 
     @property
     def template_tools(self) -> list[dict]:
@@ -123,7 +126,7 @@ class ToolRequest:
                                      "parameters": self.parameters(name)},
                       "required": ["name", "parameters"], "additionalProperties": False}
                      for name in self.by_name]
-            return json_spec({"type": "array", "minItems": 1,
+            return json_spec({"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
                               "items": items[0] if len(items) == 1 else {"anyOf": items}})
         return None
 
@@ -137,7 +140,7 @@ class ToolRequest:
         calls = parse_call_list(text, "parameters" if self.choice == "required" else "arguments")
         if calls is None:
             return [], text
-        return [tool_call(name, args) for name, args in calls], None
+        return [tool_call(name, args) for name, args in calls[:None if self.parallel else 1]], None
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -250,6 +253,8 @@ class ToolStream:
         key = "parameters" if self.tools.choice == "required" else "arguments"
         out = []
         new, self.seen = items[self.seen:], len(items)
+        if not self.tools.parallel:
+            new = new[:max(0, 1 - self.sent)]
         for item in new:
             try:
                 call = json.loads(item)

@@ -257,3 +257,11 @@ def test_structured_requests_survive_preemption():
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
     assert preemptions > 0
+
+
+def test_parallel_tool_calls_false_gives_one_call(client):
+    for seed in range(3):
+        r = client.chat.completions.create(model=None, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=300, seed=seed)
+        check_calls(r.choices[0].message.tool_calls, set(PARAMS))
+        assert len(r.choices[0].message.tool_calls) == 1

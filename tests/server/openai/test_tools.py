@@ -127,3 +127,15 @@ def test_the_template_gets_the_tools_and_the_calls_of_the_conversation():
     assert "<|start_of_role|>available_tools<|end_of_role|>" in text and '"name": "f"' in text
     assert '<|tool_call|>[{"name": "f", "arguments": {"x": 1}}]' in text
     assert "<|start_of_role|>tool_response<|end_of_role|>42" in text
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    tools = tools_of(tools=[F, G], tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(tools.grammar_spec().source)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "g", "parameters": {}}, {"name": "g", "parameters": {}}], schema)
+    text = '[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]'
+    calls, _ = tools_of(tools=[F, G], parallel_tool_calls=False).parse(text)
+    assert [c["function"]["name"] for c in calls] == ["f"]
+    chunks = stream(tools_of(tools=[F, G], parallel_tool_calls=False), [text[:20], text[20:]])
+    assert [d["function"]["name"] for c in chunks for d in c["delta"].get("tool_calls", [])] == ["f"]
