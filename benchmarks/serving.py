@@ -1,4 +1,16 @@
-"""Serving benchmark: spyre-serve against `transformers serve --continuous-batching`.
+"""Serving benchmark: spyre-serve against its peers, side by side in one run.
+
+Two models:
+
+- ``--model granite-tiny`` (default): spyre-serve against `transformers serve
+  --continuous-batching` on the embedded checkpoint, text prompts (below).
+- ``--model smollm2``: SmolLM2-135M-Instruct, a real trained model, on the same weights
+  everywhere (benchmarks/peers/ sets the peers up in a cache directory): spyre-serve with fp32
+  weights, bf16 weights and bf16 compute; llama.cpp's llama-server on the F32 GGUF and on the
+  shipped Q4_1 GGUF; vLLM's CPU server in float32 and bfloat16. The same prompts are sent to
+  every server as token ids, with ``ignore_eos``, and output tokens are counted from
+  ``usage``. The machine's read bandwidth is measured in the run, for the batch-1 floor
+  (weight bytes / bandwidth), and the report ends with the issue's ratios.
 
 One run, same machine, same checkpoint (the embedded granite-tiny, written to
 disk in Hugging Face format), same text prompts of about --prompt-tokens
@@ -13,6 +25,8 @@ level is measured on one, then the other, for --rounds rounds, and each keeps
 its best round, so load from elsewhere on a shared machine falls on both alike.
 
     python benchmarks/serving.py --rounds 2          # 1, 8, 32, 128 concurrent
+    python benchmarks/serving.py --model smollm2 --concurrency 1 8 32 --rounds 2
+    python benchmarks/serving.py --model smollm2 --servers spyre-fp32 llamacpp-f32
     python benchmarks/serving.py --concurrency 1 8 --output-tokens 32 --skip-transformers
 
 Writes a Markdown table to stdout and JSON to --out.
@@ -22,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import re
@@ -48,6 +63,7 @@ class Result:
     e2e: float = 0.0
     tokens: int = 0
     error: str = ""
+    gaps: list = field(default_factory=list)     # seconds between chunks with text (ITL)
 
     @property
     def tpot(self) -> float | None:
@@ -67,6 +83,8 @@ class Level:
     ttft_p99_ms: float
     tpot_p50_ms: float
     tpot_p99_ms: float
+    itl_p50_ms: float = 0.0
+    itl_p99_ms: float = 0.0
     device_busy: float | None = None
     errors: list = field(default_factory=list)
 
@@ -116,6 +134,9 @@ async def one(host: str, port: int, path: str, body: dict, timeout: float) -> Re
     t0 = time.perf_counter()
     ttft = None
     tokens = 0
+    usage_tokens = None
+    last = None
+    gaps = []
     payload = json.dumps(body).encode()
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
@@ -135,26 +156,33 @@ async def one(host: str, port: int, path: str, body: dict, timeout: float) -> Re
             chunk = json.loads(data)
             if "error" in chunk:
                 return Result(False, error=str(chunk["error"])[:200])
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens")
             for choice in chunk.get("choices") or []:
                 if choice.get("text"):
                     tokens += 1
+                    now = time.perf_counter()
                     if ttft is None:
-                        ttft = time.perf_counter() - t0
+                        ttft = now - t0
+                    else:
+                        gaps.append(now - last)
+                    last = now
     except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
         return Result(False, error=f"{type(exc).__name__}: {exc}")
     finally:
         writer.close()
     if ttft is None:
         return Result(False, error="no tokens")
-    return Result(True, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens)
+    return Result(True, ttft=ttft, e2e=time.perf_counter() - t0,
+                  tokens=tokens if usage_tokens is None else usage_tokens, gaps=gaps)
 
 
-async def run_level(base: str, model: str, prompts: list[str], concurrency: int, output_tokens: int,
+async def run_level(base: str, model: str, prompts: list, concurrency: int, output_tokens: int,
                     extra: dict, timeout: float) -> tuple[list[Result], float]:
     sem = asyncio.Semaphore(concurrency)
     host, port = base.removeprefix("http://").rsplit(":", 1)
 
-    async def limited(p: str) -> Result:
+    async def limited(p) -> Result:
         async with sem:
             body = {"model": model, "prompt": p, "max_tokens": output_tokens, "temperature": 0.0,
                     "stream": True, **extra}
@@ -170,12 +198,14 @@ def summarize(server: str, concurrency: int, results: list[Result], duration: fl
     ok = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in ok)
     tpots = [r.tpot for r in ok if r.tpot is not None]
+    gaps = [g for r in ok for g in r.gaps]
     return Level(
         server=server, concurrency=concurrency, requests=len(results), failed=len(results) - len(ok),
         duration_s=round(duration, 2), output_tokens=tokens, output_tok_s=round(tokens / duration, 2),
         ttft_p50_ms=round(1000 * percentile([r.ttft for r in ok], 50), 1),
         ttft_p99_ms=round(1000 * percentile([r.ttft for r in ok], 99), 1),
         tpot_p50_ms=round(1000 * percentile(tpots, 50), 1), tpot_p99_ms=round(1000 * percentile(tpots, 99), 1),
+        itl_p50_ms=round(1000 * percentile(gaps, 50), 1), itl_p99_ms=round(1000 * percentile(gaps, 99), 1),
         device_busy=None if busy is None else round(busy, 3),
         errors=sorted({r.error for r in results if not r.ok})[:3],
     )
@@ -223,13 +253,22 @@ class Server:
     busy_metric: bool
     proc: subprocess.Popen | None = None
     log: object = None
+    starter: object = None          # a peer: () -> benchmarks.peers.launch.PeerServer
+    peer: object = None
 
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
 
-def start_server(srv: Server, env: dict, args, prompts: list[str]) -> None:
+def start_server(srv: Server, env: dict, args, prompts: list) -> None:
+    print(f"  starting {srv.name}", file=sys.stderr, flush=True)
+    if srv.starter is not None:
+        srv.peer = srv.starter()
+        srv.port, srv.model = srv.peer.port, srv.peer.model
+        srv.extra = {**srv.peer.request_extra, **srv.extra}
+        asyncio.run(run_level(srv.base, srv.model, prompts[:2], 2, 8, srv.extra, args.request_timeout))
+        return
     srv.log = open(Path(args.log_dir) / f"{srv.name}.log", "w")  # noqa: SIM115 - closed in stop_server
     srv.proc = subprocess.Popen(srv.cmd, env=env, stdout=srv.log, stderr=subprocess.STDOUT)
     wait_ready(srv.proc, srv.base + srv.ready_path, args.start_timeout)
@@ -238,13 +277,15 @@ def start_server(srv: Server, env: dict, args, prompts: list[str]) -> None:
 
 
 def stop_server(srv: Server) -> None:
+    if srv.peer is not None:
+        srv.peer.stop()
     if srv.proc is not None:
         stop(srv.proc)
     if srv.log is not None:
         srv.log.close()
 
 
-def measure_level(srv: Server, c: int, args, prompts: list[str]) -> Level:
+def measure_level(srv: Server, c: int, args, prompts: list) -> Level:
     n = max(c, args.min_requests)
     before = compute_seconds(srv.base) if srv.busy_metric else None
     results, duration = asyncio.run(
@@ -253,7 +294,7 @@ def measure_level(srv: Server, c: int, args, prompts: list[str]) -> Level:
     return summarize(srv.name, c, results, duration, busy)
 
 
-def bench_servers(servers: list[Server], env: dict, args, prompts: list[str]) -> list[Level]:
+def bench_servers(servers: list[Server], env: dict, args, prompts: list) -> list[Level]:
     """Start every server, then measure each concurrency level on each server in turn, for
     --rounds rounds, keeping each (server, level)'s round of most output tokens/s: on a shared
     machine a burst of load from elsewhere then lands on both servers' rounds alike. An idle
@@ -279,13 +320,122 @@ def bench_servers(servers: list[Server], env: dict, args, prompts: list[str]) ->
     return [best[(srv.name, c)] for srv in servers for c in args.concurrency if (srv.name, c) in best]
 
 
+def spyre_server(name: str, model: str, served: str, args, extra_flags: list[str]) -> Server:
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "spyre-serve"), "serve", "--model", model,
+           "--served-model-name", served, "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-waiting", "100000", *extra_flags, *args.spyre_args.split()]
+    return Server(name, cmd, "/health", port, served, {"ignore_eos": True}, busy_metric=True)
+
+
+# --- SmolLM2-135M-Instruct against llama.cpp and vLLM -----------------------------------------
+
+# name -> (kind, what): spyre-serve flags, a llama.cpp GGUF (paths() key), a vLLM dtype
+SMOLLM2_SERVERS = {
+    "spyre-fp32": ("spyre", []),
+    "spyre-bf16w": ("spyre", ["--dtype", "bfloat16", "--compute-dtype", "float32"]),
+    "spyre-bf16": ("spyre", ["--dtype", "bfloat16"]),
+    "llamacpp-f32": ("llamacpp", "gguf_f32"),
+    "llamacpp-q4_1": ("llamacpp", "gguf_q4_1"),
+    "vllm-f32": ("vllm", "float32"),
+    "vllm-bf16": ("vllm", "bfloat16"),
+}
+
+
+def smollm2_servers(names: list[str], args) -> list[Server]:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    from launch import start_llamacpp, start_vllm
+    from smollm2 import paths
+
+    p = paths(args.peers_cache)
+    out = []
+    for name in names:
+        kind, what = SMOLLM2_SERVERS[name]
+        if kind == "spyre":
+            out.append(spyre_server(name, str(p["hf_f32"]), "smollm2", args, what))
+            continue
+        starter = functools.partial(start_llamacpp, p[what], parallel=max(args.max_num_seqs, 32), threads=2,
+                                    cache=args.peers_cache, log_dir=args.log_dir) if kind == "llamacpp" else \
+            functools.partial(start_vllm, p["hf_f32"], what, cache=args.peers_cache, log_dir=args.log_dir)
+        out.append(Server(name, [], "/health", 0, "", {}, busy_metric=False, starter=starter))
+    for srv in out:
+        srv.extra["stream_options"] = {"include_usage": True}    # tokens counted from usage
+    return out
+
+
+def smollm2_ratios(levels: list[Level], bw_gbs: float, weight_bytes: int) -> list[str]:
+    """The issue's targets, as ratios of this run's figures."""
+    at = {(v.server, v.concurrency): v for v in levels if not v.failed}
+    lines = []
+
+    def tps(name, c):
+        v = at.get((name, c))
+        return v.output_tok_s if v else None
+
+    for c in sorted({v.concurrency for v in levels}):
+        ours = tps("spyre-fp32", c)
+        peers = [x for x in (tps("llamacpp-f32", c), tps("vllm-f32", c)) if x]
+        if ours and peers:
+            lines.append(f"- fp32 c={c}: spyre-serve {ours:.1f} tok/s = {ours / max(peers):.2f}x the better "
+                         f"of llama.cpp F32 and vLLM float32 ({max(peers):.1f}; target >= 1.3x)")
+        bf, vb = tps("spyre-bf16", c), tps("vllm-bf16", c)
+        if bf and vb:
+            lines.append(f"- bf16 compute c={c}: {bf:.1f} tok/s = {bf / vb:.2f}x vLLM bfloat16 ({vb:.1f}; "
+                         "target >= 1.3x at c=8, 32)")
+        v32 = at.get(("spyre-fp32", c))
+        if c >= 8 and v32 and v32.tpot_p50_ms:
+            lines.append(f"- fp32 c={c}: ITL p99 {v32.itl_p99_ms} ms = {v32.itl_p99_ms / v32.tpot_p50_ms:.2f}x "
+                         "TPOT p50 (target <= 3x at c=32)")
+    for name, width in (("spyre-fp32", 4), ("spyre-bf16w", 2), ("spyre-bf16", 2)):
+        v = at.get((name, 1))
+        if v and bw_gbs:
+            floor_ms = weight_bytes * width / 4 / (bw_gbs * 1e9) * 1e3
+            lines.append(f"- {name} c=1: TPOT p50 {v.tpot_p50_ms} ms = {v.tpot_p50_ms / floor_ms:.2f}x the "
+                         f"bandwidth floor ({floor_ms:.1f} ms: weights / {bw_gbs:.1f} GB/s; target <= 1.2x)")
+    q4, w16 = tps("llamacpp-q4_1", 1), tps("spyre-bf16w", 1)
+    if q4 and w16:
+        lines.append(f"- bf16 weights c=1: {w16:.1f} tok/s = {w16 / q4:.2f}x llama.cpp Q4_1 ({q4:.1f}; target >= 1x)")
+    return lines
+
+
+def main_smollm2(args, argv) -> int:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    from launch import smoke_prompts
+    from smollm2 import paths
+
+    from benchmarks.limits import bandwidth
+
+    hf = paths(args.peers_cache)["hf_f32"]
+    weight_bytes = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
+    prompts = smoke_prompts(hf, max(max(args.concurrency), args.min_requests), args.prompt_tokens)
+    bw = bandwidth(512 << 20)["machine_gbs"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    servers = smollm2_servers(args.servers or list(SMOLLM2_SERVERS), args)
+    levels = bench_servers(servers, env, args, prompts)
+    bw = max(bw, bandwidth(512 << 20)["machine_gbs"])
+    command = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = smollm2_ratios(levels, bw, weight_bytes)
+    report = {"command": command.strip(), "checkpoint": str(hf), "prompt_tokens": args.prompt_tokens,
+              "output_tokens": args.output_tokens, "cpu_count": os.cpu_count(), "rounds": args.rounds,
+              "bandwidth_gbs": round(bw, 1), "weight_bytes_fp32": weight_bytes,
+              "levels": [asdict(v) for v in levels], "ratios": lines}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"`{report['command']}` on {os.cpu_count()} cores, SmolLM2-135M-Instruct, prompts of "
+          f"{args.prompt_tokens} token ids, {args.output_tokens} output tokens (ignore_eos), "
+          f"read bandwidth {bw:.1f} GB/s\n")
+    print(table(levels))
+    print("\n" + "\n".join(lines))
+    return 0
+
+
 def table(levels: list[Level]) -> str:
     rows = ["| server | concurrency | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
-            "| TPOT p99 ms | device busy |", "|---|---|---|---|---|---|---|---|---|"]
+            "| TPOT p99 ms | ITL p99 ms | device busy |", "|---|---|---|---|---|---|---|---|---|---|"]
     for v in levels:
         busy = "" if v.device_busy is None else f"{100 * v.device_busy:.0f}%"
         rows.append(f"| {v.server} | {v.concurrency} | {v.requests - v.failed}/{v.requests} | {v.output_tok_s} "
-                    f"| {v.ttft_p50_ms} | {v.ttft_p99_ms} | {v.tpot_p50_ms} | {v.tpot_p99_ms} | {busy} |")
+                    f"| {v.ttft_p50_ms} | {v.ttft_p99_ms} | {v.tpot_p50_ms} | {v.tpot_p99_ms} "
+                    f"| {v.itl_p99_ms} | {busy} |")
     return "\n".join(rows)
 
 
@@ -312,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds per level (servers alternate within a round); each keeps its best")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-spyre", action="store_true")
+    ap.add_argument("--model", choices=["granite-tiny", "smollm2"], default="granite-tiny",
+                    help="granite-tiny: against transformers serve; smollm2: against llama.cpp and vLLM")
+    ap.add_argument("--servers", nargs="+", choices=list(SMOLLM2_SERVERS), default=None,
+                    help="with --model smollm2: which servers (default: all)")
+    ap.add_argument("--spyre-args", default="", help="extra spyre-serve flags, e.g. '--max-prefill-tokens-with-decodes 128'")
+    ap.add_argument("--peers-cache", default=None, help="benchmarks/peers cache directory")
     ap.add_argument("--start-timeout", type=float, default=1800.0)
     ap.add_argument("--request-timeout", type=float, default=3600.0)
     ap.add_argument("--log-dir", default=str(ROOT / "benchmarks" / "results"))
@@ -319,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
 
+    if args.model == "smollm2":
+        return main_smollm2(args, argv)
     from models import resolve_model
 
     checkpoint = str(resolve_model("granite-tiny"))
@@ -327,11 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     servers = []
     if not args.skip_spyre:
-        port = free_port()
-        cmd = [str(bin_dir / "spyre-serve"), "serve", "--model", checkpoint, "--served-model-name", "granite-tiny",
-               "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "100000"]
-        servers.append(Server("spyre-serve", cmd, "/health", port, "granite-tiny", {"ignore_eos": True},
-                              busy_metric=True))
+        servers.append(spyre_server("spyre-serve", checkpoint, "granite-tiny", args, []))
     if not args.skip_transformers:
         port = free_port()
         cmd = [str(bin_dir / "transformers"), "serve", "--continuous-batching", "--device", "cpu",
