@@ -126,7 +126,8 @@ def build(s: Settings, progress: bool = True) -> Built:
     engine = Engine(runner, model.tokenizer, max_num_seqs=s.max_num_seqs,
                     max_num_batched_tokens=s.max_num_batched_tokens, card=card,
                     step_timeout=s.step_timeout, enable_prefix_caching=s.enable_prefix_caching,
-                    max_prefill_with_decodes=s.max_prefill_tokens_with_decodes)
+                    max_prefill_with_decodes=s.max_prefill_tokens_with_decodes,
+                    structured_output_wait=s.structured_output_wait)
     metrics.attach(engine)
     engine.start()
     app = create_app(engine, model, s, metrics)

@@ -72,6 +72,11 @@ class _Step:
     number: int  # launches so far, this one included
 
 
+def _holds_grammar_sample(step: _Step) -> bool:
+    """Whether ``step`` samples for a running sequence under a grammar (structured output)."""
+    return any(c.sample and c.seq.matcher is not None and not c.seq.is_finished for c in step.chunks)
+
+
 class Engine:
     def __init__(
         self,
@@ -86,6 +91,7 @@ class Engine:
         on_death: Callable[[BaseException], None] | None = None,
         enable_prefix_caching: bool = True,
         max_prefill_with_decodes: int | None = None,
+        structured_output_wait: bool = False,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -107,6 +113,9 @@ class Engine:
                                    on_release=(lambda seq: forget(seq.seq_id)) if forget else None,
                                    max_prefill_with_decodes=max_prefill_with_decodes)
         self.stats = EngineStats()
+        # a grammar's mask needs the token before it on the host: read back the step holding it
+        # before planning the next one (True), or plan such a sequence every other step (False)
+        self.structured_output_wait = structured_output_wait
         self._seq_ids = itertools.count()
         self._inbox = Inbox()
         self._wake = threading.Event()
@@ -246,6 +255,8 @@ class Engine:
                     self._probe()
                     self._publish_counts()
                     continue
+                if inflight is not None and self.structured_output_wait and _holds_grammar_sample(inflight):
+                    inflight = self._collect_pair(inflight, None)
                 chunks = self.scheduler.schedule()
                 step = self._launch(chunks)
                 collected = inflight is not None

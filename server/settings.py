@@ -132,6 +132,11 @@ class Settings:
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of a prompt prefix computed before "
                                         "(full blocks, content-addressed, least recently used "
                                         "evicted first)", parse_bool)
+    structured_output_wait: bool = _flag(False, "structured output: read back a step holding a grammar's "
+                                         "sample before planning the next (every sequence gets a token "
+                                         "each step, the card idles while the host plans) instead of "
+                                         "running grammar sequences every other step beside the overlap",
+                                         parse_bool)
     warmup: bool = _flag(True, "compile and prepare every step program before listening", parse_bool)
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
 

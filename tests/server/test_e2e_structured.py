@@ -265,3 +265,24 @@ def test_parallel_tool_calls_false_gives_one_call(client):
                                            parallel_tool_calls=False, max_tokens=300, seed=seed)
         check_calls(r.choices[0].message.tool_calls, set(PARAMS))
         assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_with_structured_output_wait_grammar_sequences_get_a_token_every_step():
+    with running_server(max_model_len=1024, num_kv_blocks=256, structured_output_wait=True) as s:
+        engine = s.built.engine
+
+        async def run():
+            c = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=600)
+            out = await asyncio.gather(*[c.completions.create(
+                model=None, prompt=f"{PROMPT} {i}", max_tokens=48, temperature=1.0, seed=i,
+                extra_body={"ignore_eos": True, **({"guided_regex": "[a-z ]{1000}"} if i % 2 else {})})
+                for i in range(4)])
+            await c.close()
+            return out
+
+        steps = engine.stats.steps
+        out = asyncio.run(run())
+        steps = engine.stats.steps - steps
+    assert all(r.usage.completion_tokens == 48 for r in out)
+    assert all(re.fullmatch("[a-z ]+", r.choices[0].text) for r in out[1::2])
+    assert steps < 48 + 12          # not every other step: 48 tokens in about 48 steps (+ prefill)
