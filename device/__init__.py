@@ -6,16 +6,38 @@ in this folder for the call-by-call map to CUDA/torch.
 
 import os
 
-# Idle OpenMP workers spin for a short while, then sleep (unless the user chose a policy).
-# Every kernel of a step is a parallel region on every core (models/threads.py): with
-# OMP_WAIT_POLICY=PASSIVE each region woke a sleeping thread (~90 us a region here, ~30 regions
-# a layer); libgomp's default spins 300k iterations. 1e5 spins keep a region at ~2 us while a
-# step runs and let the worker sleep between steps, where the host needs the core. SmolLM2-135M
-# shape, one process per setting: decode b32 189 -> 113 ms, b1 32 -> 23 ms, prefill 512 1770
-# -> 1056 ms against PASSIVE (and the old serial policy). OpenBLAS's pool, which used to spin
-# beside it, no longer runs during a step (BLAS is on one thread there).
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+# Numba's parallel kernels run on Intel TBB (the `tbb` wheel, a dependency) when it loads, else on
+# OpenMP. Every kernel of a step is a parallel loop on every core (models/threads.py), ~30 a
+# layer. TBB's workers spin briefly and then sleep, and a thread that is running takes the
+# chunks of one that is not (work stealing), where OpenMP's static split waits for it. SmolLM2-135M
+# shape, decode step ms (batch 1 / batch 32), one process per setting, on an idle machine and
+# beside one busy process:
+#     OpenMP, OMP_WAIT_POLICY=PASSIVE      56 / 151      idle     39-41 / 172-182   busy
+#     OpenMP, GOMP_SPINCOUNT=1e4           22 / 115               158 / 387
+#     OpenMP, GOMP_SPINCOUNT=1e5           23 / 118               > 80 s for the run
+#     TBB                                  22-26 / 111-120        33 / 189
+# The tbb wheel puts libtbb.so.12 in <prefix>/lib, which the loader does not search: load it
+# here, before Numba opens its TBB pool. Without TBB, OpenMP's idle workers sleep (PASSIVE),
+# slower on an idle machine but never the 10-100x of spinning beside another process.
+
+
+def _load_tbb() -> bool:
+    import ctypes
+    import sys
+
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        lib = os.path.join(prefix, "lib", "libtbb.so.12")
+        if os.path.exists(lib):
+            try:
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+                return True
+            except OSError:
+                pass
+    return False
+
+
+if not _load_tbb():
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The same for OpenBLAS's pool: its idle workers spin (sched_yield) for 2**28 cycles after a
 # GEMM by default, through the Numba kernels that follow it; 2**4 puts them to sleep at once.
 # granite-tiny 512-token prefill, same process, interleaved: 157-159 ms -> 139-153 ms, with
@@ -27,8 +49,8 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 import numba  # noqa: E402
 
 # Numba's default "workqueue" threading layer aborts when parallel kernels run from
-# two threads at once; every stream is a thread, so pick a thread-safe layer (omp here)
-# unless the user chose one.
+# two threads at once; every stream is a thread, so pick a thread-safe layer (tbb, loaded
+# above, else omp) unless the user chose one.
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "threadsafe"  # tbb or omp, whichever is installed
 

@@ -9,16 +9,17 @@ OpenBLAS's own pool never runs beside Numba's.
 
 This replaces a policy from the BLAS era (steps under 64 rows on one core, BLAS threads by
 work size, attention switching its thread count), which made sense when every parallel region
-cost a sleeping thread's wake-up (OMP_WAIT_POLICY=PASSIVE, ~90 us here) and OpenBLAS's pool
-spun beside OpenMP's. device/__init__.py now lets idle OpenMP workers spin briefly instead
-(GOMP_SPINCOUNT), so a parallel region costs ~2 us. Measured on a SmolLM2-135M-shaped model
-(fp32, 538 MB of weights), one process per setting, same minutes (ms):
+cost a sleeping OpenMP thread's wake-up (OMP_WAIT_POLICY=PASSIVE, ~90 us here) and OpenBLAS's
+pool spun beside OpenMP's. Numba now runs on TBB (device/__init__.py says why): a region costs a
+few microseconds, and a busy neighbour process does not stall a region the way OpenMP's static
+split does. Measured on a SmolLM2-135M-shaped model (fp32, 538 MB of weights), one process per
+setting (ms):
 
-    policy                                  prefill 512   decode b1   decode b8   decode b32
-    serial < 64 rows, PASSIVE (before)          1770         31.9        66.2        189
-    every core, PASSIVE                         1882         36.0        72.3        196
-    every core, spin 1e5 (now)                  1056         23.1        35.1        113
-    every core, spin 1e7                        1137         21.3        38.5        110
+    policy                                    prefill 512   decode b1   decode b8   decode b32
+    serial < 64 rows, OpenMP PASSIVE (before)     1770         31.9        66.2        189
+    every core, OpenMP PASSIVE                    1882         36.0        72.3        196
+    every core, OpenMP spinning 1e5               1056         23.1        35.1        113
+    every core, TBB (now)                                      22-26                   111-120
 """
 
 from __future__ import annotations
