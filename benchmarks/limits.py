@@ -18,8 +18,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from device.kernels.gemm import FMT_F32, MR, NR, _tile, gemm_packed
+from device.kernels.gemm import FMT_F32, MR, NR, gemm_packed
 from device.kernels.gemm import gemm as blas_gemm  # np.dot in njit: scipy's OpenBLAS
+from device.kernels.microkernel import tile
 from device.layout import pack
 
 
@@ -99,7 +100,7 @@ def _fma_loop(out, a, w, reps):
     # again, on data that stays in L1
     for c in prange(out.shape[0]):
         for _ in range(reps):
-            _tile(MR, a[c], 0, 256, w, 0, out[c], 0, NR, 256, 1, FMT_F32)
+            tile(MR, a[c], 0, 256, w, 0, out[c], 0, NR, 256, 1, FMT_F32)
 
 
 def fma_peak(seconds: float = 0.3) -> float:

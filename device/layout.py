@@ -14,6 +14,11 @@ Formats: "float32", "bfloat16" or "float16" (16-bit values stored as uint16 bits
 kernels widen them to float32 right after the load). Converting float32 to a 16-bit format
 rounds to nearest even, as torch's `.to(torch.bfloat16 / torch.float16)` does, so a
 checkpoint stored in that format is placed bit for bit.
+
+Block-quantized weights ("Q8_0", "Q4_0", "Q4_1": GGML's formats) come as a
+`QuantizedWeight`, the quants and scales of each output channel in blocks of QB = 32 inputs,
+and are placed at their width: each panel is K / QB records of QB rows (the NR scales, the
+Q4_1 minimums, then the quants; device/kernels/microkernel.py has the bytes).
 """
 
 from __future__ import annotations
@@ -23,10 +28,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from device.card import Card
-from device.kernels.gemm import FMT_BF16, FMT_F16, FMT_F32, FORMATS, NR
+from device.kernels.gemm import (
+    FMT_BF16,
+    FMT_F16,
+    FMT_F32,
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q8_0,
+    FORMAT_NAMES,
+    FORMATS,
+    NR,
+    QB,
+    RECORD_BYTES,
+)
 from device.memory import DeviceError, DeviceTensor
 
 STORAGE = {FMT_F32: np.float32, FMT_BF16: np.uint16, FMT_F16: np.uint16}
+QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1)
 
 
 def format_code(dtype: str) -> int:
@@ -91,13 +109,118 @@ def unpack(panels: np.ndarray, n: int, fmt: int) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """A block-quantized [N, K] matrix in GGML's orientation (rows: output channels, blocks of
+    QB along a row), the transpose of the GEMM's W[K, N]:
+
+        value[n, k] = d[n, k // QB] * q[n, k]                 Q8_0 (q int8)
+                    = d[n, k // QB] * (q[n, k] - 8)           Q4_0 (q 0..15)
+                    = d[n, k // QB] * q[n, k] + m[n, k // QB] Q4_1 (q 0..15)
+
+    d and m are float16, the products computed in float32 as GGML's dequantizer does."""
+
+    fmt: int                     # FMT_Q8_0, FMT_Q4_0 or FMT_Q4_1
+    q: np.ndarray                # int8 [N, K]
+    d: np.ndarray                # float16 [N, K / QB]
+    m: np.ndarray | None = None  # float16 [N, K / QB], Q4_1 only
+
+    def __post_init__(self):
+        n, k = self.q.shape
+        if self.fmt not in QUANTIZED:
+            raise DeviceError(f"format {self.fmt} is not block-quantized")
+        if k % QB or self.d.shape != (n, k // QB) or (self.m is None) != (self.fmt != FMT_Q4_1) \
+                or (self.m is not None and self.m.shape != self.d.shape):
+            raise DeviceError(f"a {FORMAT_NAMES[self.fmt]} weight [{n}, {k}] needs K in blocks of "
+                              f"{QB} and scales [{n}, {k // QB}]; got d {self.d.shape}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    @property
+    def name(self) -> str:
+        return FORMAT_NAMES[self.fmt]
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K], as GGML's dequantizer computes it."""
+        n, k = self.q.shape
+        d = np.repeat(self.d.astype(np.float32), QB, axis=1)
+        q = self.q.astype(np.float32)
+        if self.fmt == FMT_Q8_0:
+            return q * d
+        if self.fmt == FMT_Q4_0:
+            return d * (q - np.float32(8))
+        return d * q + np.repeat(self.m.astype(np.float32), QB, axis=1)
+
+    def take_rows(self, order: np.ndarray) -> QuantizedWeight:
+        """The rows in `order` (a permutation of output channels)."""
+        return QuantizedWeight(self.fmt, self.q[order], self.d[order],
+                               None if self.m is None else self.m[order])
+
+    @staticmethod
+    def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of every part, in order (a fused projection's outputs); one format."""
+        fmts = {p.fmt for p in parts}
+        if len(fmts) != 1:
+            raise DeviceError(f"cannot stack weights of formats {sorted(FORMAT_NAMES[f] for f in fmts)}")
+        m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
+        return QuantizedWeight(parts[0].fmt, np.concatenate([p.q for p in parts]),
+                               np.concatenate([p.d for p in parts]), m)
+
+
+def pack_quantized(qw: QuantizedWeight) -> np.ndarray:
+    """A QuantizedWeight [N, K] -> the GEMM's panels of W = its transpose, as uint8
+    [ceil(N/NR), K/QB, record bytes], zero past column N."""
+    n, k = qw.shape
+    p, nb = -(-n // NR), k // QB
+
+    def by_panel(x, fill=0):                     # [N, ...] -> [P, NR, ...], zero rows past N
+        out = np.full((p * NR, *x.shape[1:]), fill, x.dtype)
+        out[:n] = x
+        return out.reshape(p, NR, *x.shape[1:])
+
+    scales = [by_panel(qw.d)]                                           # [P, NR, nb] float16
+    if qw.m is not None:
+        scales.append(by_panel(qw.m))
+    parts = [np.ascontiguousarray(s.transpose(0, 2, 1)).view(np.uint8).reshape(p, nb, 2 * NR)
+             for s in scales]
+    q = by_panel(qw.q).reshape(p, NR, nb, QB).transpose(0, 2, 3, 1)      # [P, nb, QB, NR]
+    if qw.fmt == FMT_Q8_0:
+        parts.append(q.view(np.uint8).reshape(p, nb, QB * NR))
+    else:
+        lo, hi = q[:, :, :QB // 2].view(np.uint8), q[:, :, QB // 2:].view(np.uint8)
+        parts.append((lo | (hi << 4)).reshape(p, nb, QB // 2 * NR))
+    packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
+    assert packed.shape[2] == RECORD_BYTES[qw.fmt]
+    return packed
+
+
+def unpack_quantized(panels: np.ndarray, n: int, fmt: int) -> np.ndarray:
+    """The float32 K x N matrix the kernels compute with, from quantized panels."""
+    p, nb, _ = panels.shape
+    half = lambda b: b.copy().view(np.float16).astype(np.float32)       # noqa: E731
+    d = half(panels[:, :, :2 * NR])                                     # [P, nb, NR]
+    qoff = 4 * NR if fmt == FMT_Q4_1 else 2 * NR
+    raw = panels[:, :, qoff:]
+    if fmt == FMT_Q8_0:
+        q = raw.view(np.int8).reshape(p, nb, QB, NR).astype(np.float32)
+    else:
+        b = raw.reshape(p, nb, QB // 2, NR)
+        q = np.concatenate([b & 15, b >> 4], axis=2).astype(np.float32)
+    w = d[:, :, None, :] * (q - np.float32(8) if fmt == FMT_Q4_0 else q)
+    if fmt == FMT_Q4_1:
+        w = w + half(panels[:, :, 2 * NR:4 * NR])[:, :, None, :]
+    return w.reshape(p, nb * QB, NR).transpose(1, 0, 2).reshape(nb * QB, p * NR)[:, :n]
+
+
+@dataclass(frozen=True, slots=True)
 class GemmWeight:
     """A K x N GEMM weight on the card, in panels (see the module docstring)."""
 
-    tensor: DeviceTensor     # [ceil(N/NR), K, NR] float32 or uint16
-    k: int
+    tensor: DeviceTensor     # [ceil(N/NR), K, NR] float32 or uint16; quantized: uint8
+    k: int                   #   [ceil(N/NR), K/QB, record bytes]
     n: int
-    fmt: int                 # FMT_F32, FMT_BF16 or FMT_F16
+    fmt: int                 # FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0 or FMT_Q4_1
 
     @property
     def address(self) -> int:
@@ -107,14 +230,31 @@ class GemmWeight:
     def nbytes(self) -> int:
         return self.tensor.nbytes
 
+    @property
+    def format_name(self) -> str:
+        return FORMAT_NAMES[self.fmt]
+
     def numpy(self) -> np.ndarray:
         """The float32 K x N matrix as the kernels see it (tests and debugging)."""
+        if self.fmt in QUANTIZED:
+            return unpack_quantized(self.tensor.numpy(), self.n, self.fmt)
         return unpack(self.tensor.numpy(), self.n, self.fmt)
+
+
+def place_quantized_weight(card: Card, qw: QuantizedWeight) -> GemmWeight:
+    """Place the GEMM weight W = qw.T [K, N] at qw's width, once."""
+    panels = pack_quantized(qw)
+    t = card.empty(panels.shape, np.uint8)
+    t.numpy()[...] = panels
+    n, k = qw.shape
+    return GemmWeight(tensor=t, k=k, n=n, fmt=qw.fmt)
 
 
 def place_gemm_weight(card: Card, w: np.ndarray, dtype: str) -> GemmWeight:
     """Pack W[K, N] into panels of format `dtype` and place it on `card`, once."""
     fmt = format_code(dtype)
+    if fmt in QUANTIZED:
+        raise DeviceError(f"a {dtype} weight is placed from its quants (place_quantized_weight)")
     w = np.asarray(w)
     if w.ndim != 2:
         raise DeviceError(f"a GEMM weight is a K x N matrix, got shape {w.shape}")

@@ -1,11 +1,12 @@
 """GGUF files (llama.cpp's format) read as a Hugging Face checkpoint, without torch.
 
 ``load_gguf_checkpoint(path)`` gives the same ``Checkpoint`` as a safetensors directory:
-a ``GraniteConfig`` built from the file's metadata and every tensor as float32 with its
-Hugging Face name and shape, dequantized at load. Two architectures are served, ``llama``
+a ``GraniteConfig`` built from the file's metadata and every tensor with its Hugging Face
+name and shape. Two architectures are served, ``llama``
 and ``granite`` (llama.cpp's names); tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q4_K and Q6_K. Anything else is refused naming the tensor and its type, or the
-architecture, before any tensor is dequantized.
+Q5_1, Q4_K and Q6_K. Q8_0, Q4_0 and Q4_1 matrices stay at their width (the card's GEMM reads
+them as they are); the others are dequantized to float32. Anything else is refused naming the
+tensor and its type, or the architecture, before any tensor is read.
 
 Three things differ from a Hugging Face checkpoint:
 
@@ -36,10 +37,12 @@ from gguf import GGMLQuantizationType, Keys
 from models.checkpoint import Checkpoint, check_shapes, expected_shapes
 from models.config import ConfigError, GraniteConfig
 from models.gguf_file import (  # noqa: F401  (GGUFError, is_gguf_file: this module's interface)
+    QUANTIZED_TYPES,
     GGUFError,
     GGUFFile,
     dequantize_tensor,
     is_gguf_file,
+    quantized_tensor,
     read_gguf,
     require,
 )
@@ -255,10 +258,12 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
         w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def load_gguf_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a GGUF file into a Checkpoint: config from the metadata, every tensor refused
-    or dequantized to float32 under its Hugging Face name (q/k rows back in HF's rotary
-    layout). ``stored_dtypes`` holds each tensor's GGML type name ("Q4_1", "F32", ...)."""
+def load_gguf_checkpoint(path: str | Path, quantized: bool = True) -> Checkpoint:
+    """Read a GGUF file into a Checkpoint: config from the metadata, every tensor refused,
+    or under its Hugging Face name (q/k rows back in HF's rotary layout) either kept at its
+    width (Q8_0, Q4_0, Q4_1 with ``quantized``: a device.layout.QuantizedWeight, which the
+    card serves as it is) or dequantized to float32 (every other type: K-quants, Q5_x and
+    the float types). ``stored_dtypes`` holds each tensor's GGML type name ("Q4_1", ...)."""
     f = read_gguf(path)
     config = gguf_config(f)
     check_tensors(f)
@@ -267,10 +272,14 @@ def load_gguf_checkpoint(path: str | Path) -> Checkpoint:
     rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     tensors, stored = {}, {}
     for t in f.tensors.values():
-        w = dequantize_tensor(f, t)
+        keep = quantized and t.ggml_type in QUANTIZED_TYPES
+        w = quantized_tensor(f, t) if keep else dequantize_tensor(f, t)
         m = _LAYER_NAME.fullmatch(t.name)
         if m and m.group(2) in rope_heads:
-            w = unpermute_rope_rows(w, rope_heads[m.group(2)])
+            if keep:
+                w = w.take_rows(unpermute_rope_rows(np.arange(t.shape[0]), rope_heads[m.group(2)]))
+            else:
+                w = unpermute_rope_rows(w, rope_heads[m.group(2)])
         tensors[hf_name(t.name)] = w
         stored[hf_name(t.name)] = t.type_name
     return Checkpoint(config=config, tensors=tensors, path=f.path, stored_dtypes=stored)

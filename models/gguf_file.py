@@ -24,6 +24,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
 from gguf.quants import dequantize
 
+from device.kernels.gemm import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
+from device.layout import QuantizedWeight
 from models.checkpoint import CheckpointError
 
 GGUF_SUFFIX = ".gguf"
@@ -200,6 +202,31 @@ def require(f: GGUFFile, key: str):
 
 
 # ---------------------------------------------------------------- a tensor's values
+
+
+# GGML types kept at their width on the card (device.layout.QuantizedWeight), by format code
+QUANTIZED_TYPES = {GGMLQuantizationType.Q8_0: FMT_Q8_0, GGMLQuantizationType.Q4_0: FMT_Q4_0,
+                   GGMLQuantizationType.Q4_1: FMT_Q4_1}
+
+
+def quantized_tensor(f: GGUFFile, t: GGUFTensor) -> QuantizedWeight:
+    """A Q8_0 / Q4_0 / Q4_1 matrix as its quants and float16 scales (no value widened).
+
+    GGML's blocks of 32 values along a row: Q8_0 d (fp16), 32 int8; Q4_0 d, 16 bytes;
+    Q4_1 d, m, 16 bytes, value i of a block in the low nibble of byte i, value i + 16 in its
+    high nibble (ggml-common.h's block_q8_0 / block_q4_0 / block_q4_1)."""
+    rows, cols = t.shape
+    block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+    nb = cols // block
+    blocks = np.frombuffer(f.data, np.uint8, t.nbytes, t.offset).reshape(rows, nb, block_bytes)
+    half = lambda lo: blocks[:, :, lo:lo + 2].copy().view(np.float16).reshape(rows, nb)  # noqa: E731
+    fmt = QUANTIZED_TYPES[t.ggml_type]
+    if fmt == FMT_Q8_0:
+        return QuantizedWeight(fmt, blocks[:, :, 2:].copy().view(np.int8).reshape(rows, cols), half(0))
+    first = 4 if fmt == FMT_Q4_1 else 2
+    qs = blocks[:, :, first:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(rows, cols).astype(np.int8)
+    return QuantizedWeight(fmt, q, half(0), half(2) if fmt == FMT_Q4_1 else None)
 
 
 def dequantize_tensor(f: GGUFFile, t: GGUFTensor) -> np.ndarray:

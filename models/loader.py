@@ -13,6 +13,7 @@ from models.config import GraniteConfig
 from models.gguf import is_gguf_file, load_gguf_checkpoint
 from models.gguf_tokenizer import load_gguf_tokenizer
 from models.profiles import model_names, resolve_model
+from models.quantize import quantize_matrices
 from models.tokenizer import load_tokenizer
 from models.weights import ModelWeights, place_weights
 
@@ -29,14 +30,21 @@ class LoadedModel:
 
 
 def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = True,
-               dtype: str = "auto") -> LoadedModel:
-    """Resolve, read the checkpoint (float32 on the host, bf16/fp16 widened), place it on
-    `card` once in the kernels' layout and in width `dtype` ("auto": the width the checkpoint
-    stores, as vLLM's --dtype auto), and load its tokenizer."""
+               dtype: str = "auto", quantization: str | None = None) -> LoadedModel:
+    """Resolve, read the checkpoint (float32 on the host, bf16/fp16 widened; a GGUF file's
+    Q8_0/Q4_0/Q4_1 matrices kept quantized), optionally quantize its matrices
+    (`quantization`: models/quantize.py), place it on `card` once in the kernels' layout,
+    the float tensors in width `dtype` ("auto": the width the checkpoint stores, as vLLM's
+    --dtype auto), and load its tokenizer."""
     name = os.fspath(path_or_name)
     path = resolve_model(name)
-    gguf = is_gguf_file(path)   # a GGUF file: dequantized to float32, tokenizer from its metadata
+    gguf = is_gguf_file(path)   # a GGUF file: tokenizer from its metadata
+    if gguf and quantization:
+        raise ValueError(f"--quantization {quantization} applies to a float checkpoint; the GGUF "
+                         f"file {Path(path).name} is served in the formats it stores")
     ckpt = load_gguf_checkpoint(path) if gguf else load_checkpoint(path)
+    if quantization:
+        ckpt.tensors = quantize_matrices(ckpt.tensors, quantization)
     codes = set(ckpt.stored_dtypes.values())
     stored = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     stored_dtype = stored.get(codes.pop(), "float32") if len(codes) == 1 else ckpt.config.torch_dtype

@@ -137,7 +137,8 @@ class ModelRunner:
             "H": cfg.hidden_size, "HQ": cfg.num_attention_heads, "HKV": cfg.num_key_value_heads,
             "D": cfg.head_dim, "I": cfg.intermediate_size, "V": cfg.vocab_size,
             "L": cfg.num_hidden_layers, "NBT": self.kv.num_blocks + 1, "BS": self.block_size,
-            "WFMT": w.fmt, "CFMT": format_code(self.compute_dtype),
+            "EMBED_FMT": w.embed.fmt, "LM_HEAD_FMT": w.lm_head.fmt,
+            "CFMT": format_code(self.compute_dtype),
             "embed": w.embed.tensor, "norm": w.norm, "lm_head": w.lm_head.tensor,
             "inv_freq": w.inv_freq, "consts": w.consts, "layers": self.memory.layer_table,
             "timers": 0, length_slot("timers"): 0,            # timing off (see `profile`)

@@ -27,9 +27,9 @@ field through `_i32` / `_f32` / `_i64`, which refuse a view longer than the fiel
 order of fields in a buffer is host-side data: reordering a table needs no recompile.
 
 Numba caches `step_entry` keyed on this file alone and freezes the module-level integers it
-reads (slot indexes, KMAX) into the cached code: they are all computed here, from the tables
-here, so changing them changes this file. (The layer-table columns and constant indexes of
-models/weights.py are not: after changing those, delete the cache, see the README.)
+reads (slot indexes, KMAX, the layer-table columns) into the cached code: they are all
+computed here, and the cache is keyed by the sources of device/ and models/ together
+(device/cache.py), so changing any of them compiles afresh.
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ from models.buffer_layout import Field, Layout, length_slot
 
 KMAX = 5  # most top logprobs per sampled token (OpenAI's limit for completions)
 
-# Columns of the per-layer address table int64[L, LAYER_FIELDS] (models/weights.py builds it).
+# Columns of the per-layer table int64[L, LAYER_FIELDS] (models/weights.py builds it): byte
+# addresses, then each projection's number format (device.kernels.gemm.FMT_*).
 COL_IN_NORM, COL_QKV, COL_O, COL_POST_NORM, COL_GATE_UP, COL_DOWN, COL_K_CACHE, COL_V_CACHE = range(8)
-LAYER_FIELDS = 8
+COL_QKV_FMT, COL_O_FMT, COL_GATE_UP_FMT, COL_DOWN_FMT = range(8, 12)
+LAYER_FIELDS = 12
 # Indexes into the model's float32 constants (models/weights.py places them).
 CONST_EPS, CONST_EMB_MULT, CONST_ATTN_SCALE, CONST_RES_MULT, CONST_INV_LOGIT_SCALE = range(5)
 N_CONSTS = 8
@@ -143,8 +145,9 @@ SLOTS = [
     # model shapes
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
     ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
-    # number formats: the weights' (WFMT) and the GEMM inputs' (CFMT), device.kernels.gemm.FMT_*
-    ("WFMT", "dim"), ("CFMT", "dim"),
+    # number formats (device.kernels.gemm.FMT_*): the embedding's and the LM head's (a layer's
+    # projections: its table row), and the GEMM inputs' (CFMT)
+    ("EMBED_FMT", "dim"), ("LM_HEAD_FMT", "dim"), ("CFMT", "dim"),
     # model
     ("embed", "address"), ("norm", "address"), ("lm_head", "address"), ("inv_freq", "address"),
     ("consts", "address"), ("layers", "address"),
@@ -165,7 +168,7 @@ def _slots(names: str) -> tuple[int, ...]:
 
 S_T, S_S, S_R, S_NS, S_MB, S_K, S_NBAN, S_NMW, S_NBIAS = _slots("T S R NS MB K NBAN NMW NBIAS")
 S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L, S_NBT, S_BS = _slots("H HQ HKV D I V L NBT BS")
-S_WFMT, S_CFMT = _slots("WFMT CFMT")
+S_EMBED_FMT, S_LM_HEAD_FMT, S_CFMT = _slots("EMBED_FMT LM_HEAD_FMT CFMT")
 A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS = _slots(
     "embed norm lm_head inv_freq consts layers")
 A_PREV_SAMPLED, A_TIMERS, A_SAMPLED, A_LOGPROB, A_TOP_IDS, A_TOP_LOGPROBS = _slots(
@@ -329,13 +332,12 @@ def step_entry(f32, i32, i64, u16, table):
 
     inv_freq = f32_at(f32, table[A_INV_FREQ], D // 2)
     layers = i64_at(i64, table[A_LAYERS], L * LAYER_FIELDS).reshape(L, LAYER_FIELDS)
-    wfmt = table[S_WFMT]                     # weights: float32 or 16-bit, widened in the GEMM
     cfmt = table[S_CFMT]                     # GEMM inputs rounded to this format (16-bit compute)
     timers = i64_at(i64, table[A_TIMERS], table[A_TIMERS + 1])
     t = lap(timers, -1, 0)
 
     # ---- the model
-    gather_columns_at(x, f32, u16, table[A_EMBED], tokens, emb_mult, H, V, wfmt)
+    gather_columns_at(x, f32, u16, table[A_EMBED], tokens, emb_mult, H, V, table[S_EMBED_FMT])
     t = lap(timers, K_EMBEDDING, t)
     for layer in range(L):
         in_norm = f32_at(f32, layers[layer, COL_IN_NORM], H)
@@ -346,7 +348,8 @@ def step_entry(f32, i32, i64, u16, table):
         rmsnorm(hbuf, x, in_norm, eps)
         round_to_format(hbuf, cfmt)
         t = lap(timers, K_RMSNORM, t)
-        gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV, wfmt)
+        gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV,
+                layers[layer, COL_QKV_FMT])
         t = lap(timers, K_QKV, t)
         _split_qkv(qf, kf, vf, qkv, QD, KD)
         rope_inplace(q3, positions, inv_freq)
@@ -358,19 +361,22 @@ def step_entry(f32, i32, i64, u16, table):
                         attn_scale)
         round_to_format(attn, cfmt)
         t = lap(timers, K_ATTENTION, t)
-        gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H, wfmt)
+        gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H,
+                layers[layer, COL_O_FMT])
         t = lap(timers, K_O_PROJ, t)
         residual_add(x, y, res_mult)
         t = lap(timers, K_RESIDUAL, t)
         rmsnorm(hbuf, x, post_norm, eps)
         round_to_format(hbuf, cfmt)
         t = lap(timers, K_RMSNORM, t)
-        gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER, wfmt)
+        gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER,
+                layers[layer, COL_GATE_UP_FMT])
         t = lap(timers, K_GATE_UP, t)
         swiglu(act, gu)
         round_to_format(act, cfmt)
         t = lap(timers, K_SWIGLU, t)
-        gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H, wfmt)
+        gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H,
+                layers[layer, COL_DOWN_FMT])
         t = lap(timers, K_DOWN, t)
         residual_add(x, y, res_mult)
         t = lap(timers, K_RESIDUAL, t)
@@ -380,7 +386,7 @@ def step_entry(f32, i32, i64, u16, table):
     _gather_rows(hsel, x, logit_rows)
     rmsnorm(hn, hsel, norm, eps)
     round_to_format(hn, cfmt)
-    gemm_at(logits, hn, f32, u16, table[A_LM_HEAD], H, V, wfmt)
+    gemm_at(logits, hn, f32, u16, table[A_LM_HEAD], H, V, table[S_LM_HEAD_FMT])
     lf = logits.reshape(R * V)
     for i in range(R * V):
         lf[i] *= inv_logit_scale

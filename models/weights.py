@@ -10,29 +10,45 @@ The embedding is stored once, as the K x N weight of the LM head, E.T [H, V]: th
 lookup gathers its columns, and a tied model's LM head is that same weight. An untied LM head
 is its own [H, V] weight (lm_head.weight.T); the embedding then stays E.T for the lookup.
 
-`dtype` is the width of every weight on the card: "float32", "bfloat16" or "float16". A
+`dtype` is the width of every float weight on the card: "float32", "bfloat16" or "float16". A
 16-bit width rounds each value to nearest even (a checkpoint stored in that width is placed
 bit for bit); the norms and constants stay float32 arrays holding the rounded values, so the
-model on the card is exactly the checkpoint rounded to `dtype`.
+model on the card is exactly the checkpoint rounded to `dtype`. A block-quantized matrix (a
+device.layout.QuantizedWeight: a GGUF file's Q8_0, Q4_0 or Q4_1) is placed at its own width;
+a fused projection whose parts differ in format is dequantized and placed in `dtype`, with a
+log line saying so.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from device import Card, DeviceTensor
-from device.layout import GemmWeight, decode, encode, format_code, place_gemm_weight
+from device.layout import (
+    GemmWeight,
+    QuantizedWeight,
+    decode,
+    encode,
+    format_code,
+    place_gemm_weight,
+    place_quantized_weight,
+)
 from models.config import GraniteConfig
 from models.step_program import (
     COL_DOWN,
+    COL_DOWN_FMT,
     COL_GATE_UP,
+    COL_GATE_UP_FMT,
     COL_IN_NORM,
     COL_K_CACHE,
     COL_O,
+    COL_O_FMT,
     COL_POST_NORM,
     COL_QKV,
+    COL_QKV_FMT,
     COL_V_CACHE,
     CONST_ATTN_SCALE,
     CONST_EMB_MULT,
@@ -44,6 +60,7 @@ from models.step_program import (
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -69,10 +86,20 @@ class ModelWeights:
     consts: DeviceTensor       # float32[N_CONSTS]: eps, embedding x, attention scale, residual x, 1/logits_scaling
     nbytes: int                # bytes of parameters on the card (what one decode step reads, about)
 
+    def gemm_weights(self) -> list[GemmWeight]:
+        """Every GEMM weight, once (a tied LM head is the embedding)."""
+        out = [self.embed] + ([] if self.tied else [self.lm_head])
+        for lw in self.layers:
+            out += [lw.qkv, lw.o, lw.gate_up, lw.down]
+        return out
+
     @property
-    def fmt(self) -> int:
-        """The kernels' format code of `dtype` (device.kernels.gemm.FMT_*)."""
-        return format_code(self.dtype)
+    def formats(self) -> dict[str, int]:
+        """Bytes on the card of the GEMM weights, by format ("Q4_1", "float32", ...)."""
+        out: dict[str, int] = {}
+        for gw in self.gemm_weights():
+            out[gw.format_name] = out.get(gw.format_name, 0) + gw.nbytes
+        return out
 
     def tensors(self) -> list[DeviceTensor]:
         out = [self.embed.tensor, self.norm, self.inv_freq, self.consts]
@@ -142,10 +169,20 @@ class _Placer:
         self.placed.append(t)
         return t
 
-    def gemm(self, *blocks: np.ndarray) -> GemmWeight:
-        """A GEMM weight W[K, N]: the blocks [K, n_i] side by side (a fused projection)."""
-        w = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
-        gw = place_gemm_weight(self.card, w, self.dtype)
+    def gemm(self, name: str, *rows: np.ndarray | QuantizedWeight) -> GemmWeight:
+        """The GEMM weight W[K, N] of Hugging Face linears [n_i, K] (out, in), their outputs
+        side by side (a fused projection): at the parts' block-quantized width if they share
+        one, else in the float width."""
+        fmts = {r.fmt for r in rows if isinstance(r, QuantizedWeight)}
+        if len(fmts) == 1 and all(isinstance(r, QuantizedWeight) for r in rows):
+            gw = place_quantized_weight(self.card, QuantizedWeight.stack(list(rows)))
+        else:
+            if fmts:
+                log.info("%s: parts of formats %s are dequantized and placed in %s", name,
+                         ", ".join(sorted({_format_of(r) for r in rows})), self.dtype)
+            rows = [r.dequantize() if isinstance(r, QuantizedWeight) else r for r in rows]
+            w = rows[0].T if len(rows) == 1 else np.concatenate([r.T for r in rows], axis=1)
+            gw = place_gemm_weight(self.card, w, self.dtype)
         self.placed.append(gw.tensor)
         return gw
 
@@ -154,31 +191,38 @@ class _Placer:
             self.card.free(t)
 
 
-def place_weights(card: Card, config: GraniteConfig, tensors: dict[str, np.ndarray],
+def _format_of(t: np.ndarray | QuantizedWeight) -> str:
+    return t.name if isinstance(t, QuantizedWeight) else "float"
+
+
+def place_weights(card: Card, config: GraniteConfig,
+                  tensors: dict[str, np.ndarray | QuantizedWeight],
                   dtype: str = "float32") -> ModelWeights:
-    """Place HF-named float32 tensors (shapes checked by models.checkpoint) on `card` in
-    width `dtype`."""
+    """Place HF-named tensors (shapes checked by models.checkpoint; float32 arrays, or
+    block-quantized matrices) on `card`, the float ones in width `dtype`."""
     c = config
     put = _Placer(card, check_dtype(dtype))
+
+    def gemm(*names: str) -> GemmWeight:
+        return put.gemm(names[0], *(tensors[n] for n in names))
+
     try:
-        embed = put.gemm(tensors["model.embed_tokens.weight"].T)                  # [H, V]
+        embed = gemm("model.embed_tokens.weight")                                 # [H, V]
         layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             layers.append(LayerWeights(
                 in_norm=put.vector(tensors[p + "input_layernorm.weight"]),
-                qkv=put.gemm(tensors[p + "self_attn.q_proj.weight"].T,             # [H, QD+2KD]
-                             tensors[p + "self_attn.k_proj.weight"].T,
-                             tensors[p + "self_attn.v_proj.weight"].T),
-                o=put.gemm(tensors[p + "self_attn.o_proj.weight"].T),              # [QD, H]
+                qkv=gemm(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                         p + "self_attn.v_proj.weight"),                          # [H, QD+2KD]
+                o=gemm(p + "self_attn.o_proj.weight"),                            # [QD, H]
                 post_norm=put.vector(tensors[p + "post_attention_layernorm.weight"]),
-                gate_up=put.gemm(tensors[p + "mlp.gate_proj.weight"].T,           # [H, 2I]
-                                 tensors[p + "mlp.up_proj.weight"].T),
-                down=put.gemm(tensors[p + "mlp.down_proj.weight"].T),              # [I, H]
+                gate_up=gemm(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),  # [H, 2I]
+                down=gemm(p + "mlp.down_proj.weight"),                            # [I, H]
             ))
         norm = put.vector(tensors["model.norm.weight"])
         tied = c.tie_word_embeddings
-        lm_head = embed if tied else put.gemm(tensors["lm_head.weight"].T)       # [H, V]
+        lm_head = embed if tied else gemm("lm_head.weight")                      # [H, V]
         inv_freq = put.vector(rope_inv_freq(c), rounded=False)
         consts = put.vector(model_constants(c), rounded=False)
     except BaseException:
@@ -191,8 +235,8 @@ def place_weights(card: Card, config: GraniteConfig, tensors: dict[str, np.ndarr
 
 def build_layer_table(card: Card, weights: ModelWeights, k_caches: list[DeviceTensor],
                       v_caches: list[DeviceTensor]) -> DeviceTensor:
-    """int64[L, LAYER_FIELDS] of byte addresses: each layer's weights and its KV cache
-    (columns COL_* of models/step_program.py, which reads it)."""
+    """int64[L, LAYER_FIELDS]: each layer's weights and KV cache by byte address, and each
+    projection's format (columns COL_* of models/step_program.py, which reads it)."""
     L = len(weights.layers)
     if len(k_caches) != L or len(v_caches) != L:
         raise ValueError(f"KV cache has {len(k_caches)}/{len(v_caches)} layers, model has {L}")
@@ -206,6 +250,10 @@ def build_layer_table(card: Card, weights: ModelWeights, k_caches: list[DeviceTe
         host[i, COL_DOWN] = lw.down.address
         host[i, COL_K_CACHE] = k_caches[i].address
         host[i, COL_V_CACHE] = v_caches[i].address
+        host[i, COL_QKV_FMT] = lw.qkv.fmt
+        host[i, COL_O_FMT] = lw.o.fmt
+        host[i, COL_GATE_UP_FMT] = lw.gate_up.fmt
+        host[i, COL_DOWN_FMT] = lw.down.fmt
     t = card.empty(host.shape, np.int64)
     t.numpy()[...] = host
     return t

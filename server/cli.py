@@ -108,13 +108,18 @@ def build(s: Settings, progress: bool = True) -> Built:
 
     t0 = time.monotonic()
     card = _card(s)
-    model = load_model(s.model, card, dtype=s.dtype)
+    try:
+        model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
+    except BaseException:
+        card.close()
+        raise
     cfg = model.config
     log.info("model %s from %s: %d layers, hidden %d, %d heads (%d KV), vocab %d, stored %s",
              model.name, model.path, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
              cfg.num_key_value_heads, cfg.vocab_size, model.stored_dtype)
     runner = _runner(s, model, card)
-    log.info("weights %s on the card, GEMM inputs in %s", model.weights.dtype, runner.compute_dtype)
+    log.info("weights on the card: %s (float tensors %s), GEMM inputs in %s",
+             ", ".join(sorted(model.weights.formats)), model.weights.dtype, runner.compute_dtype)
     log.info("%s", memory_plan_text(card, model, runner))
     if s.warmup:
         shapes = runner.bucket_shapes()
@@ -148,7 +153,10 @@ def _runner(s: Settings, model, card):
 def memory_plan_text(card, model, runner) -> str:
     """One line: the card, the weights, the KV cache, the runner's scratch and I/O, what is in use."""
     plan = runner.memory_plan
-    return (f"memory plan on a {_mb(card.memory.nbytes)} card: weights {_mb(model.weights.nbytes)}, "
+    formats = ", ".join(f"{name} {_mb(n)}" for name, n in
+                        sorted(model.weights.formats.items(), key=lambda kv: -kv[1]))
+    return (f"memory plan on a {_mb(card.memory.nbytes)} card: weights {_mb(model.weights.nbytes)} "
+            f"(matrices: {formats}), "
             f"KV cache {_mb(plan['kv_cache'])} ({runner.num_kv_blocks} blocks of {runner.block_size} tokens "
             f"= {runner.num_kv_blocks * runner.block_size} tokens), scratch and I/O "
             f"{_mb(plan['workspace'] + plan['io'])} (step workspace {_mb(plan['workspace'])}, "
@@ -168,7 +176,7 @@ def warmup(s: Settings, progress: bool = True, out=None) -> int:
     t0 = time.monotonic()
     card = _card(s)
     try:
-        model = load_model(s.model, card, dtype=s.dtype)
+        model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
         cfg = model.config
         print(f"model {model.name} from {model.path}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
               f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV), vocab {cfg.vocab_size}, "

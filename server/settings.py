@@ -40,6 +40,15 @@ def parse_dtype(text: str) -> str:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")   # models/quantize.py
+
+
+def parse_quantization(text: str) -> str | None:
+    """vLLM's --quantization: none, or a method models/quantize.py applies at load."""
+    value = text.strip().lower()
+    if value not in QUANTIZATIONS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(QUANTIZATIONS)}")
+    return None if value == "none" else value
 JINJA_CHARS = "{}\n"  # a --chat-template holding one of these is a template, not a path
 
 
@@ -101,6 +110,10 @@ class Settings:
     compute_dtype: str = _flag("auto", "format GEMM inputs are rounded to: auto (the weights' width, "
                                "as vLLM's --dtype), or float32 to keep activations exact with 16-bit "
                                "weights", parse_dtype, sizing=True)
+    quantization: str | None = _flag(None, "weights quantized at load: none, or int8 (symmetric, per "
+                                     "output channel; served by the card's 8-bit GEMM); a GGUF file's "
+                                     "Q8_0/Q4_0/Q4_1 matrices are served at their width without it",
+                                     parse_quantization, sizing=True)
     block_size: int = _flag(64, "tokens per KV cache block", int, sizing=True)
     num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: what fits in 90%% of the free "
                                       "device memory)", int, sizing=True)

@@ -1,4 +1,4 @@
-"""GEMM on weights placed once in panels (weight-stationary), fp32 or 16-bit.
+"""GEMM on weights placed once in panels (weight-stationary): fp32, 16-bit, 8- and 4-bit.
 
 A weight W[K, N] is stored as panels of NR columns, each panel K rows of NR contiguous
 values (device/layout.py packs it; see device/README.md for a picture):
@@ -7,7 +7,11 @@ values (device/layout.py packs it; see device/README.md for a picture):
 
 so the kernel streams every panel with unit stride and never repacks. Storage is float32,
 or uint16 holding bfloat16 or float16 bits (`fmt`), widened to float32 right after the load
-(bf16: a 16-bit shift; fp16: F16C's conversion): activations and accumulation stay fp32.
+(bf16: a 16-bit shift; fp16: F16C's conversion), or uint8 in one of GGML's block-quantized
+formats (Q8_0, Q4_0, Q4_1: blocks of QB = 32 rows with a float16 scale per column), each
+panel then K / QB records of QB rows (device/kernels/microkernel.py has their bytes), the
+weights widened in registers to the values GGML's dequantizer gives. Activations and
+accumulation stay fp32.
 
     out[M, N] = a[M, K] @ W                    gemm_packed(out, a, w, K, N, fmt)
 
@@ -16,173 +20,92 @@ of panels); a panel's k-block of KC rows (16 KiB in fp32) stays in L1 while ever
 of MR rows passes over it, so each weight byte comes from memory once per block of MC rows.
 Up to MC rows (every decode) that is one pass and one parallel region; for more, the rows
 come in blocks of MC and the k-blocks go outside the panels, so that an [MC, KC] block of
-`a` stays in L2 while all the panels stream past it. The
-innermost loop is a microkernel emitted as LLVM vector IR (`_microkernel`): it keeps an
-MR x NR block of `out` in registers, and for each k loads the NR weights of that row,
-broadcasts one value of `a` per row and does MR x NR fused multiply-adds. With NR = 16 and
-8-wide vectors (AVX2: 16 registers) MR = 6 uses 12 accumulators, 2 weight vectors and a
-broadcast. One row (a decode GEMV) unrolls k by 4 into independent accumulators so that
-the FMA latency never limits the stream of weights.
+`a` stays in L2 while all the panels stream past it. The innermost loop is a microkernel
+emitted as LLVM vector IR (device/kernels/microkernel.py).
 
-Numerics: every product is a float32 FMA of exactly the stored weight. The order of the k
-sum depends on K and on the height of a row's tile (one row sums k in four interleaved
-partial sums), never on the thread count: a result is reproducible for a given batch shape.
+Numerics: every product is a float32 FMA of exactly the stored (dequantized) weight. The
+order of the k sum depends on K and on the height of a row's tile (one row sums k in four
+interleaved partial sums), never on the thread count or the weight's format: a result is
+reproducible for a given batch shape, and a quantized weight gives bit for bit what its
+dequantized float32 copy gives.
 """
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from device.abi import f32_at, get_kernel_threads, u16_at
+from device.kernels.microkernel import (  # noqa: F401  (NR, MR, QB, RECORD_BYTES: this module's interface)
+    FMT_BF16,
+    FMT_F16,
+    FMT_F32,
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q8_0,
+    MR,
+    NR,
+    QB,
+    REC_Q4_0,
+    REC_Q4_1,
+    REC_Q8_0,
+    RECORD_BYTES,
+    tile,
+)
 
-NR = 16          # columns per panel
-VW = 8           # float32 lanes per LLVM vector (a ymm register on AVX2)
-MR = 6           # rows per microkernel tile
-KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, half of L1
+KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, half of L1 (a multiple of QB)
 MC = 192         # rows per block of a: [MC, KC] fp32 is 192 KiB, in L2
 CHUNKS_PER_THREAD = 4   # panel chunks per core: balances the split, keeps each core's range contiguous
 
-FMT_F32, FMT_BF16, FMT_F16 = 0, 1, 2
-FORMATS = {"float32": FMT_F32, "bfloat16": FMT_BF16, "float16": FMT_F16}
+FORMATS = {"float32": FMT_F32, "bfloat16": FMT_BF16, "float16": FMT_F16,
+           "Q8_0": FMT_Q8_0, "Q4_0": FMT_Q4_0, "Q4_1": FMT_Q4_1}
+FORMAT_NAMES = {code: name for name, code in FORMATS.items()}
 
 _F32 = ir.FloatType()
-_I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
-_VEC = ir.VectorType(_F32, VW)
 
 
 def _const(n: int) -> ir.Constant:
     return ir.Constant(_I64, n)
 
 
-def _splat(builder, value):
-    undef = ir.Constant(_VEC, ir.Undefined)
-    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, VW), [0] * VW))
-
-
-def _load_weights(builder, w_ptr, index, kind):
-    """<VW x float> of weights at element `index` of the packed array, widened if 16-bit."""
-    p = builder.gep(w_ptr, [index])
-    if kind == "f32":
-        return builder.load(builder.bitcast(p, _VEC.as_pointer()), align=4)
-    if kind == "f16":
-        raw = builder.load(builder.bitcast(p, ir.VectorType(ir.HalfType(), VW).as_pointer()), align=2)
-        return builder.fpext(raw, _VEC)
-    raw = builder.load(builder.bitcast(p, ir.VectorType(_I16, VW).as_pointer()), align=2)  # bf16
-    wide = builder.shl(builder.zext(raw, ir.VectorType(_I32, VW)),
-                       ir.Constant(ir.VectorType(_I32, VW), [16] * VW))
-    return builder.bitcast(wide, _VEC)
-
-
-def _microkernel(mr: int):
-    """An intrinsic computing one tile: c[mr, NR] (+)= a[mr, kc] @ panel[kc, NR].
-
-    tile(a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, fmt): a and c are 1-D
-    float32 arrays addressed by element offsets and row strides; w is the packed weight
-    (1-D float32, or uint16 with fmt FMT_BF16 / FMT_F16), w_off the first element of the
-    slab [kc, NR]. accumulate != 0 adds to c instead of overwriting it."""
-    nv = NR // VW
-    unroll = 4 if mr == 1 else 2 if mr == 2 else 1
-
-    def emit_loop(builder, fma, kind, a_ptr, a_off, lda, w_ptr, w_off, kc):
-        zero = ir.Constant(_VEC, [0.0] * VW)
-        sets = [[[cgutils.alloca_once_value(builder, zero) for _ in range(nv)] for _ in range(mr)]
-                for _ in range(unroll)]
-
-        def step(k, accs):
-            base = builder.add(w_off, builder.mul(k, _const(NR)))
-            wv = [_load_weights(builder, w_ptr, builder.add(base, _const(j * VW)), kind)
-                  for j in range(nv)]
-            for i in range(mr):
-                ai = builder.add(builder.add(a_off, builder.mul(_const(i), lda)), k)
-                av = _splat(builder, builder.load(builder.gep(a_ptr, [ai])))
-                for j in range(nv):
-                    acc = accs[i][j]
-                    builder.store(builder.call(fma, [av, wv[j], builder.load(acc)]), acc)
-
-        kmain = builder.mul(builder.sdiv(kc, _const(unroll)), _const(unroll))
-        with cgutils.for_range_slice(builder, _const(0), kmain, _const(unroll)) as (k0, _):
-            for u in range(unroll):
-                step(builder.add(k0, _const(u)), sets[u])
-        with cgutils.for_range_slice(builder, kmain, kc, _const(1)) as (k1, _):
-            step(k1, sets[0])
-        for u in range(1, unroll):
-            for i in range(mr):
-                for j in range(nv):
-                    acc = sets[0][i][j]
-                    builder.store(builder.fadd(builder.load(acc), builder.load(sets[u][i][j])), acc)
-        return sets[0]
-
-    @intrinsic
-    def tile(typingctx, a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, fmt):
-        if w.dtype not in (types.float32, types.uint16):
-            return None
-        i64 = types.int64
-        sig = types.void(a, i64, i64, w, i64, c, i64, i64, i64, i64, i64)
-
-        def codegen(context, builder, signature, args):
-            a_v, a_off, lda, w_v, w_off, c_v, c_off, ldc, kc, accf, fmt_v = args
-            a_ptr = context.make_array(signature.args[0])(context, builder, a_v).data
-            w_ptr = context.make_array(signature.args[3])(context, builder, w_v).data
-            c_ptr = context.make_array(signature.args[5])(context, builder, c_v).data
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), f"llvm.fma.v{VW}f32")
-            loop = (a_ptr, a_off, lda, w_ptr, w_off, kc)
-            if signature.args[3].dtype == types.float32:
-                accs = emit_loop(builder, fma, "f32", *loop)
-            else:
-                result = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(mr)]
-                is_f16 = builder.icmp_signed("==", fmt_v, _const(FMT_F16))
-                with builder.if_else(is_f16) as (then, otherwise):
-                    for kind, branch in (("f16", then), ("bf16", otherwise)):
-                        with branch:
-                            got = emit_loop(builder, fma, kind, *loop)
-                            for i in range(mr):
-                                for j in range(nv):
-                                    builder.store(builder.load(got[i][j]), result[i][j])
-                accs = result
-            add = builder.icmp_signed("!=", accf, _const(0))
-            for i in range(mr):
-                row = builder.add(c_off, builder.mul(_const(i), ldc))
-                for j in range(nv):
-                    p = builder.bitcast(builder.gep(c_ptr, [builder.add(row, _const(j * VW))]),
-                                        _VEC.as_pointer())
-                    val = builder.load(accs[i][j])
-                    val = builder.select(add, builder.fadd(val, builder.load(p, align=4)), val)
-                    builder.store(val, p, align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return tile
-
-
-_tile1, _tile2, _tile3, _tile4, _tile5, _tile6 = (_microkernel(m) for m in range(1, MR + 1))
+@njit(nogil=True, cache=True, inline="always")
+def is_quantized(fmt):
+    """A block-quantized format (uint8 storage: records of QB rows per panel)."""
+    return fmt >= FMT_Q8_0
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _tile(mr, a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt):
-    if mr == 6:
-        _tile6(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    elif mr == 5:
-        _tile5(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    elif mr == 4:
-        _tile4(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    elif mr == 3:
-        _tile3(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    elif mr == 2:
-        _tile2(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    else:
-        _tile1(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
+def _record_bytes(fmt):
+    if fmt == FMT_Q8_0:
+        return REC_Q8_0
+    if fmt == FMT_Q4_0:
+        return REC_Q4_0
+    return REC_Q4_1
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _slab_offset(p, kb, k, fmt):
+    """First element of panel p's rows kb.. (kb a multiple of QB for a quantized format)."""
+    if is_quantized(fmt):
+        rec = _record_bytes(fmt)
+        return p * (k // QB) * rec + (kb // QB) * rec
+    return p * k * NR + kb * NR
+
+
+@njit(nogil=True, cache=True)
+def packed_len(k, n, fmt):
+    """Elements (bytes for a quantized format) of a packed [K, N] weight in format fmt."""
+    panels = (n + NR - 1) // NR
+    if is_quantized(fmt):
+        return panels * (k // QB) * _record_bytes(fmt)
+    return panels * k * NR
 
 
 @njit(nogil=True, cache=True)
 def packed_size(k, n):
-    """Elements of a packed [K, N] weight: ceil(N / NR) panels of K x NR."""
+    """Elements of a packed [K, N] float or 16-bit weight: ceil(N / NR) panels of K x NR."""
     return ((n + NR - 1) // NR) * k * NR
 
 
@@ -196,17 +119,17 @@ def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp):
         for kb in range(k0, k0 + kc_all, KC):
             kc = min(KC, k0 + kc_all - kb)
             acc = 1 if kb > 0 else 0
-            w_off = p * k * NR + kb * NR
+            w_off = _slab_offset(p, kb, k, fmt)
             for r0 in range(m0, m0 + mc, MR):
                 mr = min(MR, m0 + mc - r0)
                 if cols == NR:
-                    _tile(mr, af, r0 * k + kb, k, w, w_off, of, r0 * n + n0, n, kc, acc, fmt)
+                    tile(mr, af, r0 * k + kb, k, w, w_off, of, r0 * n + n0, n, kc, acc, fmt)
                     continue
                 # the last panel is partial: compute the whole tile into tmp, copy its columns
                 for i in range(mr):
                     for j in range(cols):
                         tmp[i * NR + j] = of[(r0 + i) * n + n0 + j]
-                _tile(mr, af, r0 * k + kb, k, w, w_off, tmp, 0, NR, kc, acc, fmt)
+                tile(mr, af, r0 * k + kb, k, w, w_off, tmp, 0, NR, kc, acc, fmt)
                 for i in range(mr):
                     for j in range(cols):
                         of[(r0 + i) * n + n0 + j] = tmp[i * NR + j]
@@ -216,14 +139,18 @@ def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp):
 def gemm_packed(out, a, w, k, n, fmt):
     """out[M, N] = a[M, K] @ W[K, N], W packed in panels (float32, or uint16 bf16/fp16 bits).
 
-    out, a: C-contiguous float32 2-D; w: the packed 1-D array of packed_size(K, N) elements;
-    fmt: FMT_F32 for float32 w, FMT_BF16 or FMT_F16 for uint16 w."""
+    out, a: C-contiguous float32 2-D; w: the packed 1-D array of packed_len(K, N, fmt)
+    elements; fmt: FMT_F32 for float32 w, FMT_BF16 or FMT_F16 for uint16 w, FMT_Q8_0,
+    FMT_Q4_0 or FMT_Q4_1 for uint8 w (K a multiple of QB)."""
     m = a.shape[0]
     if a.shape[1] != k or out.shape[0] != m or out.shape[1] != n:
         raise ValueError("gemm_packed: want a [M, K] and out [M, N]; (M, K, N) are", m, k, n)
-    if w.shape[0] < packed_size(k, n):
+    if is_quantized(fmt) and k % QB:
+        raise ValueError("gemm_packed: a block-quantized weight needs K in whole blocks (K, QB)",
+                         k, QB)
+    if w.shape[0] < packed_len(k, n, fmt):
         raise ValueError("gemm_packed: packed weight too short (have, need)", w.shape[0],
-                         packed_size(k, n))
+                         packed_len(k, n, fmt))
     if m == 0 or n == 0:
         return
     if k == 0:
@@ -252,23 +179,50 @@ def gemm_packed(out, a, w, k, n, fmt):
                         (c + 1) * n_panels // chunks, fmt, tmp)
 
 
-
-
 @intrinsic
 def _widen(typingctx, bits, fmt):
     """One stored value -> float32, exactly: a float32 as it is, a uint16 of bf16 or fp16
-    bits (fmt) widened."""
-    if bits not in (types.uint16, types.float32):
+    bits (fmt) widened (a uint8, a quantized weight's byte, as its integer value: gather_columns
+    types that branch for uint8 weights too, and never takes it)."""
+    if bits not in (types.uint16, types.float32, types.uint8):
         return None
 
     def codegen(context, builder, signature, args):
         raw, fmt_v = args
         if signature.args[0] == types.float32:
             return raw
+        if signature.args[0] == types.uint8:
+            return builder.uitofp(raw, _F32)
         half = builder.fpext(builder.bitcast(raw, ir.HalfType()), _F32)
         brain = builder.bitcast(builder.shl(builder.zext(raw, _I32), ir.Constant(_I32, 16)), _F32)
         return builder.select(builder.icmp_signed("==", fmt_v, _const(FMT_F16)), half, brain)
     return types.float32(bits, types.int64), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _half_at(w, i):
+    """The float16 whose two little-endian bytes are w[i], w[i + 1], as float32."""
+    lo, hi = np.uint16(np.uint8(w[i])), np.uint16(np.uint8(w[i + 1]))
+    return _widen(np.uint16(lo | (hi << np.uint16(8))), FMT_F16)
+
+
+@njit(nogil=True, cache=True)
+def _quantized_value(w, c, kk, k, fmt):
+    """W[kk, c] of a block-quantized packed weight (uint8), as GGML's dequantizer gives it.
+    (Typed for every weight dtype gather_columns takes; only uint8 ever reaches it.)"""
+    j = c % NR
+    r = kk % QB
+    rec = _record_bytes(fmt)
+    r0 = (c // NR) * (k // QB) * rec + (kk // QB) * rec
+    d = _half_at(w, r0 + 2 * j)
+    if fmt == FMT_Q8_0:
+        return d * np.float32(np.int8(np.uint8(w[r0 + 2 * NR + r * NR + j])))
+    q0 = r0 + (4 * NR if fmt == FMT_Q4_1 else 2 * NR)
+    byte = np.uint8(w[q0 + (r % (QB // 2)) * NR + j])
+    q = np.float32((byte & 15) if r < QB // 2 else (byte >> 4))
+    if fmt == FMT_Q4_0:
+        return d * (q - np.float32(8.0))
+    return d * q + _half_at(w, r0 + 2 * NR + 2 * j)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -279,35 +233,54 @@ def gather_columns(out, w, cols, scale, k, n, fmt):
     t_n = cols.shape[0]
     if out.shape[0] != t_n or out.shape[1] != k:
         raise ValueError("gather_columns: out must be [T, K]; T, K are", t_n, k)
+    if w.shape[0] < packed_len(k, n, fmt):
+        raise ValueError("gather_columns: packed weight too short (have, need)", w.shape[0],
+                         packed_len(k, n, fmt))
     for t in range(t_n):
         if cols[t] < 0 or cols[t] >= n:
             raise IndexError("gather_columns: column out of range (column, N)", cols[t], n)
     s = np.float32(scale)
     for t in prange(t_n):
         c = cols[t]
-        base = (c // NR) * k * NR + c % NR
-        for kk in range(k):
-            out[t, kk] = _widen(w[base + kk * NR], fmt) * s
+        if is_quantized(fmt):
+            for kk in range(k):
+                out[t, kk] = _quantized_value(w, c, kk, k, fmt) * s
+        else:
+            base = (c // NR) * k * NR + c % NR
+            for kk in range(k):
+                out[t, kk] = _widen(w[base + kk * NR], fmt) * s
 
 
 # ---- on the arena: a weight by its address, as the card's programs reach it ----------------
 
 @njit(nogil=True, cache=True)
+def _u8_at(u16, address, nbytes):
+    """uint8[nbytes] at byte `address` (2-byte aligned, as every allocation is) of the arena."""
+    return u16_at(u16, address, (nbytes + 1) // 2).view(np.uint8)[:nbytes]
+
+
+@njit(nogil=True, cache=True)
 def gemm_at(out, a, f32, u16, address, k, n, fmt):
     """gemm_packed with the weight at byte `address` of the arena (f32 / u16: its views)."""
+    size = packed_len(k, n, fmt)
     if fmt == FMT_F32:
-        gemm_packed(out, a, f32_at(f32, address, packed_size(k, n)), k, n, fmt)
+        gemm_packed(out, a, f32_at(f32, address, size), k, n, fmt)
+    elif is_quantized(fmt):
+        gemm_packed(out, a, _u8_at(u16, address, size), k, n, fmt)
     else:
-        gemm_packed(out, a, u16_at(u16, address, packed_size(k, n)), k, n, fmt)
+        gemm_packed(out, a, u16_at(u16, address, size), k, n, fmt)
 
 
 @njit(nogil=True, cache=True)
 def gather_columns_at(out, f32, u16, address, cols, scale, k, n, fmt):
     """gather_columns with the weight at byte `address` of the arena."""
+    size = packed_len(k, n, fmt)
     if fmt == FMT_F32:
-        gather_columns(out, f32_at(f32, address, packed_size(k, n)), cols, scale, k, n, fmt)
+        gather_columns(out, f32_at(f32, address, size), cols, scale, k, n, fmt)
+    elif is_quantized(fmt):
+        gather_columns(out, _u8_at(u16, address, size), cols, scale, k, n, fmt)
     else:
-        gather_columns(out, u16_at(u16, address, packed_size(k, n)), cols, scale, k, n, fmt)
+        gather_columns(out, u16_at(u16, address, size), cols, scale, k, n, fmt)
 
 # ---- 16-bit compute: GEMM inputs rounded to the weights' format -----------------------------
 

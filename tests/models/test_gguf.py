@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from device import Card
+from device.layout import QuantizedWeight
 from models import ModelRunner, load_model
 from models.checkpoint import CheckpointError, load_checkpoint
 from models.gguf import (
@@ -111,10 +112,19 @@ def test_every_tensor_reads_back_as_written(tmp_path, qtype):
     config, tensors = model_of("granite-untied")
     held = write_gguf(tmp_path / "m.gguf", config, tensors, qtype=qtype)
     ckpt = load_gguf_checkpoint(tmp_path / "m.gguf")
-    assert ckpt.tensors.keys() == held.keys()
+    widened = load_gguf_checkpoint(tmp_path / "m.gguf", quantized=False)
+    assert ckpt.tensors.keys() == held.keys() == widened.tensors.keys()
+    kept = qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1)    # served at their width: quants and scales
     for name, want in held.items():
-        np.testing.assert_array_equal(ckpt.tensors[name], want, err_msg=name)
-        assert ckpt.tensors[name].dtype == np.float32
+        t = ckpt.tensors[name]
+        if kept and t.__class__ is QuantizedWeight:
+            assert t.name == qtype.name
+            t = t.dequantize()
+        np.testing.assert_array_equal(t, want, err_msg=name)
+        assert t.dtype == np.float32
+        np.testing.assert_array_equal(widened.tensors[name], want, err_msg=name)
+    n_kept = sum(isinstance(t, QuantizedWeight) for t in ckpt.tensors.values())
+    assert n_kept == (sum(t.ndim == 2 for t in held.values()) if kept else 0)
     assert ckpt.stored_dtypes["model.layers.0.mlp.up_proj.weight"] == qtype.name
     assert ckpt.stored_dtypes["model.norm.weight"] == "F32"
     if qtype != Q.F32:   # quantized, but close to what was quantized (Q4_0: half of amax/8)
@@ -128,7 +138,12 @@ def test_loaded_model_reports_the_file(tmp_path):
     with Card(64 << 20) as card:
         model = load_model(path, card, tokenizer=False)
     assert model.name == path.name and model.path == path
-    assert model.stored_dtype == "float32"       # dequantized: what the card's weights are
+    assert model.stored_dtype == "float32"       # the float tensors' width (norms)
+    assert set(model.weights.formats) == {"Q4_1"}  # every matrix at the file's width
+    held = sum(t.nbytes for t in read_gguf(path).tensors.values() if t.type_name == "Q4_1")
+    # the card's panels hold the file's bytes: the same quants and scales, the last panel of
+    # each matrix padded to 16 columns
+    assert held <= model.weights.formats["Q4_1"] < 1.1 * held
 
 
 # ---------------------------------------------------------------- llama.cpp's row permutation

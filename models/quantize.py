@@ -1,0 +1,43 @@
+"""Weights quantized at load (`--quantization`, vLLM's flag): a float checkpoint's matrices
+made 8-bit before they are placed on the card.
+
+    int8   symmetric, one scale per output channel (Spyre's INT8 weights):
+               d[n] = float16(max_k |W[n, k]| / 127),  q[n, k] = clip(round(W[n, k] / d[n]), ±127)
+           placed in Q8_0's layout with the channel's scale in every block of 32, so the card's
+           Q8_0 GEMM serves it (device/kernels/gemm.py) and the model on the card is exactly
+           the dequantized d[n] * q[n, k], computed with float32 activations.
+
+The norms stay float (in the width `--dtype` gives). A row whose largest value is below
+float16's range (d rounds to 0) quantizes to zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from device.kernels.gemm import FMT_Q8_0, QB
+from device.layout import QuantizedWeight
+
+QUANTIZATIONS = ("int8",)
+
+
+def quantize_int8_per_channel(w: np.ndarray) -> QuantizedWeight:
+    """float [N, K] (K in whole blocks of 32) -> int8 per output channel, in Q8_0's layout."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    if k % QB:
+        raise ValueError(f"int8 quantization needs rows in whole blocks of {QB}; a row has {k}")
+    d16 = (np.abs(w).max(axis=1) / np.float32(127)).astype(np.float16)        # [N]
+    d = d16.astype(np.float32)[:, None]
+    safe = np.where(d == 0, np.float32(1), d)
+    q = np.where(d == 0, 0, np.clip(np.rint(w / safe), -127, 127)).astype(np.int8)
+    return QuantizedWeight(FMT_Q8_0, q, np.repeat(d16[:, None], k // QB, axis=1))
+
+
+def quantize_matrices(tensors: dict, method: str) -> dict:
+    """Every 2-D float tensor (the embedding, the projections, an untied LM head) quantized
+    by `method`; the rest as it is."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
+    return {name: quantize_int8_per_channel(t) if isinstance(t, np.ndarray) and t.ndim == 2 else t
+            for name, t in tensors.items()}

@@ -1,0 +1,142 @@
+"""The GEMM on block-quantized weights (Q8_0, Q4_0, Q4_1 in panels) against numpy: the values
+GGML's formats define, and bit for bit the float32 GEMM on the dequantized weights."""
+
+import numpy as np
+import pytest
+
+from device import Card, DeviceError
+from device.kernels.gemm import (
+    FMT_F32,
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q8_0,
+    QB,
+    gather_columns,
+    gather_columns_at,
+    gemm_at,
+    gemm_packed,
+    packed_len,
+)
+from device.layout import (
+    QuantizedWeight,
+    pack,
+    pack_quantized,
+    place_quantized_weight,
+    unpack_quantized,
+)
+
+QFMTS = [FMT_Q8_0, FMT_Q4_0, FMT_Q4_1]
+# (M, K, N): a GEMV, two rows, a partial tile, past one block of rows (MC) of a decode, a
+# prefill-sized block; K in whole blocks of 32 (an odd count of them), N odd
+SHAPES = [(1, 64, 32), (2, 96, 33), (7, 288, 301), (33, 512, 17), (512, 96, 81)]
+
+
+def random_weight(fmt, n, k, seed=0) -> QuantizedWeight:
+    """Quants and float16 scales as a GGUF file holds them: Q8_0 q in [-127, 127], Q4 q in
+    [0, 15]; scales of either sign (Q4_1's minimums too)."""
+    rng = np.random.default_rng(seed)
+    nb = k // QB
+    d = (rng.standard_normal((n, nb)) * 0.01).astype(np.float16)
+    if fmt == FMT_Q8_0:
+        return QuantizedWeight(fmt, rng.integers(-127, 128, (n, k)).astype(np.int8), d)
+    q = rng.integers(0, 16, (n, k)).astype(np.int8)
+    m = (rng.standard_normal((n, nb)) * 0.05).astype(np.float16) if fmt == FMT_Q4_1 else None
+    return QuantizedWeight(fmt, q, d, m)
+
+
+def reference_values(qw: QuantizedWeight) -> np.ndarray:
+    """float32 [N, K] from the formats' definitions (ggml-quants.c dequantize_row_q8_0 /
+    q4_0 / q4_1: x = d * q, d * (q - 8), d * q + m), written out here on its own."""
+    n, k = qw.shape
+    out = np.empty((n, k), np.float32)
+    for b in range(k // QB):
+        cols = slice(b * QB, (b + 1) * QB)
+        d = qw.d[:, b:b + 1].astype(np.float32)
+        q = qw.q[:, cols].astype(np.float32)
+        if qw.fmt == FMT_Q8_0:
+            out[:, cols] = d * q
+        elif qw.fmt == FMT_Q4_0:
+            out[:, cols] = d * (q - 8)
+        else:
+            out[:, cols] = d * q + qw.m[:, b:b + 1].astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("fmt", QFMTS)
+def test_dequantize_and_unpack_give_the_formats_values(fmt):
+    qw = random_weight(fmt, 37, 96)
+    want = reference_values(qw)
+    np.testing.assert_array_equal(qw.dequantize(), want)
+    np.testing.assert_array_equal(unpack_quantized(pack_quantized(qw), 37, fmt), want.T)
+
+
+@pytest.mark.parametrize("fmt", QFMTS)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_gemm_on_quantized_weights_is_the_float_gemm_on_their_values(m, k, n, fmt):
+    qw = random_weight(fmt, n, k, seed=m)
+    values = reference_values(qw)                                  # [N, K]
+    a = np.random.default_rng(m + 1).standard_normal((m, k), dtype=np.float32)
+    out = np.full((m, n), np.nan, np.float32)
+    gemm_packed(out, a, pack_quantized(qw).reshape(-1), k, n, fmt)
+    want = a.astype(np.float64) @ values.T.astype(np.float64)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.sqrt(k) * np.abs(values).max())
+    # the same sums in the same order as the float32 GEMM of the dequantized weights
+    ref = np.full((m, n), np.nan, np.float32)
+    gemm_packed(ref, a, pack(np.ascontiguousarray(values.T), FMT_F32).reshape(-1), k, n, FMT_F32)
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("fmt", QFMTS)
+def test_gather_columns_reads_quantized_columns(fmt):
+    qw = random_weight(fmt, 50, 64)
+    cols = np.array([0, 49, 16, 15, 33], np.int32)
+    out = np.empty((5, 64), np.float32)
+    gather_columns(out, pack_quantized(qw).reshape(-1), cols, 3.0, 64, 50, fmt)
+    np.testing.assert_array_equal(out, reference_values(qw)[cols] * np.float32(3.0))
+
+
+@pytest.mark.parametrize("fmt", QFMTS)
+def test_a_placed_quantized_weight_is_read_at_its_address(fmt):
+    qw = random_weight(fmt, 40, 128)
+    with Card(8 << 20) as card:
+        gw = place_quantized_weight(card, qw)
+        assert (gw.k, gw.n, gw.fmt) == (128, 40, fmt)
+        assert gw.nbytes == packed_len(128, 40, fmt)          # the width, not float32's
+        np.testing.assert_array_equal(gw.numpy(), reference_values(qw).T)
+        f32, u16 = card.f32, card.u16
+        a = np.random.default_rng(3).standard_normal((3, 128), dtype=np.float32)
+        out = np.empty((3, 40), np.float32)
+        gemm_at(out, a, f32, u16, gw.address, 128, 40, fmt)
+        ref = np.empty((3, 40), np.float32)
+        gemm_packed(ref, a, pack_quantized(qw).reshape(-1), 128, 40, fmt)
+        np.testing.assert_array_equal(out, ref)
+        emb = np.empty((2, 128), np.float32)
+        gather_columns_at(emb, f32, u16, gw.address, np.array([39, 1], np.int32), 1.0, 128, 40, fmt)
+        np.testing.assert_array_equal(emb, reference_values(qw)[[39, 1]])
+
+
+def test_bytes_per_weight_are_the_formats():
+    k, n = 512, 64
+    assert packed_len(k, n, FMT_Q8_0) == k * n * 34 // 32         # 8.5 bits, as GGML's
+    assert packed_len(k, n, FMT_Q4_0) == k * n * 18 // 32         # 4.5 bits
+    assert packed_len(k, n, FMT_Q4_1) == k * n * 20 // 32         # 5 bits
+
+
+def test_gemm_refuses_k_in_part_blocks_and_a_short_weight():
+    qw = random_weight(FMT_Q8_0, 16, 64)
+    w = pack_quantized(qw).reshape(-1)
+    with pytest.raises(ValueError, match="whole blocks"):
+        gemm_packed(np.empty((1, 16), np.float32), np.ones((1, 48), np.float32), w, 48, 16, FMT_Q8_0)
+    with pytest.raises(ValueError, match="too short"):
+        gemm_packed(np.empty((1, 16), np.float32), np.ones((1, 64), np.float32), w[:-1], 64, 16,
+                    FMT_Q8_0)
+
+
+def test_a_quantized_weight_checks_its_parts():
+    q = np.zeros((4, 64), np.int8)
+    with pytest.raises(DeviceError, match="blocks of 32"):
+        QuantizedWeight(FMT_Q8_0, q, np.zeros((4, 3), np.float16))
+    with pytest.raises(DeviceError, match="blocks of 32"):
+        QuantizedWeight(FMT_Q4_1, q, np.zeros((4, 2), np.float16))       # Q4_1 needs m
+    with pytest.raises(DeviceError, match="cannot stack"):
+        QuantizedWeight.stack([random_weight(FMT_Q8_0, 4, 64), random_weight(FMT_Q4_0, 4, 64)])

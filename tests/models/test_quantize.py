@@ -1,0 +1,35 @@
+"""--quantization int8: symmetric per output channel, its float16 scale in every block of 32."""
+
+import numpy as np
+import pytest
+
+from device.kernels.gemm import FMT_Q8_0, QB
+from models.quantize import quantize_int8_per_channel, quantize_matrices
+
+
+def test_int8_per_channel_is_symmetric_with_one_scale_a_row():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((9, 96)) * rng.uniform(0.01, 3, (9, 1))).astype(np.float32)
+    w[4] = 0.0                                          # a row of zeros quantizes to zeros
+    qw = quantize_int8_per_channel(w)
+    assert qw.fmt == FMT_Q8_0 and qw.q.dtype == np.int8 and qw.m is None
+    assert np.abs(qw.q).max() <= 127
+    assert (qw.d == qw.d[:, :1]).all()                  # the channel's scale, in every block
+    d = (np.abs(w).max(axis=1) / 127).astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(qw.d[:, 0].astype(np.float32), d)
+    np.testing.assert_array_equal(qw.q[4], 0)
+    # each value within half a step of its quantized value (the step rounded to float16)
+    err = np.abs(qw.dequantize() - w)
+    assert (err <= d[:, None] * 0.5 * (1 + 2 ** -10) + 1e-12).all()
+    # the largest value of a row lands on +-127 (or next to it: the float16 scale rounds)
+    assert (np.abs(qw.q).max(axis=1)[np.arange(9) != 4] >= 126).all()
+
+
+def test_only_matrices_are_quantized():
+    tensors = {"a.weight": np.ones((4, QB), np.float32), "norm.weight": np.ones(QB, np.float32)}
+    out = quantize_matrices(tensors, "int8")
+    assert out["a.weight"].name == "Q8_0" and out["norm.weight"] is tensors["norm.weight"]
+    with pytest.raises(ValueError, match="one of int8"):
+        quantize_matrices(tensors, "int4")
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        quantize_int8_per_channel(np.ones((2, 40), np.float32))

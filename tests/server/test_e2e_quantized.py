@@ -1,0 +1,78 @@
+"""8- and 4-bit weights served over HTTP: a Q4_1 GGUF file at its width, and a float checkpoint
+with --quantization int8, each answering greedy requests with the text of a float32 checkpoint
+holding the same (dequantized) weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import httpx
+import pytest
+
+from models.profiles import ASSETS, TINY, TOKENIZER_FILES, init_tensors
+from models.quantize import quantize_matrices
+from server.cli import build
+from tests.models.gguf_files import Q, write_gguf, write_numpy_checkpoint
+from tests.server.conftest import ServerThread, real_settings
+
+PROMPTS = ["The river", "Once upon a time there was", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A 2-layer granite-tiny-shaped model (its tokenizer) as a Q4_1 GGUF, its float32 twin, the
+    float checkpoint it was quantized from, and a float32 twin of that one's int8 weights."""
+    root = tmp_path_factory.mktemp("quantized")
+    config = dataclasses.replace(TINY.config, num_hidden_layers=2)
+    tensors = dict(init_tensors(config, TINY.stds, seed=5))
+
+    def with_tokenizer(d):
+        for f in TOKENIZER_FILES:
+            shutil.copyfile(ASSETS / f, d / f)
+        return d
+
+    held = write_gguf(root / "m.Q4_1.gguf", config, tensors, qtype=Q.Q4_1, tokenizer_dir=ASSETS)
+    int8 = {n: t.dequantize() if hasattr(t, "dequantize") else t
+            for n, t in quantize_matrices(tensors, "int8").items()}
+    return {"gguf": root / "m.Q4_1.gguf",
+            "gguf_twin": with_tokenizer(write_numpy_checkpoint(root / "gguf_twin", config, held)),
+            "float": with_tokenizer(write_numpy_checkpoint(root / "float", config, tensors)),
+            "int8_twin": with_tokenizer(write_numpy_checkpoint(root / "int8_twin", config, int8))}
+
+
+def serve_greedy(model, **settings):
+    """(greedy completions of PROMPTS, the weights' formats on the card) from a real server."""
+    built = build(real_settings(model=str(model), **settings), progress=False)
+    try:
+        with ServerThread(built.app) as server, httpx.Client(base_url=server.url, timeout=300) as c:
+            texts = []
+            for p in PROMPTS:
+                r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0,
+                                                    "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["choices"][0]["text"])
+            return texts, built.model.weights.formats
+    finally:
+        built.engine.shutdown()
+        built.card.close()
+
+
+def test_a_q4_1_gguf_is_served_at_its_width_with_its_twins_text(checkpoints):
+    texts, formats = serve_greedy(checkpoints["gguf"])
+    want, want_formats = serve_greedy(checkpoints["gguf_twin"])
+    assert texts == want and len(set(texts)) == len(PROMPTS)
+    assert set(formats) == {"Q4_1"} and set(want_formats) == {"float32"}
+    assert formats["Q4_1"] < 0.2 * want_formats["float32"]          # 5 bits a weight, not 32
+
+
+def test_quantization_int8_serves_the_int8_weights(checkpoints):
+    texts, formats = serve_greedy(checkpoints["float"], quantization="int8")
+    want, _ = serve_greedy(checkpoints["int8_twin"])
+    assert texts == want
+    assert set(formats) == {"Q8_0"}             # int8 per channel, in Q8_0's layout
+
+
+def test_quantization_of_a_gguf_file_is_refused(checkpoints):
+    with pytest.raises(ValueError, match="served in the formats it stores"):
+        build(real_settings(model=str(checkpoints["gguf"]), quantization="int8"), progress=False)
