@@ -48,6 +48,12 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 import numba  # noqa: E402
 
+from device.isa import current as _kernel_isa  # noqa: E402
+
+# The vector ISA the kernels are compiled for (the host's best, or SPYRE_KERNEL_ISA's lower
+# level), chosen before anything compiles: device/isa.py.
+KERNEL_ISA = _kernel_isa()
+
 # Numba's default "workqueue" threading layer aborts when parallel kernels run from
 # two threads at once; every stream is a thread, so pick a thread-safe layer (tbb, loaded
 # above, else omp) unless the user chose one.
@@ -80,7 +86,7 @@ from device.program import (  # noqa: E402
 from device.stream import DeviceCommandError, Stream  # noqa: E402
 
 __all__ = [
-    "STICK", "AllocatorStats", "CachingAllocator", "Card", "Compute", "Counters", "D2H",
+    "KERNEL_ISA", "STICK", "AllocatorStats", "CachingAllocator", "Card", "Compute", "Counters", "D2H",
     "DeviceCommandError", "DeviceError", "DeviceOutOfMemory", "DeviceTensor", "Event", "H2D",
     "HostCompute", "JobPlan", "LaunchHandle", "Program", "Slot", "Stream",
 ]

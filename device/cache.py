@@ -7,7 +7,10 @@ cache lives in a directory named by a hash of the sources of the packages that c
 together; any change to any of them starts a fresh directory, and an unchanged tree (a
 restart, the Docker image's build-time warm-up) finds its compiled code again.
 
-    $NUMBA_CACHE_DIR (or ~/.cache/spyre-serve/numba) / <sha256 of the sources, 16 hex> / ...
+    $NUMBA_CACHE_DIR (or ~/.cache/spyre-serve/numba) / <sha256 of the sources, 16 hex>-<ISA> / ...
+
+keyed by the kernels' ISA level too (device/isa.py), so code compiled for one level, or on a
+CPU of another level, is never loaded for another.
 
 `use_source_keyed_cache(*packages)` must run before the modules whose functions are cached
 are imported: Numba fixes a function's cache directory when it is decorated.
@@ -37,8 +40,11 @@ def source_key(package_dirs: list[Path]) -> str:
 
 
 def use_source_keyed_cache(*package_dirs: Path) -> Path:
-    """Point Numba's cache at base/<key of these packages' sources>; returns that directory."""
+    """Point Numba's cache at base/<key of these packages' sources>-<ISA level>; returns that
+    directory."""
+    from device.isa import current
+
     base = Path(os.environ.get("NUMBA_CACHE_DIR") or DEFAULT_BASE)
-    path = base / source_key([Path(p) for p in package_dirs])
+    path = base / f"{source_key([Path(p) for p in package_dirs])}-{current().level}"
     numba.config.CACHE_DIR = str(path)
     return path

@@ -107,6 +107,9 @@ def build(s: Settings, progress: bool = True) -> Built:
     from server.openai.app import create_app
 
     t0 = time.monotonic()
+    from device import KERNEL_ISA
+
+    log.info("kernels compiled for %s", KERNEL_ISA.describe())
     card = _card(s)
     try:
         model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
