@@ -95,16 +95,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_prompts(n: int, tokens: int) -> list[str]:
-    """n different text prompts of about ``tokens`` tokens each, cut from the shipped prose corpus."""
+def text_prompt_maker(total: int, tokens: int):
+    """make(n) -> n text prompts of about ``tokens`` tokens, each cut at its own offset of the
+    shipped prose corpus (``total`` of them at most, spread over it), none given twice."""
     from models import resolve_model
     from models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model("granite-tiny"))
     text = (ROOT / "models" / "assets" / "corpus" / "prose.txt").read_text()
     ids = tok.encode(text, add_special_tokens=False)
-    step = max(1, (len(ids) - tokens) // max(1, n))
-    return [tok.decode(ids[i * step : i * step + tokens]) for i in range(n)]
+    step = max(1, (len(ids) - tokens) // max(1, total))
+    given = iter(range(total))
+
+    def make(n: int) -> list[str]:
+        return [tok.decode(ids[i * step: i * step + tokens]) for i in (next(given) for _ in range(n))]
+    return make
+
+
+def id_prompt_maker(vocab: int, tokens: int, seed: int = 0):
+    """make(n) -> n prompts of ``tokens`` random token ids (below the special tokens' range of a
+    BPE vocabulary: ids 1000 .. vocab - 1000), none given twice (distinct from the first id on,
+    so no two share a cached prefix block)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    firsts: set[int] = set()
+
+    def make(n: int) -> list[list[int]]:
+        out = []
+        while len(out) < n:
+            p = rng.integers(1000, vocab - 1000, tokens).tolist()
+            if p[0] not in firsts:
+                firsts.add(p[0])
+                out.append(p)
+        return out
+    return make
+
+
+def prompts_needed(args) -> int:
+    return 2 + sum(max(c, args.min_requests) for c in args.concurrency) * args.rounds
 
 
 async def sse_events(reader: asyncio.StreamReader, chunked: bool):
@@ -261,19 +290,19 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
-def start_server(srv: Server, env: dict, args, prompts: list) -> None:
+def start_server(srv: Server, env: dict, args, warmup: list) -> None:
     print(f"  starting {srv.name}", file=sys.stderr, flush=True)
     if srv.starter is not None:
         srv.peer = srv.starter()
         srv.port, srv.model = srv.peer.port, srv.peer.model
         srv.extra = {**srv.peer.request_extra, **srv.extra}
-        asyncio.run(run_level(srv.base, srv.model, prompts[:2], 2, 8, srv.extra, args.request_timeout))
+        asyncio.run(run_level(srv.base, srv.model, warmup, 2, 8, srv.extra, args.request_timeout))
         return
     srv.log = open(Path(args.log_dir) / f"{srv.name}.log", "w")  # noqa: SIM115 - closed in stop_server
     srv.proc = subprocess.Popen(srv.cmd, env=env, stdout=srv.log, stderr=subprocess.STDOUT)
     wait_ready(srv.proc, srv.base + srv.ready_path, args.start_timeout)
-    # warm-up: one short request so first-call costs are not in the table
-    asyncio.run(run_level(srv.base, srv.model, prompts[:2], 2, 8, srv.extra, args.request_timeout))
+    # warm-up: short requests so first-call costs are not in the table
+    asyncio.run(run_level(srv.base, srv.model, warmup, 2, 8, srv.extra, args.request_timeout))
 
 
 def stop_server(srv: Server) -> None:
@@ -285,16 +314,30 @@ def stop_server(srv: Server) -> None:
         srv.log.close()
 
 
+class PromptSets:
+    """Prompts no earlier request sent: warm-up ones, then for every (level, round) a set of
+    its own, the same set for every server of that round (each server has its own caches), so
+    no prefix cache, ours or a peer's, holds a prompt it is measured on. `make(n)` gives n
+    prompts never given before."""
+
+    def __init__(self, make, args):
+        self.warmup = make(2)
+        self.sets = {(c, r): make(max(c, args.min_requests))
+                     for c in args.concurrency for r in range(args.rounds)}
+
+    def level(self, c: int, rnd: int) -> list:
+        return self.sets[(c, rnd)]
+
+
 def measure_level(srv: Server, c: int, args, prompts: list) -> Level:
-    n = max(c, args.min_requests)
     before = compute_seconds(srv.base) if srv.busy_metric else None
     results, duration = asyncio.run(
-        run_level(srv.base, srv.model, prompts[:n], c, args.output_tokens, srv.extra, args.request_timeout))
+        run_level(srv.base, srv.model, prompts, c, args.output_tokens, srv.extra, args.request_timeout))
     busy = (compute_seconds(srv.base) - before) / duration if srv.busy_metric else None
     return summarize(srv.name, c, results, duration, busy)
 
 
-def bench_servers(servers: list[Server], env: dict, args, prompts: list) -> list[Level]:
+def bench_servers(servers: list[Server], env: dict, args, prompts: PromptSets) -> list[Level]:
     """Start every server, then measure each concurrency level on each server in turn, for
     --rounds rounds, keeping each (server, level)'s round of most output tokens/s: on a shared
     machine a burst of load from elsewhere then lands on both servers' rounds alike. An idle
@@ -302,11 +345,11 @@ def bench_servers(servers: list[Server], env: dict, args, prompts: list) -> list
     best: dict[tuple[str, int], Level] = {}
     try:
         for srv in servers:
-            start_server(srv, env, args, prompts)
+            start_server(srv, env, args, prompts.warmup)
         for c in args.concurrency:
             for rnd in range(args.rounds):
                 for srv in servers:
-                    level = measure_level(srv, c, args, prompts)
+                    level = measure_level(srv, c, args, prompts.level(c, rnd))
                     print(f"  {srv.name} c={c} round {rnd + 1}/{args.rounds}: {level.output_tok_s} tok/s, "
                           f"TTFT p50 {level.ttft_p50_ms} ms, TPOT p50 {level.tpot_p50_ms} ms, "
                           f"failed {level.failed}", file=sys.stderr, flush=True)
@@ -335,7 +378,10 @@ SMOLLM2_SERVERS = {
     "spyre-fp32": ("spyre", []),
     "spyre-bf16w": ("spyre", ["--dtype", "bfloat16", "--compute-dtype", "float32"]),
     "spyre-bf16": ("spyre", ["--dtype", "bfloat16"]),
+    "spyre-q8_0": ("spyre-gguf", "gguf_q8_0"),
+    "spyre-q4_1": ("spyre-gguf", "gguf_q4_1"),
     "llamacpp-f32": ("llamacpp", "gguf_f32"),
+    "llamacpp-q8_0": ("llamacpp", "gguf_q8_0"),
     "llamacpp-q4_1": ("llamacpp", "gguf_q4_1"),
     "vllm-f32": ("vllm", "float32"),
     "vllm-bf16": ("vllm", "bfloat16"),
@@ -354,6 +400,9 @@ def smollm2_servers(names: list[str], args) -> list[Server]:
         if kind == "spyre":
             out.append(spyre_server(name, str(p["hf_f32"]), "smollm2", args, what))
             continue
+        if kind == "spyre-gguf":            # the file at its width, int8 activations (auto)
+            out.append(spyre_server(name, str(p[what]), "smollm2", args, []))
+            continue
         starter = functools.partial(start_llamacpp, p[what], parallel=max(args.max_num_seqs, 32), threads=2,
                                     cache=args.peers_cache, log_dir=args.log_dir) if kind == "llamacpp" else \
             functools.partial(start_vllm, p["hf_f32"], what, cache=args.peers_cache, log_dir=args.log_dir)
@@ -363,7 +412,8 @@ def smollm2_servers(names: list[str], args) -> list[Server]:
     return out
 
 
-def smollm2_ratios(levels: list[Level], bw_gbs: float, weight_bytes: int) -> list[str]:
+def smollm2_ratios(levels: list[Level], bw_gbs: float, weight_bytes: int,
+                   gguf_bytes: dict[str, int]) -> list[str]:
     """The issue's targets, as ratios of this run's figures."""
     at = {(v.server, v.concurrency): v for v in levels if not v.failed}
     lines = []
@@ -392,6 +442,19 @@ def smollm2_ratios(levels: list[Level], bw_gbs: float, weight_bytes: int) -> lis
             floor_ms = weight_bytes * width / 4 / (bw_gbs * 1e9) * 1e3
             lines.append(f"- {name} c=1: TPOT p50 {v.tpot_p50_ms} ms = {v.tpot_p50_ms / floor_ms:.2f}x the "
                          f"bandwidth floor ({floor_ms:.1f} ms: weights / {bw_gbs:.1f} GB/s; target <= 1.2x)")
+    for ours_name, peer_name, what in (("spyre-q8_0", "llamacpp-q8_0", "gguf_q8_0"),
+                                       ("spyre-q4_1", "llamacpp-q4_1", "gguf_q4_1")):
+        for c in sorted({v.concurrency for v in levels}):
+            ours, peer = tps(ours_name, c), tps(peer_name, c)
+            if ours and peer:
+                lines.append(f"- {ours_name} c={c}: {ours:.1f} tok/s = {ours / peer:.2f}x llama.cpp on the "
+                             f"same file ({peer:.1f}; target >= 1.3x)")
+        v = at.get((ours_name, 1))
+        if v and bw_gbs and gguf_bytes.get(what):
+            floor_ms = gguf_bytes[what] / (bw_gbs * 1e9) * 1e3
+            lines.append(f"- {ours_name} c=1: TPOT p50 {v.tpot_p50_ms} ms = {v.tpot_p50_ms / floor_ms:.2f}x the "
+                         f"bandwidth floor ({floor_ms:.1f} ms: the file's {gguf_bytes[what] / 1e6:.0f} MB / "
+                         f"{bw_gbs:.1f} GB/s; target <= 1.2x)")
     q4, w16 = tps("llamacpp-q4_1", 1), tps("spyre-bf16w", 1)
     if q4 and w16:
         lines.append(f"- bf16 weights c=1: {w16:.1f} tok/s = {w16 / q4:.2f}x llama.cpp Q4_1 ({q4:.1f}; target >= 1x)")
@@ -400,29 +463,33 @@ def smollm2_ratios(levels: list[Level], bw_gbs: float, weight_bytes: int) -> lis
 
 def main_smollm2(args, argv) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-    from launch import smoke_prompts
     from smollm2 import paths
 
     from benchmarks.limits import bandwidth
+    from device import KERNEL_ISA
 
     hf = paths(args.peers_cache)["hf_f32"]
     weight_bytes = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
-    prompts = smoke_prompts(hf, max(max(args.concurrency), args.min_requests), args.prompt_tokens)
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    prompts = PromptSets(id_prompt_maker(vocab, args.prompt_tokens), args)
     bw = bandwidth(512 << 20)["machine_gbs"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     servers = smollm2_servers(args.servers or list(SMOLLM2_SERVERS), args)
     levels = bench_servers(servers, env, args, prompts)
     bw = max(bw, bandwidth(512 << 20)["machine_gbs"])
     command = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = smollm2_ratios(levels, bw, weight_bytes)
-    report = {"command": command.strip(), "checkpoint": str(hf), "prompt_tokens": args.prompt_tokens,
+    files = paths(args.peers_cache)
+    gguf_bytes = {k: files[k].stat().st_size for k in ("gguf_q8_0", "gguf_q4_1") if files[k].exists()}
+    lines = smollm2_ratios(levels, bw, weight_bytes, gguf_bytes)
+    report = {"command": command.strip(), "checkpoint": str(hf), "kernel_isa": KERNEL_ISA.describe(),
+              "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "cpu_count": os.cpu_count(), "rounds": args.rounds,
               "bandwidth_gbs": round(bw, 1), "weight_bytes_fp32": weight_bytes,
               "levels": [asdict(v) for v in levels], "ratios": lines}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"`{report['command']}` on {os.cpu_count()} cores, SmolLM2-135M-Instruct, prompts of "
           f"{args.prompt_tokens} token ids, {args.output_tokens} output tokens (ignore_eos), "
-          f"read bandwidth {bw:.1f} GB/s\n")
+          f"read bandwidth {bw:.1f} GB/s, kernels {KERNEL_ISA.describe()}\n")
     print(table(levels))
     print("\n" + "\n".join(lines))
     return 0
@@ -480,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     from models import resolve_model
 
     checkpoint = str(resolve_model("granite-tiny"))
-    prompts = make_prompts(max(max(args.concurrency), args.min_requests), args.prompt_tokens)
+    prompts = PromptSets(text_prompt_maker(prompts_needed(args), args.prompt_tokens), args)
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     servers = []

@@ -18,7 +18,8 @@ checkpoint stored in that format is placed bit for bit.
 Block-quantized weights ("Q8_0", "Q4_0", "Q4_1": GGML's formats) come as a
 `QuantizedWeight`, the quants and scales of each output channel in blocks of QB = 32 inputs,
 and are placed at their width: each panel is K / QB records of QB rows (the NR scales, the
-Q4_1 minimums, then the quants; device/kernels/microkernel.py has the bytes).
+Q4_1 minimums, then the quants in groups of 4 rows; device/kernels/microkernel.py has the
+bytes).
 """
 
 from __future__ import annotations
@@ -184,12 +185,14 @@ def pack_quantized(qw: QuantizedWeight) -> np.ndarray:
         scales.append(by_panel(qw.m))
     parts = [np.ascontiguousarray(s.transpose(0, 2, 1)).view(np.uint8).reshape(p, nb, 2 * NR)
              for s in scales]
-    q = by_panel(qw.q).reshape(p, NR, nb, QB).transpose(0, 2, 3, 1)      # [P, nb, QB, NR]
+    # the quants in groups of 4 rows: group g of a record is NR columns of 4 bytes (rows 4g..4g+3)
+    q = by_panel(qw.q)                                                   # [P, NR, K]
     if qw.fmt == FMT_Q8_0:
-        parts.append(q.view(np.uint8).reshape(p, nb, QB * NR))
-    else:
-        lo, hi = q[:, :, :QB // 2].view(np.uint8), q[:, :, QB // 2:].view(np.uint8)
-        parts.append((lo | (hi << 4)).reshape(p, nb, QB // 2 * NR))
+        q = q.reshape(p, NR, nb, QB // 4, 4).transpose(0, 2, 3, 1, 4)   # [P, nb, G, NR, 4]
+        parts.append(np.ascontiguousarray(q).view(np.uint8).reshape(p, nb, QB * NR))
+    else:                       # a byte: row r (low nibble) and row r + QB/2 (high) of a column
+        q = q.reshape(p, NR, nb, 2, QB // 8, 4).transpose(0, 2, 3, 4, 1, 5).view(np.uint8)
+        parts.append((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(p, nb, QB // 2 * NR))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
     assert packed.shape[2] == RECORD_BYTES[qw.fmt]
     return packed
@@ -202,10 +205,11 @@ def unpack_quantized(panels: np.ndarray, n: int, fmt: int) -> np.ndarray:
     d = half(panels[:, :, :2 * NR])                                     # [P, nb, NR]
     qoff = 4 * NR if fmt == FMT_Q4_1 else 2 * NR
     raw = panels[:, :, qoff:]
-    if fmt == FMT_Q8_0:
-        q = raw.view(np.int8).reshape(p, nb, QB, NR).astype(np.float32)
+    if fmt == FMT_Q8_0:            # [P, nb, G, NR, 4] -> rows 4g + t of each column
+        q = raw.view(np.int8).reshape(p, nb, QB // 4, NR, 4).transpose(0, 1, 2, 4, 3)
+        q = q.reshape(p, nb, QB, NR).astype(np.float32)
     else:
-        b = raw.reshape(p, nb, QB // 2, NR)
+        b = raw.reshape(p, nb, QB // 8, NR, 4).transpose(0, 1, 2, 4, 3).reshape(p, nb, QB // 2, NR)
         q = np.concatenate([b & 15, b >> 4], axis=2).astype(np.float32)
     w = d[:, :, None, :] * (q - np.float32(8) if fmt == FMT_Q4_0 else q)
     if fmt == FMT_Q4_1:

@@ -37,7 +37,6 @@ from device.kernels.norm import rmsnorm
 from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
 from device.kernels.sampling import sample
-from device.layout import format_code
 from models.kv_cache import KVCache
 from models.step_io import SeqWork
 from models.step_program import (
@@ -51,7 +50,7 @@ from models.step_program import (
     _split_qkv,
 )
 from models.threads import use_every_core
-from models.weights import resolve_compute_dtype
+from models.weights import compute_code, resolve_compute_dtype
 
 # ---- one entry per op, with the device ABI: table slots in the order of the bindings ----
 
@@ -78,7 +77,7 @@ def op_gemm(f32, i32, i64, u16, t):
     m, k, n, wfmt, cfmt = t[3], t[4], t[5], t[6], t[7]
     a = f32_at(f32, t[1], m * k).reshape(m, k)
     round_to_format(a, cfmt)
-    gemm_at(f32_at(f32, t[0], m * n).reshape(m, n), a, f32, u16, t[2], k, n, wfmt)
+    gemm_at(f32_at(f32, t[0], m * n).reshape(m, n), a, f32, u16, t[2], k, n, wfmt, cfmt)
 
 
 @njit(nogil=True, cache=True)
@@ -180,7 +179,7 @@ class EagerModel:
                  compute_dtype: str = "auto"):
         self.config = model.config
         self.weights = model.weights
-        self.cfmt = format_code(resolve_compute_dtype(compute_dtype, model.weights.dtype))
+        self.cfmt = compute_code(resolve_compute_dtype(compute_dtype, model.weights))
         self.card = card
         self.block_size = block_size
         self.kv = KVCache(card, model.config, block_size, num_kv_blocks)

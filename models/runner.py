@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from device import Card, DeviceTensor, LaunchHandle
-from device.layout import format_code
 from device.profile import ticks_per_second
 from models.buffer_layout import Placement, length_slot
 from models.memory_plan import Capacity, StepMemory
@@ -36,7 +35,7 @@ from models.step_inputs import PackedStep, StepLimits, check_work, mask_words, p
 from models.step_io import SeqWork, StepOutput
 from models.step_program import TIMERS
 from models.threads import use_every_core
-from models.weights import resolve_compute_dtype
+from models.weights import compute_code, resolve_compute_dtype
 
 
 class StepHandle:
@@ -83,7 +82,7 @@ class ModelRunner:
                  kv_cache_fraction: float = 0.9, max_model_len: int | None = None,
                  seed: int | None = None, compute_dtype: str = "auto"):
         cfg = model.config
-        self.compute_dtype = resolve_compute_dtype(compute_dtype, model.weights.dtype)
+        self.compute_dtype = resolve_compute_dtype(compute_dtype, model.weights)
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be positive")
@@ -138,7 +137,7 @@ class ModelRunner:
             "D": cfg.head_dim, "I": cfg.intermediate_size, "V": cfg.vocab_size,
             "L": cfg.num_hidden_layers, "NBT": self.kv.num_blocks + 1, "BS": self.block_size,
             "EMBED_FMT": w.embed.fmt, "LM_HEAD_FMT": w.lm_head.fmt,
-            "CFMT": format_code(self.compute_dtype),
+            "CFMT": compute_code(self.compute_dtype),
             "embed": w.embed.tensor, "norm": w.norm, "lm_head": w.lm_head.tensor,
             "inv_freq": w.inv_freq, "consts": w.consts, "layers": self.memory.layer_table,
             "timers": 0, length_slot("timers"): 0,            # timing off (see `profile`)

@@ -332,7 +332,7 @@ def step_entry(f32, i32, i64, u16, table):
 
     inv_freq = f32_at(f32, table[A_INV_FREQ], D // 2)
     layers = i64_at(i64, table[A_LAYERS], L * LAYER_FIELDS).reshape(L, LAYER_FIELDS)
-    cfmt = table[S_CFMT]                     # GEMM inputs rounded to this format (16-bit compute)
+    cfmt = table[S_CFMT]                     # GEMM inputs: rounded to 16 bits, or int8 (quantized weights)
     timers = i64_at(i64, table[A_TIMERS], table[A_TIMERS + 1])
     t = lap(timers, -1, 0)
 
@@ -349,7 +349,7 @@ def step_entry(f32, i32, i64, u16, table):
         round_to_format(hbuf, cfmt)
         t = lap(timers, K_RMSNORM, t)
         gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV,
-                layers[layer, COL_QKV_FMT])
+                layers[layer, COL_QKV_FMT], cfmt)
         t = lap(timers, K_QKV, t)
         _split_qkv(qf, kf, vf, qkv, QD, KD)
         rope_inplace(q3, positions, inv_freq)
@@ -362,7 +362,7 @@ def step_entry(f32, i32, i64, u16, table):
         round_to_format(attn, cfmt)
         t = lap(timers, K_ATTENTION, t)
         gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H,
-                layers[layer, COL_O_FMT])
+                layers[layer, COL_O_FMT], cfmt)
         t = lap(timers, K_O_PROJ, t)
         residual_add(x, y, res_mult)
         t = lap(timers, K_RESIDUAL, t)
@@ -370,13 +370,13 @@ def step_entry(f32, i32, i64, u16, table):
         round_to_format(hbuf, cfmt)
         t = lap(timers, K_RMSNORM, t)
         gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER,
-                layers[layer, COL_GATE_UP_FMT])
+                layers[layer, COL_GATE_UP_FMT], cfmt)
         t = lap(timers, K_GATE_UP, t)
         swiglu(act, gu)
         round_to_format(act, cfmt)
         t = lap(timers, K_SWIGLU, t)
         gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H,
-                layers[layer, COL_DOWN_FMT])
+                layers[layer, COL_DOWN_FMT], cfmt)
         t = lap(timers, K_DOWN, t)
         residual_add(x, y, res_mult)
         t = lap(timers, K_RESIDUAL, t)
@@ -386,7 +386,7 @@ def step_entry(f32, i32, i64, u16, table):
     _gather_rows(hsel, x, logit_rows)
     rmsnorm(hn, hsel, norm, eps)
     round_to_format(hn, cfmt)
-    gemm_at(logits, hn, f32, u16, table[A_LM_HEAD], H, V, table[S_LM_HEAD_FMT])
+    gemm_at(logits, hn, f32, u16, table[A_LM_HEAD], H, V, table[S_LM_HEAD_FMT], cfmt)
     lf = logits.reshape(R * V)
     for i in range(R * V):
         lf[i] *= inv_logit_scale

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from device import Card, DeviceTensor
+from device.kernels.gemm import ACT_INT8
 from device.layout import (
+    QUANTIZED,
     GemmWeight,
     QuantizedWeight,
     decode,
@@ -139,17 +141,34 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
-def resolve_compute_dtype(compute_dtype: str, weight_dtype: str) -> str:
-    """The format GEMM inputs are rounded to: "auto" is the weights' width (16-bit weights
-    compute in 16 bits, as vLLM's --dtype does); "float32" keeps activations exact (16-bit
-    weights are then only widened); a 16-bit compute format needs weights of that format."""
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+def resolve_compute_dtype(compute_dtype: str, weights: ModelWeights) -> str:
+    """The format of GEMM inputs. "auto": int8 when the model has block-quantized weights
+    (their GEMMs then take activations quantized per block of 32, as llama.cpp does), else the
+    float weights' width (16-bit weights compute in 16 bits, as vLLM's --dtype does).
+    "float32" keeps activations exact (16-bit weights only widened, quantized ones computed
+    on their dequantized values); a 16-bit format needs float weights of that width; "int8"
+    needs quantized weights (the float GEMMs beside them keep float32 inputs)."""
+    quantized = any(gw.fmt in QUANTIZED for gw in weights.gemm_weights())
     if compute_dtype == "auto":
-        return weight_dtype
-    check_dtype(compute_dtype)
-    if compute_dtype != "float32" and compute_dtype != weight_dtype:
+        return "int8" if quantized else weights.dtype
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype must be one of auto, {', '.join(COMPUTE_DTYPES)}, "
+                         f"got {compute_dtype!r}")
+    if compute_dtype == "int8" and not quantized:
+        raise ValueError("compute dtype int8 quantizes the inputs of 8- and 4-bit weights; this "
+                         "model has none (a GGUF file's Q8_0/Q4_0/Q4_1, or --quantization int8)")
+    if compute_dtype in ("bfloat16", "float16") and compute_dtype != weights.dtype:
         raise ValueError(f"compute dtype {compute_dtype} needs weights in {compute_dtype}; "
-                         f"the weights are {weight_dtype}")
+                         f"the weights are {weights.dtype}")
     return compute_dtype
+
+
+def compute_code(compute_dtype: str) -> int:
+    """The step's CFMT code of a resolved compute dtype (device.kernels.gemm)."""
+    return ACT_INT8 if compute_dtype == "int8" else format_code(compute_dtype)
 
 
 class _Placer:

@@ -40,6 +40,15 @@ def parse_dtype(text: str) -> str:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPUTE_DTYPES = (*DTYPES, "int8")
+
+
+def parse_compute_dtype(text: str) -> str:
+    """--compute-dtype: a width of DTYPES, or int8 (activations of quantized weights)."""
+    value = text.strip().lower()
+    if value not in COMPUTE_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    return value
 QUANTIZATIONS = ("none", "int8")   # models/quantize.py
 
 
@@ -107,9 +116,13 @@ class Settings:
     dtype: str = _flag("auto", "width of the weights on the card: auto (the checkpoint's), float32, "
                        "bfloat16 or float16; 16-bit weights are widened to float32 in the kernels",
                        parse_dtype, sizing=True)
-    compute_dtype: str = _flag("auto", "format GEMM inputs are rounded to: auto (the weights' width, "
-                               "as vLLM's --dtype), or float32 to keep activations exact with 16-bit "
-                               "weights", parse_dtype, sizing=True)
+    compute_dtype: str = _flag("auto", "format of GEMM inputs: auto (int8 for 8- and 4-bit weights, "
+                               "as llama.cpp; else the weights' width, as vLLM's --dtype), float32 "
+                               "to keep activations exact (16-bit weights widened, quantized ones "
+                               "on their dequantized values), bfloat16/float16 with weights of that "
+                               "width, or int8 (activations quantized per block of 32 for the "
+                               "integer dot products of quantized weights)", parse_compute_dtype,
+                               sizing=True)
     quantization: str | None = _flag(None, "weights quantized at load: none, or int8 (symmetric, per "
                                      "output channel; served by the card's 8-bit GEMM); a GGUF file's "
                                      "Q8_0/Q4_0/Q4_1 matrices are served at their width without it",

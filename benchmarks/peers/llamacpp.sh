@@ -10,6 +10,7 @@
 #   <cache>/llama.cpp/build/bin/llama-server  Release, CPU only, native ISA (~12 min on 2 cores)
 #   <cache>/llama.cpp/convert-venv/         a venv for convert_hf_to_gguf.py (torch 2.13.0 CPU)
 #   <cache>/smollm2-135m-instruct-f32.gguf  the f32 checkpoint as an F32 GGUF
+#   <cache>/smollm2-135m-instruct-f32.Q8_0.gguf  and as a Q8_0 GGUF
 # Each step is skipped when its product is there, so a second run only prints the paths.
 set -euo pipefail
 
@@ -24,6 +25,7 @@ SERVER="$BUILD/bin/llama-server"
 CVENV="$LC/convert-venv"
 HF_DIR="$CACHE/smollm2-135m-instruct-f32"
 GGUF_F32="$CACHE/smollm2-135m-instruct-f32.gguf"
+GGUF_Q8_0="$CACHE/smollm2-135m-instruct-f32.Q8_0.gguf"
 
 # 1. The sdist and its vendored llama.cpp.
 if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
@@ -89,7 +91,16 @@ if [[ ! -f "$GGUF_F32" ]]; then
     mv "$GGUF_F32.tmp" "$GGUF_F32"
 fi
 
+# 6. A Q8_0 GGUF of the same checkpoint (llama.cpp's converter quantizes it), for the 8-bit rows.
+if [[ ! -f "$GGUF_Q8_0" ]]; then
+    log "converting $HF_DIR to a Q8_0 GGUF"
+    "$CVENV/bin/python" "$SRC/convert_hf_to_gguf.py" "$HF_DIR" --outtype q8_0 \
+        --outfile "$GGUF_Q8_0.tmp"
+    mv "$GGUF_Q8_0.tmp" "$GGUF_Q8_0"
+fi
+
 "$SERVER" --version 2>&1 | grep -i version >&2 || true
 echo "llama_server $SERVER"
 echo "gguf_f32     $GGUF_F32"
+echo "gguf_q8_0    $GGUF_Q8_0"
 echo "gguf_q4_1    $CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"

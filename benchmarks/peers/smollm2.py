@@ -57,6 +57,7 @@ def paths(cache: str | os.PathLike | None = None) -> dict[str, Path]:
         "gguf_q4_1": c / GGUF_NAME,
         "hf_f32": c / HF_NAME,
         "gguf_f32": c / f"{HF_NAME}.gguf",
+        "gguf_q8_0": c / f"{HF_NAME}.Q8_0.gguf",
         "llama_server": c / "llama.cpp" / "build" / "bin" / "llama-server",
         "vllm_python": c / "vllm-venv" / "bin" / "python",
     }

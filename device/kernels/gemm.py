@@ -36,6 +36,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from device.abi import f32_at, get_kernel_threads, u16_at
+from device.kernels.int8_tile import itile
 from device.kernels.microkernel import (  # noqa: F401  (NR, MR, QB, RECORD_BYTES: this module's interface)
     FMT_BF16,
     FMT_F16,
@@ -52,6 +53,8 @@ from device.kernels.microkernel import (  # noqa: F401  (NR, MR, QB, RECORD_BYTE
     RECORD_BYTES,
     tile,
 )
+
+ACT_F32, ACT_INT8 = 0, 6   # GEMM inputs of a quantized weight: float32, or int8 per block of QB
 
 KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, half of L1 (a multiple of QB)
 MC = 192         # rows per block of a: [MC, KC] fp32 is 192 KiB, in L2
@@ -109,8 +112,21 @@ def packed_size(k, n):
     return ((n + NR - 1) // NR) * k * NR
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _tile_at(mr, af, a_off, k, kb, qa, w, w_off, c, c_off, ldc, kc, acc, fmt):
+    """One tile: float activations (af), or int8 ones (qa: quantize_rows's three arrays)."""
+    aq, ad, asum, use_int = qa
+    if use_int:
+        nb = k // QB
+        r0 = a_off // k
+        itile(mr, aq, a_off, k, ad, asum, r0 * nb + kb // QB, nb, w, w_off, c, c_off, ldc, kc,
+              acc, fmt)
+    else:
+        tile(mr, af, a_off, k, w, w_off, c, c_off, ldc, kc, acc, fmt)
+
+
 @njit(nogil=True, cache=True)
-def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp):
+def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp, qa):
     """Rows m0..m0+mc of out, panels p0..p1-1, k rows k0..k0+kc_all (one core's share of one
     block): per panel, per k-block of KC, every row tile of MR rows."""
     for p in range(p0, p1):
@@ -123,20 +139,45 @@ def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp):
             for r0 in range(m0, m0 + mc, MR):
                 mr = min(MR, m0 + mc - r0)
                 if cols == NR:
-                    tile(mr, af, r0 * k + kb, k, w, w_off, of, r0 * n + n0, n, kc, acc, fmt)
+                    _tile_at(mr, af, r0 * k + kb, k, kb, qa, w, w_off, of, r0 * n + n0, n, kc, acc, fmt)
                     continue
                 # the last panel is partial: compute the whole tile into tmp, copy its columns
                 for i in range(mr):
                     for j in range(cols):
                         tmp[i * NR + j] = of[(r0 + i) * n + n0 + j]
-                tile(mr, af, r0 * k + kb, k, w, w_off, tmp, 0, NR, kc, acc, fmt)
+                _tile_at(mr, af, r0 * k + kb, k, kb, qa, w, w_off, tmp, 0, NR, kc, acc, fmt)
                 for i in range(mr):
                     for j in range(cols):
                         of[(r0 + i) * n + n0 + j] = tmp[i * NR + j]
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def gemm_packed(out, a, w, k, n, fmt):
+def quantize_rows(af, m, k, aq, ad, asum):
+    """Each row of a[M, K] (flat) in blocks of QB, as llama.cpp's q8_0 activations: d = max|x| /
+    127, q = round(x / d) half away from zero, in aq (int8 [M K]); d and the sum of the block's
+    q in ad, asum (float32 [M, K / QB])."""
+    nb = k // QB
+    for r in prange(m):
+        for b in range(nb):
+            base = r * k + b * QB
+            amax = np.float32(0.0)
+            for t in range(QB):
+                amax = max(amax, abs(af[base + t]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            total = 0
+            for t in range(QB):
+                v = af[base + t] * inv
+                q = np.int32(np.floor(abs(v) + np.float32(0.5)))
+                q = -q if v < 0 else q
+                aq[base + t] = q
+                total += q
+            ad[r * nb + b] = d
+            asum[r * nb + b] = np.float32(total)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def gemm_packed(out, a, w, k, n, fmt, act=ACT_F32):
     """out[M, N] = a[M, K] @ W[K, N], W packed in panels (float32, or uint16 bf16/fp16 bits).
 
     out, a: C-contiguous float32 2-D; w: the packed 1-D array of packed_len(K, N, fmt)
@@ -158,6 +199,12 @@ def gemm_packed(out, a, w, k, n, fmt):
         return
     af = a.reshape(m * k)
     of = out.reshape(m * n)
+    use_int = act == ACT_INT8 and is_quantized(fmt)
+    nq = m * k if use_int else 0
+    qa = (np.empty(nq, np.int8), np.empty(nq // QB, np.float32), np.empty(nq // QB, np.float32),
+          use_int)
+    if use_int:
+        quantize_rows(af, m, k, qa[0], qa[1], qa[2])
     n_panels = (n + NR - 1) // NR
     chunks = min(n_panels, CHUNKS_PER_THREAD * get_kernel_threads())
     if m <= MC:
@@ -165,7 +212,7 @@ def gemm_packed(out, a, w, k, n, fmt):
         for c in prange(chunks):
             tmp = np.empty(MR * NR, np.float32)
             _panels(af, of, w, k, n, 0, m, 0, k, c * n_panels // chunks,
-                    (c + 1) * n_panels // chunks, fmt, tmp)
+                    (c + 1) * n_panels // chunks, fmt, tmp, qa)
         return
     # prefill-sized: a block of MC rows x KC columns of a stays in L2 while every panel's
     # [KC, NR] slab passes (BLIS's order: k-blocks outside the panels)
@@ -176,7 +223,7 @@ def gemm_packed(out, a, w, k, n, fmt):
             for c in prange(chunks):
                 tmp = np.empty(MR * NR, np.float32)
                 _panels(af, of, w, k, n, m0, mc, k0, kc, c * n_panels // chunks,
-                        (c + 1) * n_panels // chunks, fmt, tmp)
+                        (c + 1) * n_panels // chunks, fmt, tmp, qa)
 
 
 @intrinsic
@@ -215,10 +262,11 @@ def _quantized_value(w, c, kk, k, fmt):
     rec = _record_bytes(fmt)
     r0 = (c // NR) * (k // QB) * rec + (kk // QB) * rec
     d = _half_at(w, r0 + 2 * j)
-    if fmt == FMT_Q8_0:
-        return d * np.float32(np.int8(np.uint8(w[r0 + 2 * NR + r * NR + j])))
     q0 = r0 + (4 * NR if fmt == FMT_Q4_1 else 2 * NR)
-    byte = np.uint8(w[q0 + (r % (QB // 2)) * NR + j])
+    if fmt == FMT_Q8_0:            # group r // 4, byte r % 4 of column j
+        return d * np.float32(np.int8(np.uint8(w[q0 + (r // 4) * 4 * NR + 4 * j + r % 4])))
+    rr = r % (QB // 2)
+    byte = np.uint8(w[q0 + (rr // 4) * 4 * NR + 4 * j + rr % 4])
     q = np.float32((byte & 15) if r < QB // 2 else (byte >> 4))
     if fmt == FMT_Q4_0:
         return d * (q - np.float32(8.0))
@@ -260,13 +308,13 @@ def _u8_at(u16, address, nbytes):
 
 
 @njit(nogil=True, cache=True)
-def gemm_at(out, a, f32, u16, address, k, n, fmt):
+def gemm_at(out, a, f32, u16, address, k, n, fmt, act=ACT_F32):
     """gemm_packed with the weight at byte `address` of the arena (f32 / u16: its views)."""
     size = packed_len(k, n, fmt)
     if fmt == FMT_F32:
         gemm_packed(out, a, f32_at(f32, address, size), k, n, fmt)
     elif is_quantized(fmt):
-        gemm_packed(out, a, _u8_at(u16, address, size), k, n, fmt)
+        gemm_packed(out, a, _u8_at(u16, address, size), k, n, fmt, act)
     else:
         gemm_packed(out, a, u16_at(u16, address, size), k, n, fmt)
 
@@ -299,8 +347,9 @@ def _round_f16(typingctx, x):
 def round_to_format(x, fmt):
     """Round every value of the C-contiguous float32 array x, in place, to the nearest value
     of the 16-bit format fmt (round to nearest even), so that the products of a 16-bit GEMM
-    are exact products of 16-bit numbers, as in a bf16/fp16 multiplier; FMT_F32 does nothing."""
-    if fmt == FMT_F32:
+    are exact products of 16-bit numbers, as in a bf16/fp16 multiplier; any other format
+    (FMT_F32; ACT_INT8, which the GEMM of a quantized weight applies itself) does nothing."""
+    if fmt != FMT_BF16 and fmt != FMT_F16:
         return
     flat = x.reshape(x.size)
     bits = flat.view(np.uint32)

@@ -10,8 +10,11 @@ weight (device/kernels/gemm.py describes the layouts) and w_off the first elemen
   is kc rows of NR values, widened to float32 right after the load;
 - uint8 block-quantized (FMT_Q8_0 / FMT_Q4_0 / FMT_Q4_1, GGML's formats in panels): the slab
   is kc / QB records of QB rows, each record the NR float16 scales `d` (Q4_1: then the NR
-  float16 minimums `m`), then the quants: Q8_0 QB rows of NR int8; Q4_0/Q4_1 QB/2 rows of NR
-  bytes, the low nibble row r and the high nibble row r + QB/2. kc is a multiple of QB.
+  float16 minimums `m`), then the quants in groups of 4 rows, each group NR columns of 4
+  bytes (column j's rows 4g..4g+3, the layout integer dot products read, 4 products to a
+  32-bit lane: device/kernels/int8_tile.py): Q8_0 QB/4 groups of int8; Q4_0/Q4_1 QB/8
+  groups whose bytes hold row r in the low nibble and row r + QB/2 in the high one. kc is a
+  multiple of QB.
   Each weight is widened in registers to exactly the value GGML's dequantizer gives
   (Q8_0 d*q; Q4_0 d*(q-8) = fma(d, q, -8d); Q4_1 fma(d, q, m): d*q is exact in float32),
   so the products are those of the float32 GEMM on the dequantized weights.
@@ -36,6 +39,7 @@ QB = 32          # rows per quantization block (GGML's QK8_0 / QK4_0 / QK4_1)
 FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
 # bytes of one record (QB rows of one panel) of each block-quantized format
 _SCALES = 2 * NR                                  # NR float16 values
+GROUP_BYTES = 4 * NR                              # 4 rows of a panel, a column's 4 bytes together
 RECORD_BYTES = {FMT_Q8_0: _SCALES + QB * NR, FMT_Q4_0: _SCALES + QB * NR // 2,
                 FMT_Q4_1: 2 * _SCALES + QB * NR // 2}
 REC_Q8_0, REC_Q4_0, REC_Q4_1 = (RECORD_BYTES[f] for f in (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1))
@@ -122,14 +126,19 @@ def _emit_float_loop(builder, fma, kind, mr, unroll, a_ptr, a_off, lda, w_ptr, w
 
 def _emit_quant_loop(builder, fma, kind, mr, unroll, a_ptr, a_off, lda, w_ptr, w_off, kc):
     """The tile over kc rows (kc / QB records) of a block-quantized slab (w_ptr: i8*, w_off in
-    bytes); returns the accumulators."""
+    bytes); returns the accumulators. Rows are taken in order and row k goes to accumulator
+    set k % unroll, as in the float loop, so the sums round alike."""
     nv = NR // VW
     half = ir.HalfType()
-    vi8 = ir.VectorType(_I8, VW)
+    vi32 = ir.VectorType(_I32, VW)
     sets = _accumulators(builder, mr, nv, unroll)
     rec = {"q8_0": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1}[kind]
     q_start = 2 * _SCALES if kind == "q4_1" else _SCALES
     nblocks = builder.sdiv(kc, _const(QB))
+
+    def splat32(n):
+        return ir.Constant(vi32, [n] * VW)
+
     with cgutils.for_range(builder, nblocks) as loop:
         b = loop.index
         r0 = builder.add(w_off, builder.mul(b, _const(rec)))            # the record's first byte
@@ -142,36 +151,33 @@ def _emit_quant_loop(builder, fma, kind, mr, unroll, a_ptr, a_off, lda, w_ptr, w
         elif kind == "q4_0":
             m = [builder.fmul(dj, ir.Constant(_VEC, [-8.0] * VW)) for dj in d]
         q0 = builder.add(r0, _const(q_start))
+
+        def group(g, high):
+            """Rows 4g..4g+3 of the block (Q4: of its low or high nibbles): each <VW x i32>
+            lane holds a column's 4 rows, one a byte."""
+            at = builder.add(q0, builder.mul(g, _const(GROUP_BYTES)))
+            raw = [_load_vec(builder, w_ptr, builder.add(at, _const(4 * j * VW)), _I32, 1)
+                   for j in range(nv)]
+            for t in range(4):
+                if kind == "q8_0":
+                    wv = [builder.fmul(d[j], builder.sitofp(builder.ashr(
+                        builder.shl(x, splat32(24 - 8 * t)), splat32(24)), _VEC))
+                        for j, x in enumerate(raw)]
+                else:
+                    shift = 8 * t + (4 if high else 0)
+                    wv = [builder.call(fma, [d[j], builder.uitofp(builder.and_(
+                        builder.lshr(x, splat32(shift)), splat32(15)), _VEC), m[j]])
+                        for j, x in enumerate(raw)]
+                r = builder.add(builder.mul(g, _const(4)), _const(t + (QB // 2 if high else 0)))
+                _fma_row(builder, fma, a_ptr, a_off, lda, builder.add(kb, r), wv, sets[t % unroll])
+
         if kind == "q8_0":
-            def q8_step(r, accs):
-                row = builder.add(q0, builder.mul(r, _const(NR)))
-                wv = [builder.fmul(d[j], builder.sitofp(
-                    _load_vec(builder, w_ptr, builder.add(row, _const(j * VW)), _I8, 1), _VEC))
-                    for j in range(nv)]
-                _fma_row(builder, fma, a_ptr, a_off, lda, builder.add(kb, r), wv, accs)
-
-            with cgutils.for_range_slice(builder, _const(0), _const(QB), _const(unroll)) as (k0, _):
-                for u in range(unroll):
-                    q8_step(builder.add(k0, _const(u)), sets[u])
+            with cgutils.for_range(builder, _const(QB // 4)) as gl:
+                group(gl.index, False)
         else:
-            # rows in order, as the float loop takes them (so the sums round alike): the low
-            # nibbles of the QB/2 byte rows are rows 0..QB/2-1, their high nibbles the rest
-            def q4_step(r, high, accs):
-                row = builder.add(q0, builder.mul(r, _const(NR)))
-                wv = []
-                for j in range(nv):
-                    x = _load_vec(builder, w_ptr, builder.add(row, _const(j * VW)), _I8, 1)
-                    x = builder.lshr(x, ir.Constant(vi8, [4] * VW)) if high else \
-                        builder.and_(x, ir.Constant(vi8, [15] * VW))
-                    wv.append(builder.call(fma, [d[j], builder.uitofp(x, _VEC), m[j]]))
-                k = builder.add(kb, builder.add(r, _const(QB // 2 if high else 0)))
-                _fma_row(builder, fma, a_ptr, a_off, lda, k, wv, accs)
-
-            for high in (False, True):
-                with cgutils.for_range_slice(builder, _const(0), _const(QB // 2),
-                                             _const(unroll)) as (k0, _):
-                    for u in range(unroll):
-                        q4_step(builder.add(k0, _const(u)), high, sets[u])
+            for high in (False, True):             # rows 0..15 (low nibbles), then 16..31
+                with cgutils.for_range(builder, _const(QB // 8)) as gl:
+                    group(gl.index, high)
     return _reduce_sets(builder, sets)
 
 

@@ -1,11 +1,13 @@
 """The GEMM on block-quantized weights (Q8_0, Q4_0, Q4_1 in panels) against numpy: the values
-GGML's formats define, and bit for bit the float32 GEMM on the dequantized weights."""
+GGML's formats define, bit for bit the float32 GEMM on the dequantized weights with float32
+activations, and with int8 activations the product of both sides' quantized values."""
 
 import numpy as np
 import pytest
 
 from device import Card, DeviceError
 from device.kernels.gemm import (
+    ACT_INT8,
     FMT_F32,
     FMT_Q4_0,
     FMT_Q4_1,
@@ -16,6 +18,7 @@ from device.kernels.gemm import (
     gemm_at,
     gemm_packed,
     packed_len,
+    quantize_rows,
 )
 from device.layout import (
     QuantizedWeight,
@@ -140,3 +143,61 @@ def test_a_quantized_weight_checks_its_parts():
         QuantizedWeight(FMT_Q4_1, q, np.zeros((4, 2), np.float16))       # Q4_1 needs m
     with pytest.raises(DeviceError, match="cannot stack"):
         QuantizedWeight.stack([random_weight(FMT_Q8_0, 4, 64), random_weight(FMT_Q4_0, 4, 64)])
+
+
+# ---- int8 activations: quantize_rows and the integer dot products --------------------------
+
+def reference_quantize_rows(a: np.ndarray):
+    """llama.cpp's quantize_row_q8_0, written out: per block of 32, d = max|x| / 127,
+    q = round(x / d) half away from zero; and the block's sum of q."""
+    m, k = a.shape
+    blocks = a.reshape(m, k // QB, QB)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    v = blocks * inv[..., None]
+    q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)
+    return q.reshape(m, k), d.astype(np.float32), q.sum(axis=-1).astype(np.float32)
+
+
+def test_quantize_rows_is_llama_cpps_q8_0():
+    rng = np.random.default_rng(4)
+    a = (rng.standard_normal((5, 128)) * rng.uniform(0.01, 10, (5, 1))).astype(np.float32)
+    a[2, 32:64] = 0.0                                   # a block of zeros: d = 0, q = 0
+    a[3, 0:32] = np.linspace(-1, 1, 32)                 # values on the half steps
+    aq, ad, asum = (np.empty(5 * 128, np.int8), np.empty(5 * 4, np.float32),
+                    np.empty(5 * 4, np.float32))
+    quantize_rows(a.reshape(-1), 5, 128, aq, ad, asum)
+    q, d, s = reference_quantize_rows(a)
+    np.testing.assert_array_equal(aq.reshape(5, 128), q)
+    np.testing.assert_array_equal(ad.reshape(5, 4), d)
+    np.testing.assert_array_equal(asum.reshape(5, 4), s)
+    assert np.abs(q).max() == 127
+
+
+@pytest.mark.parametrize("fmt", QFMTS)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_int8_activations_give_the_float_gemm_of_the_quantized_values(m, k, n, fmt):
+    """Exact integer sums per block, scaled in float32: the float64 product of the int8
+    activations' values and the weights' values, to float32 rounding."""
+    qw = random_weight(fmt, n, k, seed=m)
+    a = np.random.default_rng(m + 1).standard_normal((m, k), dtype=np.float32)
+    out = np.full((m, n), np.nan, np.float32)
+    gemm_packed(out, a, pack_quantized(qw).reshape(-1), k, n, fmt, ACT_INT8)
+    q, d, _ = reference_quantize_rows(a)
+    a_values = (q.reshape(m, k // QB, QB) * d[..., None]).reshape(m, k).astype(np.float64)
+    want = a_values @ reference_values(qw).T.astype(np.float64)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    # and within the activations' rounding of the float-activation GEMM
+    exact = a.astype(np.float64) @ reference_values(qw).T.astype(np.float64)
+    step = np.abs(reference_values(qw)).sum(axis=1).max() * np.abs(a).max() / 127
+    assert np.abs(out - exact).max() <= step
+
+
+def test_int8_activations_leave_float_weights_alone():
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((64, 24), dtype=np.float32)
+    a = rng.standard_normal((3, 64), dtype=np.float32)
+    out, ref = np.empty((3, 24), np.float32), np.empty((3, 24), np.float32)
+    gemm_packed(out, a, pack(w, FMT_F32).reshape(-1), 64, 24, FMT_F32, ACT_INT8)
+    gemm_packed(ref, a, pack(w, FMT_F32).reshape(-1), 64, 24, FMT_F32)
+    np.testing.assert_array_equal(out, ref)

@@ -62,12 +62,13 @@ def gguf_and_twin(tmp_path, kind, qtype, **model):
     return path, twin
 
 
-def run(path):
-    """Prefill logits and greedy tokens of PROMPTS on the project's runner."""
+def run(path, compute_dtype="float32"):
+    """Prefill logits and greedy tokens of PROMPTS on the project's runner (float32
+    activations: a quantized file computes on exactly its dequantized weights)."""
     card = Card(64 << 20)
     model = load_model(path, card, tokenizer=False)
     runner = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
-                         num_kv_blocks=16, seed=0)
+                         num_kv_blocks=16, seed=0, compute_dtype=compute_dtype)
     try:
         return runner_greedy(runner, PROMPTS, N_NEW)
     finally:

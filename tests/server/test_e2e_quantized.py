@@ -44,6 +44,7 @@ def checkpoints(tmp_path_factory):
 def serve_greedy(model, **settings):
     """(greedy completions of PROMPTS, the weights' formats on the card) from a real server."""
     built = build(real_settings(model=str(model), **settings), progress=False)
+    assert built.runner.compute_dtype == settings.get("compute_dtype", "float32")
     try:
         with ServerThread(built.app) as server, httpx.Client(base_url=server.url, timeout=300) as c:
             texts = []
@@ -59,7 +60,7 @@ def serve_greedy(model, **settings):
 
 
 def test_a_q4_1_gguf_is_served_at_its_width_with_its_twins_text(checkpoints):
-    texts, formats = serve_greedy(checkpoints["gguf"])
+    texts, formats = serve_greedy(checkpoints["gguf"], compute_dtype="float32")
     want, want_formats = serve_greedy(checkpoints["gguf_twin"])
     assert texts == want and len(set(texts)) == len(PROMPTS)
     assert set(formats) == {"Q4_1"} and set(want_formats) == {"float32"}
@@ -67,10 +68,24 @@ def test_a_q4_1_gguf_is_served_at_its_width_with_its_twins_text(checkpoints):
 
 
 def test_quantization_int8_serves_the_int8_weights(checkpoints):
-    texts, formats = serve_greedy(checkpoints["float"], quantization="int8")
+    texts, formats = serve_greedy(checkpoints["float"], quantization="int8", compute_dtype="float32")
     want, _ = serve_greedy(checkpoints["int8_twin"])
     assert texts == want
     assert set(formats) == {"Q8_0"}             # int8 per channel, in Q8_0's layout
+
+
+def test_by_default_quantized_weights_take_int8_activations(checkpoints):
+    """auto: int8 activations for a quantized model (the numerics are tested on a trained model,
+    tests/models/test_smollm2.py); it serves, and a float model keeps float32."""
+    texts, _ = serve_greedy(checkpoints["gguf"], compute_dtype="int8")
+    assert len(texts) == len(PROMPTS) and all(texts)
+    for model, want in ((checkpoints["gguf"], "int8"), (checkpoints["float"], "float32")):
+        built = build(real_settings(model=str(model)), progress=False)
+        try:
+            assert built.runner.compute_dtype == want
+        finally:
+            built.engine.shutdown()
+            built.card.close()
 
 
 def test_quantization_of_a_gguf_file_is_refused(checkpoints):
