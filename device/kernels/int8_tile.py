@@ -46,6 +46,7 @@ from device.kernels.microkernel import (
     _const,
     _load_vec,
     _splat,
+    store_tile,
 )
 
 _I16 = ir.IntType(16)
@@ -177,15 +178,7 @@ def _int8_tile(mr: int):
                             _emit_int8_loop(builder, fn, "q4_1", *loop)
                         with b:
                             _emit_int8_loop(builder, fn, "q4_0", *loop)
-            add = builder.icmp_signed("!=", accf, _const(0))
-            for i in range(mr):
-                row = builder.add(c_off, builder.mul(_const(i), ldc))
-                for j in range(nv):
-                    p = builder.bitcast(builder.gep(c_ptr, [builder.add(row, _const(j * VW))]),
-                                        _VEC.as_pointer())
-                    val = builder.load(c_acc[i][j])
-                    val = builder.select(add, builder.fadd(val, builder.load(p, align=4)), val)
-                    builder.store(val, p, align=4)
+            store_tile(builder, c_acc, c_ptr, c_off, ldc, accf)
             return context.get_dummy_value()
 
         return sig, codegen

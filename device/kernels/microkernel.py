@@ -181,6 +181,19 @@ def _emit_quant_loop(builder, fma, kind, mr, unroll, a_ptr, a_off, lda, w_ptr, w
     return _reduce_sets(builder, sets)
 
 
+def store_tile(builder, accs, c_ptr, c_off, ldc, accumulate):
+    """c[i, :NR] = accs[i] (accumulate != 0: += ) for every row i of the tile."""
+    add = builder.icmp_signed("!=", accumulate, _const(0))
+    for i, row_accs in enumerate(accs):
+        row = builder.add(c_off, builder.mul(_const(i), ldc))
+        for j, acc in enumerate(row_accs):
+            p = builder.bitcast(builder.gep(c_ptr, [builder.add(row, _const(j * VW))]),
+                                _VEC.as_pointer())
+            val = builder.load(acc)
+            val = builder.select(add, builder.fadd(val, builder.load(p, align=4)), val)
+            builder.store(val, p, align=4)
+
+
 def _microkernel(mr: int):
     """The tile intrinsic for tiles of mr rows (see the module docstring)."""
     nv = NR // VW
@@ -237,15 +250,7 @@ def _microkernel(mr: int):
                                 [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"), (FMT_Q4_1, "q4_1")],
                                 lambda kind: _emit_quant_loop(builder, fma, kind, mr, unroll, a_ptr,
                                                               a_off, lda, w_ptr, w_off, kc))
-            add = builder.icmp_signed("!=", accf, _const(0))
-            for i in range(mr):
-                row = builder.add(c_off, builder.mul(_const(i), ldc))
-                for j in range(nv):
-                    p = builder.bitcast(builder.gep(c_ptr, [builder.add(row, _const(j * VW))]),
-                                        _VEC.as_pointer())
-                    val = builder.load(accs[i][j])
-                    val = builder.select(add, builder.fadd(val, builder.load(p, align=4)), val)
-                    builder.store(val, p, align=4)
+            store_tile(builder, accs, c_ptr, c_off, ldc, accf)
             return context.get_dummy_value()
 
         return sig, codegen
