@@ -42,9 +42,9 @@ def checkpoints(tmp_path_factory):
 
 
 def serve_greedy(model, **settings):
-    """(greedy completions of PROMPTS, the weights' formats on the card) from a real server."""
+    """(greedy completions of PROMPTS, the weights' formats on the card, the GEMM inputs'
+    format the runner resolved) from a real server."""
     built = build(real_settings(model=str(model), **settings), progress=False)
-    assert built.runner.compute_dtype == settings.get("compute_dtype", "float32")
     try:
         with ServerThread(built.app) as server, httpx.Client(base_url=server.url, timeout=300) as c:
             texts = []
@@ -53,39 +53,34 @@ def serve_greedy(model, **settings):
                                                     "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 texts.append(r.json()["choices"][0]["text"])
-            return texts, built.model.weights.formats
+            return texts, built.model.weights.formats, built.runner.compute_dtype
     finally:
         built.engine.shutdown()
         built.card.close()
 
 
 def test_a_q4_1_gguf_is_served_at_its_width_with_its_twins_text(checkpoints):
-    texts, formats = serve_greedy(checkpoints["gguf"], compute_dtype="float32")
-    want, want_formats = serve_greedy(checkpoints["gguf_twin"])
+    texts, formats, compute = serve_greedy(checkpoints["gguf"], compute_dtype="float32")
+    want, want_formats, want_compute = serve_greedy(checkpoints["gguf_twin"])
+    assert (compute, want_compute) == ("float32", "float32")     # auto: a float model keeps float32
     assert texts == want and len(set(texts)) == len(PROMPTS)
     assert set(formats) == {"Q4_1"} and set(want_formats) == {"float32"}
     assert formats["Q4_1"] < 0.2 * want_formats["float32"]          # 5 bits a weight, not 32
 
 
 def test_quantization_int8_serves_the_int8_weights(checkpoints):
-    texts, formats = serve_greedy(checkpoints["float"], quantization="int8", compute_dtype="float32")
-    want, _ = serve_greedy(checkpoints["int8_twin"])
-    assert texts == want
+    texts, formats, _ = serve_greedy(checkpoints["float"], quantization="int8", compute_dtype="float32")
+    want, _, want_compute = serve_greedy(checkpoints["int8_twin"])
+    assert texts == want and want_compute == "float32"
     assert set(formats) == {"Q8_0"}             # int8 per channel, in Q8_0's layout
 
 
 def test_by_default_quantized_weights_take_int8_activations(checkpoints):
     """auto: int8 activations for a quantized model (the numerics are tested on a trained model,
-    tests/models/test_smollm2.py); it serves, and a float model keeps float32."""
-    texts, _ = serve_greedy(checkpoints["gguf"], compute_dtype="int8")
+    tests/models/test_smollm2.py), and it serves; a float model keeps float32 (the twins above)."""
+    texts, _, compute = serve_greedy(checkpoints["gguf"])
+    assert compute == "int8"
     assert len(texts) == len(PROMPTS) and all(texts)
-    for model, want in ((checkpoints["gguf"], "int8"), (checkpoints["float"], "float32")):
-        built = build(real_settings(model=str(model)), progress=False)
-        try:
-            assert built.runner.compute_dtype == want
-        finally:
-            built.engine.shutdown()
-            built.card.close()
 
 
 def test_quantization_of_a_gguf_file_is_refused(checkpoints):
