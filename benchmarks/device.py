@@ -41,7 +41,7 @@ from benchmarks.limits import bandwidth, best_of, blas_gemm, fma_peak  # noqa: E
 from device import Card, Program, Slot  # noqa: E402
 from device.abi import f32_at  # noqa: E402
 from device.kernels.activation import swiglu  # noqa: E402
-from device.kernels.gemm import FMT_BF16, FMT_F32, gemm_packed, packed_size  # noqa: E402
+from device.kernels.gemm import ACT_F32, FMT_BF16, FMT_F32, gemm_packed, packed_size  # noqa: E402
 from device.kernels.norm import rmsnorm  # noqa: E402
 from device.kernels.residual import residual_add  # noqa: E402
 from device.layout import pack  # noqa: E402
@@ -100,8 +100,8 @@ def bench_gemm(threads, quick):
             a_t = torch.from_numpy(a)
             reordered = torch.ops.mkldnn._reorder_linear_weight(wt, m)
             def run(name, out=out, a=a, a_t=a_t, w=w, w32=w32, w16=w16, wt=wt, r=reordered, k=k, n=n):
-                return {"packed_f32": lambda: gemm_packed(out, a, w32, k, n, FMT_F32),
-                        "packed_bf16": lambda: gemm_packed(out, a, w16, k, n, FMT_BF16),
+                return {"packed_f32": lambda: gemm_packed(out, a, w32, k, n, FMT_F32, ACT_F32),
+                        "packed_bf16": lambda: gemm_packed(out, a, w16, k, n, FMT_BF16, ACT_F32),
                         "blas": lambda: blas_gemm(out, a, w),
                         "torch": lambda: torch.nn.functional.linear(a_t, wt),
                         "onednn": lambda: torch.ops.mkldnn._linear_pointwise(a_t, r, None, "none",
@@ -149,9 +149,9 @@ def ten_kernel_entry(f32, i32, i64, u16, table):
     x, wn, hh, w1, gu, act, w2, y = _views(f32, table)
     for _ in range(2):  # 5 kernels per block, 2 blocks
         rmsnorm(hh, x, wn, EPS)
-        gemm_packed(gu, hh, w1, hh.shape[1], gu.shape[1], FMT_F32)
+        gemm_packed(gu, hh, w1, hh.shape[1], gu.shape[1], FMT_F32, ACT_F32)
         swiglu(act, gu)
-        gemm_packed(y, act, w2, act.shape[1], y.shape[1], FMT_F32)
+        gemm_packed(y, act, w2, act.shape[1], y.shape[1], FMT_F32, ACT_F32)
         residual_add(x, y, 0.22)
 
 
@@ -164,7 +164,7 @@ def rmsnorm_entry(f32, i32, i64, u16, table):
 @njit(nogil=True, cache=True)
 def up_entry(f32, i32, i64, u16, table):
     x, wn, hh, w1, gu, act, w2, y = _views(f32, table)
-    gemm_packed(gu, hh, w1, hh.shape[1], gu.shape[1], FMT_F32)
+    gemm_packed(gu, hh, w1, hh.shape[1], gu.shape[1], FMT_F32, ACT_F32)
 
 
 @njit(nogil=True, cache=True)
@@ -176,7 +176,7 @@ def swiglu_entry(f32, i32, i64, u16, table):
 @njit(nogil=True, cache=True)
 def down_entry(f32, i32, i64, u16, table):
     x, wn, hh, w1, gu, act, w2, y = _views(f32, table)
-    gemm_packed(y, act, w2, act.shape[1], y.shape[1], FMT_F32)
+    gemm_packed(y, act, w2, act.shape[1], y.shape[1], FMT_F32, ACT_F32)
 
 
 @njit(nogil=True, cache=True)
@@ -243,9 +243,9 @@ def bench_launch(card, steps):
         v = {name: t.numpy() for name, t in tensors.items()}  # bindings -> views, every step
         for _ in range(2):
             rmsnorm(v["h"], v["x"], v["wn"], EPS)
-            gemm_packed(v["gu"], v["h"], v["w1"], h_, 2 * i_, FMT_F32)
+            gemm_packed(v["gu"], v["h"], v["w1"], h_, 2 * i_, FMT_F32, ACT_F32)
             swiglu(v["act"], v["gu"])
-            gemm_packed(v["y"], v["act"], v["w2"], i_, h_, FMT_F32)
+            gemm_packed(v["y"], v["act"], v["w2"], i_, h_, FMT_F32, ACT_F32)
             residual_add(v["x"], v["y"], 0.22)
 
     res["direct_python_calls"] = host_and_total(direct_calls)

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from device.kernels.gemm import FMT_F32, MR, NR, gemm_packed
+from device.kernels.gemm import ACT_F32, FMT_F32, MR, NR, gemm_packed
 from device.kernels.gemm import gemm as blas_gemm  # np.dot in njit: scipy's OpenBLAS
 from device.kernels.microkernel import tile
 from device.layout import pack
@@ -89,7 +89,7 @@ def _gemm_peak(shapes, budget):
             "blas": flop / best_of(lambda a=a, b=b, o=out: blas_gemm(o, a, b), min_reps=3,
                                    budget=budget) / 1e9,
             "packed": flop / best_of(lambda a=a, w=wp, o=out, k=k, n=n: gemm_packed(
-                o, a, w, k, n, FMT_F32), min_reps=3, budget=budget) / 1e9,
+                o, a, w, k, n, FMT_F32, ACT_F32), min_reps=3, budget=budget) / 1e9,
         }
     return max(max(v.values()) for v in table.values()), table
 

@@ -13,7 +13,7 @@ panel then K / QB records of QB rows (device/kernels/microkernel.py has their by
 weights widened in registers to the values GGML's dequantizer gives. Activations and
 accumulation stay fp32.
 
-    out[M, N] = a[M, K] @ W                    gemm_packed(out, a, w, K, N, fmt)
+    out[M, N] = a[M, K] @ W                    gemm_packed(out, a, w, K, N, fmt, act)
 
 The loops follow BLIS: the panels are split across the card's cores (`prange` over chunks
 of panels); a panel's k-block of KC rows (16 KiB in fp32) stays in L1 while every row tile
@@ -138,17 +138,19 @@ def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp, qa):
             w_off = _slab_offset(p, kb, k, fmt)
             for r0 in range(m0, m0 + mc, MR):
                 mr = min(MR, m0 + mc - r0)
-                if cols == NR:
-                    _tile_at(mr, af, r0 * k + kb, k, kb, qa, w, w_off, of, r0 * n + n0, n, kc, acc, fmt)
-                    continue
-                # the last panel is partial: compute the whole tile into tmp, copy its columns
-                for i in range(mr):
-                    for j in range(cols):
-                        tmp[i * NR + j] = of[(r0 + i) * n + n0 + j]
-                _tile_at(mr, af, r0 * k + kb, k, kb, qa, w, w_off, tmp, 0, NR, kc, acc, fmt)
-                for i in range(mr):
-                    for j in range(cols):
-                        of[(r0 + i) * n + n0 + j] = tmp[i * NR + j]
+                # the last panel may be partial: then the whole tile goes to tmp, and its
+                # columns are copied in and out (one call site: the tiles are emitted once)
+                dst, d_off, ldd = of, r0 * n + n0, n
+                if cols < NR:
+                    for i in range(mr):
+                        for j in range(cols):
+                            tmp[i * NR + j] = of[(r0 + i) * n + n0 + j]
+                    dst, d_off, ldd = tmp, 0, NR
+                _tile_at(mr, af, r0 * k + kb, k, kb, qa, w, w_off, dst, d_off, ldd, kc, acc, fmt)
+                if cols < NR:
+                    for i in range(mr):
+                        for j in range(cols):
+                            of[(r0 + i) * n + n0 + j] = tmp[i * NR + j]
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -177,7 +179,7 @@ def quantize_rows(af, m, k, aq, ad, asum):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def gemm_packed(out, a, w, k, n, fmt, act=ACT_F32):
+def gemm_packed(out, a, w, k, n, fmt, act):
     """out[M, N] = a[M, K] @ W[K, N], W packed in panels (float32, or uint16 bf16/fp16 bits).
 
     out, a: C-contiguous float32 2-D; w: the packed 1-D array of packed_len(K, N, fmt)
@@ -308,15 +310,15 @@ def _u8_at(u16, address, nbytes):
 
 
 @njit(nogil=True, cache=True)
-def gemm_at(out, a, f32, u16, address, k, n, fmt, act=ACT_F32):
+def gemm_at(out, a, f32, u16, address, k, n, fmt, act):
     """gemm_packed with the weight at byte `address` of the arena (f32 / u16: its views)."""
     size = packed_len(k, n, fmt)
     if fmt == FMT_F32:
-        gemm_packed(out, a, f32_at(f32, address, size), k, n, fmt)
+        gemm_packed(out, a, f32_at(f32, address, size), k, n, fmt, act)
     elif is_quantized(fmt):
         gemm_packed(out, a, _u8_at(u16, address, size), k, n, fmt, act)
     else:
-        gemm_packed(out, a, u16_at(u16, address, size), k, n, fmt)
+        gemm_packed(out, a, u16_at(u16, address, size), k, n, fmt, act)
 
 
 @njit(nogil=True, cache=True)

@@ -59,7 +59,7 @@ def test_every_level_the_host_runs_computes_the_same_gemm(level):
         pytest.skip(f"this CPU runs at most {device.KERNEL_ISA.host_level}, not {level}")
     code = """
 import numpy as np, device
-from device.kernels.gemm import FMT_F32, FMT_Q4_1, gemm_packed
+from device.kernels.gemm import ACT_F32, FMT_F32, FMT_Q4_1, gemm_packed
 from device.layout import QuantizedWeight, pack, pack_quantized
 rng = np.random.default_rng(0)
 q = rng.integers(0, 16, (33, 64)).astype(np.int8)
@@ -67,8 +67,8 @@ d = (rng.standard_normal((33, 2)) * .01).astype(np.float16)
 qw = QuantizedWeight(FMT_Q4_1, q, d, d)
 a = rng.standard_normal((3, 64), dtype=np.float32)
 out, ref = np.empty((3, 33), np.float32), np.empty((3, 33), np.float32)
-gemm_packed(out, a, pack_quantized(qw).reshape(-1), 64, 33, FMT_Q4_1)
-gemm_packed(ref, a, pack(np.ascontiguousarray(qw.dequantize().T), FMT_F32).reshape(-1), 64, 33, FMT_F32)
+gemm_packed(out, a, pack_quantized(qw).reshape(-1), 64, 33, FMT_Q4_1, ACT_F32)
+gemm_packed(ref, a, pack(np.ascontiguousarray(qw.dequantize().T), FMT_F32).reshape(-1), 64, 33, FMT_F32, ACT_F32)
 assert np.array_equal(out, ref)
 np.testing.assert_allclose(out, a.astype(np.float64) @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
 print(device.KERNEL_ISA.level)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from device.kernels.gemm import (
+    ACT_F32,
     FMT_BF16,
     FMT_F16,
     FMT_F32,
@@ -32,14 +33,14 @@ def test_gemm_packed_matches_numpy_on_the_stored_weights(m, k, n, fmt):
     panels = pack(w, fmt)
     want = a.astype(np.float64) @ unpack(panels, n, fmt).astype(np.float64)
     out = np.full((m, n), np.nan, np.float32)
-    gemm_packed(out, a, panels.reshape(-1), k, n, fmt)
+    gemm_packed(out, a, panels.reshape(-1), k, n, fmt, ACT_F32)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
 def test_gemm_packed_k_past_one_block_accumulates_every_block():
     a, w = _case(3, 1000, 20)                 # 1000 = 3 blocks of 256 and a remainder
     out = np.empty((3, 20), np.float32)
-    gemm_packed(out, a, pack(w, FMT_F32).reshape(-1), 1000, 20, FMT_F32)
+    gemm_packed(out, a, pack(w, FMT_F32).reshape(-1), 1000, 20, FMT_F32, ACT_F32)
     np.testing.assert_allclose(out, a.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
 
 
@@ -47,7 +48,7 @@ def test_gemm_packed_refuses_a_short_weight():
     a, w = _case(2, 8, 20)
     with pytest.raises(ValueError, match="too short"):
         gemm_packed(np.empty((2, 20), np.float32), a, np.zeros(packed_size(8, 20) - 1, np.float32),
-                    8, 20, FMT_F32)
+                    8, 20, FMT_F32, ACT_F32)
 
 
 @pytest.mark.parametrize("fmt,torch_dtype", [(FMT_BF16, torch.bfloat16), (FMT_F16, torch.float16)])

@@ -7,6 +7,7 @@ import pytest
 
 from device import Card, DeviceError
 from device.kernels.gemm import (
+    ACT_F32,
     ACT_INT8,
     FMT_F32,
     FMT_Q4_0,
@@ -80,12 +81,12 @@ def test_gemm_on_quantized_weights_is_the_float_gemm_on_their_values(m, k, n, fm
     values = reference_values(qw)                                  # [N, K]
     a = np.random.default_rng(m + 1).standard_normal((m, k), dtype=np.float32)
     out = np.full((m, n), np.nan, np.float32)
-    gemm_packed(out, a, pack_quantized(qw).reshape(-1), k, n, fmt)
+    gemm_packed(out, a, pack_quantized(qw).reshape(-1), k, n, fmt, ACT_F32)
     want = a.astype(np.float64) @ values.T.astype(np.float64)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.sqrt(k) * np.abs(values).max())
     # the same sums in the same order as the float32 GEMM of the dequantized weights
     ref = np.full((m, n), np.nan, np.float32)
-    gemm_packed(ref, a, pack(np.ascontiguousarray(values.T), FMT_F32).reshape(-1), k, n, FMT_F32)
+    gemm_packed(ref, a, pack(np.ascontiguousarray(values.T), FMT_F32).reshape(-1), k, n, FMT_F32, ACT_F32)
     np.testing.assert_array_equal(out, ref)
 
 
@@ -109,9 +110,9 @@ def test_a_placed_quantized_weight_is_read_at_its_address(fmt):
         f32, u16 = card.f32, card.u16
         a = np.random.default_rng(3).standard_normal((3, 128), dtype=np.float32)
         out = np.empty((3, 40), np.float32)
-        gemm_at(out, a, f32, u16, gw.address, 128, 40, fmt)
+        gemm_at(out, a, f32, u16, gw.address, 128, 40, fmt, ACT_F32)
         ref = np.empty((3, 40), np.float32)
-        gemm_packed(ref, a, pack_quantized(qw).reshape(-1), 128, 40, fmt)
+        gemm_packed(ref, a, pack_quantized(qw).reshape(-1), 128, 40, fmt, ACT_F32)
         np.testing.assert_array_equal(out, ref)
         emb = np.empty((2, 128), np.float32)
         gather_columns_at(emb, f32, u16, gw.address, np.array([39, 1], np.int32), 1.0, 128, 40, fmt)
@@ -129,10 +130,10 @@ def test_gemm_refuses_k_in_part_blocks_and_a_short_weight():
     qw = random_weight(FMT_Q8_0, 16, 64)
     w = pack_quantized(qw).reshape(-1)
     with pytest.raises(ValueError, match="whole blocks"):
-        gemm_packed(np.empty((1, 16), np.float32), np.ones((1, 48), np.float32), w, 48, 16, FMT_Q8_0)
+        gemm_packed(np.empty((1, 16), np.float32), np.ones((1, 48), np.float32), w, 48, 16, FMT_Q8_0, ACT_F32)
     with pytest.raises(ValueError, match="too short"):
         gemm_packed(np.empty((1, 16), np.float32), np.ones((1, 64), np.float32), w[:-1], 64, 16,
-                    FMT_Q8_0)
+                    FMT_Q8_0, ACT_F32)
 
 
 def test_a_quantized_weight_checks_its_parts():
@@ -199,5 +200,5 @@ def test_int8_activations_leave_float_weights_alone():
     a = rng.standard_normal((3, 64), dtype=np.float32)
     out, ref = np.empty((3, 24), np.float32), np.empty((3, 24), np.float32)
     gemm_packed(out, a, pack(w, FMT_F32).reshape(-1), 64, 24, FMT_F32, ACT_INT8)
-    gemm_packed(ref, a, pack(w, FMT_F32).reshape(-1), 64, 24, FMT_F32)
+    gemm_packed(ref, a, pack(w, FMT_F32).reshape(-1), 64, 24, FMT_F32, ACT_F32)
     np.testing.assert_array_equal(out, ref)
