@@ -101,14 +101,11 @@ class Card:
     def synchronize(self) -> None:
         """Wait for every stream; then re-raise the first failure found (streams in creation order)."""
         streams = self.streams
-        targets = []
-        for s in streams:
-            with s._submit_lock:
-                targets.append(s._submitted)
+        targets = [s.position for s in streams]
         for s, t in zip(streams, targets, strict=True):
-            s._wait_for(t)
+            s.wait_until(t)
         for s, t in zip(streams, targets, strict=True):
-            s._raise_failures(t)
+            s.raise_failures(t)
 
     def close(self) -> None:
         """Finish all pending commands and stop the stream threads."""

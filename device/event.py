@@ -10,7 +10,6 @@ Re-recording moves the marker; waits already enqueued keep the old one.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -35,9 +34,27 @@ class Event:
     def record(self, stream: Stream) -> Event:
         """Mark the point in `stream` after everything enqueued so far."""
         self._time_ns = None
-        seq = stream._submit(_stamp, (self,), False, "record_event")
-        self._stream, self._seq = stream, seq
+        return self.mark(stream, stream.enqueue(_stamp, self, compute=False, label="record_event"))
+
+    def mark(self, stream: Stream, position: int) -> Event:
+        """Mark command `position` of `stream`, which stamps this event when it runs (`stamp`):
+        a program's launch is its own record."""
+        self._stream, self._seq = stream, position
         return self
+
+    def stamp(self) -> None:
+        """Take the time the stream reached the marker (run by the marked command)."""
+        self._time_ns = time.perf_counter_ns()
+
+    @property
+    def stream(self) -> Stream | None:
+        """The stream of the latest record, None before any."""
+        return self._stream
+
+    @property
+    def position(self) -> int:
+        """The number of the marked command on that stream."""
+        return self._seq
 
     def wait(self, stream: Stream) -> None:
         """Make `stream` wait for this event (device side; the host does not block)."""
@@ -46,17 +63,17 @@ class Event:
     def query(self) -> bool:
         """True when the stream has passed the latest record (or it was never recorded)."""
         s = self._stream
-        return s is None or s._completed >= self._seq
+        return s is None or s.reached(self._seq)
 
     def synchronize(self) -> None:
         """Block the host until the event completes; re-raise failures of the commands it covers."""
         stream, seq = self._stream, self._seq
         if stream is None:
             return
-        if threading.current_thread() is stream._thread:
+        if stream.on_worker():
             raise DeviceError(f"event synchronize from inside stream '{stream.name}' (deadlock)")
-        stream._wait_for(seq)
-        stream._raise_failures(seq)
+        stream.wait_until(seq)
+        stream.raise_failures(seq)
 
     def elapsed_time(self, end: Event) -> float:
         """Milliseconds from this event to `end`; both must have completed."""
@@ -69,4 +86,4 @@ class Event:
 
 
 def _stamp(event: Event) -> None:
-    event._time_ns = time.perf_counter_ns()
+    event.stamp()

@@ -123,7 +123,7 @@ def _run_plan(plan: JobPlan, card: Card, event: Event) -> None:
     try:
         plan.run(card)
     finally:
-        event._time_ns = time.perf_counter_ns()  # the launch's event completes with this command
+        event.stamp()  # the launch's event completes with this command
 
 
 def _write_blob(blob: np.ndarray, values: list) -> None:
@@ -260,8 +260,8 @@ class Program:
         for host, dev in readback:
             steps.append(self._readback_step(host, dev))
         event = Event()
-        seq = stream._submit(_run_plan, (JobPlan(self.name, steps), self.card, event), False, self.name)
-        event._stream, event._seq = stream, seq
+        event.mark(stream, stream.enqueue(_run_plan, JobPlan(self.name, steps), self.card, event,
+                                          compute=False, label=self.name))
         self.card.counters.add_launch(8 * len(values), time.perf_counter() - t0)
         return LaunchHandle(self, event)
 

@@ -100,17 +100,17 @@ class Stream:
 
     def wait_event(self, event: Event) -> None:
         """Later commands on this stream wait until `event` (as recorded now) has completed."""
-        other, seq = event._stream, event._seq
+        other, seq = event.stream, event.position
         if other is not None and other is not self:  # on its own stream, FIFO order already holds
-            self._submit(other._wait_for, (seq,), False, "wait_event")
+            self._submit(other.wait_until, (seq,), False, "wait_event")
 
     # host side --------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every command enqueued so far; re-raise the first that failed."""
         with self._submit_lock:
             target = self._submitted
-        self._wait_for(target)
-        self._raise_failures(target)
+        self.wait_until(target)
+        self.raise_failures(target)
 
     def query(self) -> bool:
         """True when every command enqueued so far has run."""
@@ -122,6 +122,10 @@ class Stream:
         """The number of the last command enqueued so far (0 before any): a point of this
         stream that `reached` can test later without enqueueing an event."""
         return self._submitted
+
+    def on_worker(self) -> bool:
+        """True on this stream's own worker thread (where waiting on the stream deadlocks)."""
+        return threading.current_thread() is self._thread
 
     def reached(self, position: int) -> bool:
         """True once every command up to `position` has run."""
@@ -135,19 +139,20 @@ class Stream:
         self._queue.put((0, _STOP, (), False, "stop"))
         self._thread.join()
 
-    # internals ----------------------------------------------------------------
+    # what the card and events use of a stream (public, as torch.cuda's Stream and Event are
+    # to each other): wait_until(position), raise_failures(upto), position, reached, on_worker
     def _submit(self, fn, args, compute: bool, label: str) -> int:
         if self._closed:
             raise DeviceError(f"stream '{self.name}' is closed")
         with self._submit_lock:
             if self._submitted - self._completed > self.depth:  # depth waiting + 1 running: wait
-                self._wait_for(self._submitted - self.depth)
+                self.wait_until(self._submitted - self.depth)
             self._submitted += 1
             seq = self._submitted
             self._queue.put((seq, fn, args, compute, label))
         return seq
 
-    def _wait_for(self, seq: int) -> None:
+    def wait_until(self, seq: int) -> None:
         """Block until command `seq` has run. The worker wakes waiters only when the
         lowest target is reached (`_wake_at`), so a waiter costs nothing per command."""
         if self._completed >= seq:
@@ -162,7 +167,7 @@ class Stream:
                     return
                 self._done.wait()
 
-    def _raise_failures(self, upto: int) -> None:
+    def raise_failures(self, upto: int) -> None:
         """Raise (and forget) the failures of commands numbered <= `upto`."""
         if not self._failures:
             return

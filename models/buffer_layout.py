@@ -22,8 +22,9 @@ address slot) does not change. The length slot bounds the program's view of the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,10 +37,59 @@ def length_slot(name: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class RowField:
+    """One field of a Record: its scalar type, what a padding row holds, and its value for a
+    row's item (any object the packer passes, with the packer's context)."""
+
+    name: str
+    dtype: type                               # np.int32, np.float32, np.int64
+    default: float | int
+    value: Callable[[Any, Any], float | int]  # (item, context) -> the field's value
+
+
+class Record:
+    """A row of named scalars, one numpy structured dtype (aligned, a whole number of 8-byte
+    words, so the card views it through its int64 arena): a per-row input declared once.
+
+        SAMPLE_ROW = Record("sample_row", [RowField("temperature", np.float32, 0.0,
+                                                    lambda w, ctx: w.sampling.temperature), ...])
+        Field("sample_rows", SAMPLE_ROW, ("S",))       # a buffer field of S records
+        view[:] = SAMPLE_ROW.defaults                  # every row padding
+        view[j] = SAMPLE_ROW.row(item, ctx)            # row j from its item
+    A kernel reads rows[s].temperature: adding a field is one RowField and the code reading it.
+    """
+
+    def __init__(self, name: str, fields: Sequence[RowField]):
+        names = [f.name for f in fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"record {name}: duplicate fields {names}")
+        self.name = name
+        self.fields = tuple(fields)
+        packed = np.dtype([(f.name, f.dtype) for f in fields], align=True)
+        self.dtype = np.dtype({"names": packed.names,
+                               "formats": [packed.fields[n][0] for n in packed.names],
+                               "offsets": [packed.fields[n][1] for n in packed.names],
+                               "itemsize": -(-packed.itemsize // 8) * 8}, align=True)
+        self.words = self.dtype.itemsize // 8      # int64 words per record
+        self.defaults = np.array(tuple(f.default for f in fields), dtype=self.dtype)
+
+    def __repr__(self) -> str:
+        return f"Record({self.name!r}, {[f.name for f in self.fields]})"
+
+    def row(self, item: Any, context: Any) -> tuple:
+        """The record of one item, in field order."""
+        return tuple(f.value(item, context) for f in self.fields)
+
+
+@dataclass(frozen=True, slots=True)
 class Field:
     name: str
-    dtype: type                   # np.int32, np.float32, np.int64
+    dtype: type | Record          # np.int32, np.float32, np.int64, or a Record (one per element)
     shape: tuple[str, ...]        # dim expressions, e.g. ("S", "MB") or ("QD+2*KD",)
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return self.dtype.dtype if isinstance(self.dtype, Record) else np.dtype(self.dtype)
 
 
 def _parse(expr: str) -> tuple[tuple[int | str, ...], ...]:
@@ -75,8 +125,8 @@ class Placement:
         for f in self.fields:
             shape = self.shapes[f.name]
             start = self.offsets[f.name]
-            end = start + math.prod(shape) * np.dtype(f.dtype).itemsize
-            out[f.name] = buf[start:end].view(f.dtype).reshape(shape)
+            end = start + math.prod(shape) * f.np_dtype.itemsize
+            out[f.name] = buf[start:end].view(f.np_dtype).reshape(shape)
         return out
 
     def bindings(self, address: int) -> dict[str, int]:
@@ -98,7 +148,7 @@ class Layout:
             raise ValueError(f"layout {name}: duplicate fields {dupes}")
         self.name = name
         self.fields = tuple(fields)
-        self._shapes = [(f, tuple(_parse(e) for e in f.shape), np.dtype(f.dtype).itemsize)
+        self._shapes = [(f, tuple(_parse(e) for e in f.shape), f.np_dtype.itemsize)
                         for f in self.fields]
 
     def __repr__(self) -> str:

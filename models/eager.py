@@ -36,7 +36,7 @@ from device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
 from device.kernels.norm import rmsnorm
 from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
-from device.kernels.sampling import sample
+from device.kernels.sampling import sample_rows
 from models.kv_cache import KVCache
 from models.step_io import SeqWork
 from models.step_program import (
@@ -46,6 +46,7 @@ from models.step_program import (
     CONST_INV_LOGIT_SCALE,
     CONST_RES_MULT,
     N_CONSTS,
+    SAMPLE_ROW,
     _gather_rows,
     _split_qkv,
 )
@@ -153,19 +154,21 @@ def op_scale_logits(f32, i32, i64, u16, t):
         x[i] *= s
 
 
+_ROW_DTYPE, _ROW_WORDS = SAMPLE_ROW.dtype, SAMPLE_ROW.words
+
+
 @njit(nogil=True, cache=True)
 def op_sample_greedy(f32, i32, i64, u16, t):
-    # out_ids, out_logprobs, logits, params_f32 [6R], params_i32 [2R+1], params_i64 [2R] | R, V
-    r, v = t[6], t[7]
-    pf, pi, pl = t[3], t[4], t[5]
-    none_f = f32_at(f32, t[1], 0).reshape(r, 0)
-    none_i = i32_at(i32, t[0], 0).reshape(r, 0)
-    sample(i32_at(i32, t[0], r), f32_at(f32, t[1], r), none_i, none_f,
-           f32_at(f32, t[2], r * v).reshape(r, v),
-           f32_at(f32, pf, r), i32_at(i32, pi, r), f32_at(f32, pf + 4 * r, r),
-           f32_at(f32, pf + 8 * r, r), i64_at(i64, pl, r), i64_at(i64, pl + 8 * r, r),
-           f32_at(f32, pf + 12 * r, r), f32_at(f32, pf + 16 * r, r), f32_at(f32, pf + 20 * r, r),
-           i32_at(i32, pi + 4 * r, r + 1), i32_at(i32, pi, 0), i32_at(i32, pi, 0))
+    # out_ids, out_logprobs, logits, rows (SAMPLE_ROW[R] records), zeros (int32[R+1]) | R, V
+    r, v = t[5], t[6]
+    zeros = i32_at(i32, t[4], r + 1)
+    none_i = zeros[:0]
+    none_f = f32_at(f32, t[1], 0)
+    sample_rows(i32_at(i32, t[0], r), f32_at(f32, t[1], r), none_i.reshape(r, 0),
+                none_f.reshape(r, 0), f32_at(f32, t[2], r * v).reshape(r, v),
+                i64_at(i64, t[3], r * _ROW_WORDS).view(_ROW_DTYPE), none_i.reshape(0, v),
+                none_i.reshape(0, v), zeros, none_i, none_i.reshape(0, (v + 31) // 32), zeros,
+                none_i, none_f)
 
 
 OPS = (op_embedding, op_rmsnorm, op_gemm, op_split_qkv, op_rope, op_write_kv,
@@ -278,14 +281,12 @@ class EagerModel:
         logits = self._alloc((R, V))
         op(op_gemm, out=logits, a=hn, w=w.lm_head.tensor, M=R, K=H, N=V, WFMT=w.lm_head.fmt, CFMT=self.cfmt)
         op(op_scale_logits, logits=logits, consts=k, N=R * V)
-        # greedy sampling parameters: temperature 0, top_p 1, min_p 0, no penalties
-        pf = np.zeros(6 * R, np.float32)
-        pf[R:2 * R] = 1.0                       # top_p
-        pf[5 * R:] = 1.0                        # repetition penalty
+        # greedy: every row its record's defaults (temperature 0, no penalties, bans or masks)
+        rows = np.full(R, SAMPLE_ROW.defaults, SAMPLE_ROW.dtype)
         out_ids, out_lp = self._alloc((R,), np.int32), self._alloc((R,))
         op(op_sample_greedy, out_ids=out_ids, out_logprobs=out_lp, logits=logits,
-           params_f32=self._to_device(pf), params_i32=self._to_device(np.zeros(2 * R + 1, np.int32)),
-           params_i64=self._to_device(np.zeros(2 * R, np.int64)), R=R, V=V)
+           rows=self._to_device(rows.view(np.int64)),
+           zeros=self._to_device(np.zeros(R + 1, np.int32)), R=R, V=V)
         result = np.empty(R, np.int32)
         self.stream.copy_d2h(result, out_ids)
         self.stream.synchronize()

@@ -2,7 +2,7 @@
 
 The step program keeps, per slot, how many times each token was generated and which tokens
 the prompt holds (WORKSPACE `pen_output_counts`, `pen_prompt_mask`); the device fills them
-from the tokens each step computes (device/kernels/sampling.py `count_tokens`), so the host
+from the tokens each step computes (device/kernels/sampling/penalties.py `count_tokens`), so the host
 sends one slot number per sequence and step, never its token history. A sequence gets a slot
 at its first chunk, which starts at position 0 (the device clears the slot there, whoever
 held it before: launches run in order on one stream), and keeps it until `forget`.

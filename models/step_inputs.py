@@ -27,12 +27,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.buffer_layout import Layout, Placement
+from models.buffer_layout import Layout, Placement, Record
 from models.step_io import INT32_MAX, INT64_MAX, SeqWork, SeqWorkError
 
 _SEED_MASK = (1 << 63) - 1
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily (1 / t would overflow float32)
 GREEDY_BELOW = 1e-5
+
+
+def greedy_or(temperature: float) -> float:
+    """The temperature a row samples at: 0 (greedy) below GREEDY_BELOW."""
+    return temperature if temperature >= GREEDY_BELOW else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RowContext:
+    """What a sampling row's record fields may read beside its SeqWork (the packing's state)."""
+
+    seed: int        # the sequence's own seed (seed_of)
+    pen_slot: int    # its penalty slot, -1: no penalties
+    mask_row: int    # its grammar mask's row of mask_words, -1: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,9 +213,10 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     placement = layout.place(dims)
     host = np.zeros(placement.nbytes, np.uint8)
     v = placement.views(host)
-    _write_defaults(v, limits.trash_slot)
+    _write_defaults(v, placement, limits.trash_slot)
     row_start = _write_rows(v, work, limits.block_size, last_rows, pen_slots)
-    sample_rows = _write_sampling(v, work, row_start, bans, limits.seed, pen_slots)
+    sample_rows = _write_sampling(v, _records(placement), work, row_start, bans, limits.seed,
+                                  pen_slots)
     if return_rows:
         v["logit_rows"][s:s + t] = np.arange(t, dtype=np.int32)
     _check_vocab(v, limits.vocab_size)
@@ -211,17 +226,20 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
                       attn_pairs=attn_pairs)
 
 
-def _write_defaults(v: dict[str, np.ndarray], trash_slot: int) -> None:
+def _records(placement: Placement) -> list[tuple[str, Record]]:
+    """The placement's fields of records (one per sampling row)."""
+    return [(f.name, f.dtype) for f in placement.fields if isinstance(f.dtype, Record)]
+
+
+def _write_defaults(v: dict[str, np.ndarray], placement: Placement, trash_slot: int) -> None:
     """What padding rows and sequences read (the buffer starts zeroed): padding rows write
     the trash block and read no device token; sampling rows without a sequence sample
     nothing, and their neutral parameters keep the kernels' arithmetic finite."""
     v["slot_mapping"][:] = trash_slot
     v["src_rows"][:] = -1
     v["count_slot"][:] = -1
-    v["pen_slot"][:] = -1
-    v["mask_row"][:] = -1
-    v["top_p"][:] = 1.0
-    v["repetition"][:] = 1.0
+    for name, record in _records(placement):
+        v[name][:] = record.defaults
 
 
 def _write_rows(v: dict[str, np.ndarray], work: list[SeqWork], bs: int,
@@ -256,10 +274,10 @@ def _write_rows(v: dict[str, np.ndarray], work: list[SeqWork], bs: int,
     return row_start
 
 
-def _write_sampling(v: dict[str, np.ndarray], work: list[SeqWork], row_start: list[int],
-                    bans: list[np.ndarray], runner_seed: int,
-                    pen_slots: dict[int, int]) -> dict[int, int]:
-    """Sampling rows 0..NS-1 (parameters, penalty slot, ban list); returns seq_id -> row."""
+def _write_sampling(v: dict[str, np.ndarray], records: list[tuple[str, Record]],
+                    work: list[SeqWork], row_start: list[int], bans: list[np.ndarray],
+                    runner_seed: int, pen_slots: dict[int, int]) -> dict[int, int]:
+    """Sampling rows 0..NS-1 (their records, ban lists, masks, biases); returns seq_id -> row."""
     ban_ids = v["ban_ids"]
     samplers = [(w, r0) for w, r0 in zip(work, row_start, strict=True) if w.sample]
     ban_pos = bias_pos = masks = 0
@@ -268,24 +286,19 @@ def _write_sampling(v: dict[str, np.ndarray], work: list[SeqWork], row_start: li
         sp = w.sampling
         last = r0 + len(w.token_ids) - 1
         v["logit_rows"][j] = last
-        v["top_k"][j] = sp.top_k
-        v["temperature"][j] = sp.temperature if sp.temperature >= GREEDY_BELOW else 0.0
-        v["top_p"][j] = sp.top_p
-        v["min_p"][j] = sp.min_p
-        v["presence"][j] = sp.presence_penalty
-        v["frequency"][j] = sp.frequency_penalty
-        v["repetition"][j] = sp.repetition_penalty
-        v["seeds"][j] = seed_of(w, runner_seed)
-        v["counters"][j] = w.num_generated
-        v["pen_slot"][j] = pen_slots.get(w.seq_id, -1)
         v["ban_start"][j] = ban_pos
         ban_ids[ban_pos:ban_pos + len(bans[j])] = bans[j]
         ban_pos += len(bans[j])
+        mask_row = -1
         if w.token_mask is not None:
             mw = len(w.token_mask)
-            v["mask_row"][j] = masks
+            mask_row = masks
             v["mask_words"][masks * mw:(masks + 1) * mw] = w.token_mask
             masks += 1
+        ctx = RowContext(seed=seed_of(w, runner_seed), pen_slot=pen_slots.get(w.seq_id, -1),
+                         mask_row=mask_row)
+        for name, record in records:
+            v[name][j] = record.row(w, ctx)
         bias = sp.logit_bias or {}
         v["bias_start"][j] = bias_pos
         v["bias_ids"][bias_pos:bias_pos + len(bias)] = list(bias)

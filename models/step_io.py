@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.step_program import KMAX
-
+KMAX = 5  # most top logprobs per sampled token (OpenAI's limit for completions)
 MAX_LOGPROBS = KMAX
 INT32_MAX = 2**31 - 1             # the step's integer fields (top_k, token ids, ...) are int32
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -26,13 +26,14 @@ places the fields from the tables and binds their addresses at launch, and the e
 field through `_i32` / `_f32` / `_i64`, which refuse a view longer than the field. So the
 order of fields in a buffer is host-side data: reordering a table needs no recompile.
 
-Numba caches `step_entry` keyed on this file alone and freezes the module-level integers it
-reads (slot indexes, KMAX, the layer-table columns) into the cached code: they are all
-computed here, and the cache is keyed by the sources of device/ and models/ together
-(device/cache.py), so changing any of them compiles afresh.
+Numba freezes the module-level values the entry reads (Slot, KMAX, the layer-table columns,
+the sample-row record) into its compiled code; the compile cache is keyed by the sources of
+device/ and models/ (device/cache.py), so changing any of them compiles afresh.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 import numpy as np
 from numba import njit
@@ -44,12 +45,12 @@ from device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
 from device.kernels.norm import rmsnorm
 from device.kernels.residual import residual_add
 from device.kernels.rope import rope_inplace
-from device.kernels.sampling import count_tokens, sample_with_state
+from device.kernels.sampling import count_tokens, sample_rows
 from device.kernels.softmax import log_softmax
 from device.profile import lap
-from models.buffer_layout import Field, Layout, length_slot
-
-KMAX = 5  # most top logprobs per sampled token (OpenAI's limit for completions)
+from models.buffer_layout import Field, Layout, Record, RowField, length_slot
+from models.step_inputs import greedy_or
+from models.step_io import KMAX  # noqa: F401  (the top-logprobs width: this module's interface)
 
 # Columns of the per-layer table int64[L, LAYER_FIELDS] (models/weights.py builds it): byte
 # addresses, then each projection's number format (device.kernels.gemm.FMT_*).
@@ -66,6 +67,25 @@ TIMERS = ("embedding", "rmsnorm", "qkv", "rope", "write_kv", "attention", "o_pro
  K_SWIGLU, K_DOWN, K_LM_HEAD, K_LOG_SOFTMAX, K_SAMPLING) = range(len(TIMERS))
 I32, F32, I64 = np.int32, np.float32, np.int64
 
+# One record per sampling row (the sampling sequences, in work order), read by the sampler as
+# rows[s].<name> (device/kernels/sampling/rows.py). A per-row input is one line here and the
+# kernel code that reads it: the buffer, its view on the card and the packing follow from it.
+# value(w, ctx): w the row's SeqWork, ctx its models.step_inputs.RowContext.
+SAMPLE_ROW = Record("sample_row", [
+    #        name          dtype  padding  value
+    RowField("temperature", F32, 0.0, lambda w, c: greedy_or(w.sampling.temperature)),
+    RowField("top_p", F32, 1.0, lambda w, c: w.sampling.top_p),
+    RowField("min_p", F32, 0.0, lambda w, c: w.sampling.min_p),
+    RowField("presence", F32, 0.0, lambda w, c: w.sampling.presence_penalty),
+    RowField("frequency", F32, 0.0, lambda w, c: w.sampling.frequency_penalty),
+    RowField("repetition", F32, 1.0, lambda w, c: w.sampling.repetition_penalty),
+    RowField("top_k", I32, 0, lambda w, c: w.sampling.top_k),
+    RowField("pen_slot", I32, -1, lambda w, c: c.pen_slot),     # penalty slot it reads, or -1
+    RowField("mask_row", I32, -1, lambda w, c: c.mask_row),     # its mask's row, -1: no grammar
+    RowField("seed", I64, 0, lambda w, c: c.seed),
+    RowField("counter", I64, 0, lambda w, c: w.num_generated),  # RNG counter: tokens so far
+])
+
 # Written by the host at each launch (one copy). Dims: T token rows, S sequences, R logit
 # rows, MB block-table width, NBAN banned ids, NMW grammar-mask words (masked rows times
 # ceil(V/32)), NBIAS logit-bias entries, all of this launch.
@@ -80,23 +100,13 @@ INPUTS = Layout("inputs", [
     Field("logit_rows", I32, ("R",)),           # sampling rows first, then (R > S) every row
     Field("count_slot", I32, ("S",)),           # per sequence: penalty slot its tokens count in, or -1
     Field("prompt_lens", I32, ("S",)),          # per sequence: positions below are prompt tokens
-    Field("top_k", I32, ("S",)),                # per sampling row, like the fields below
-    Field("pen_slot", I32, ("S",)),             # penalty slot the row's penalties read, or -1
-    Field("ban_start", I32, ("S+1",)),
+    Field("ban_start", I32, ("S+1",)),          # per sampling row: its bans, its mask, its biases
     Field("ban_ids", I32, ("NBAN",)),           # not to sample (min_tokens)
-    Field("mask_row", I32, ("S",)),             # per sampling row: its mask's row, -1: no grammar
     Field("mask_words", I32, ("NMW",)),         # [masked rows, ceil(V/32)] bitmasks (llguidance's)
     Field("bias_start", I32, ("S+1",)),         # per sampling row: its logit_bias entries
     Field("bias_ids", I32, ("NBIAS",)),
     Field("bias", F32, ("NBIAS",)),
-    Field("temperature", F32, ("S",)),
-    Field("top_p", F32, ("S",)),
-    Field("min_p", F32, ("S",)),
-    Field("presence", F32, ("S",)),
-    Field("frequency", F32, ("S",)),
-    Field("repetition", F32, ("S",)),
-    Field("seeds", I64, ("S",)),
-    Field("counters", I64, ("S",)),             # RNG counter: tokens generated so far
+    Field("sample_rows", SAMPLE_ROW, ("S",)),   # per sampling row: its parameters (above)
 ])
 
 # Read back after each launch; rows 0..NS-1 are written. Dims: S sequences, K top logprobs.
@@ -157,35 +167,11 @@ SLOTS = [
     # the fields of the three buffers
     *_field_slots(f.name for layout in (INPUTS, OUTPUTS, WORKSPACE) for f in layout.fields),
 ]
-_INDEX = {name: i for i, (name, _) in enumerate(SLOTS)}
-
-
-def _slots(names: str) -> tuple[int, ...]:
-    """Indexes of the named slots. Constants below: S_<dim> for a dim slot, A_<NAME> for the
-    address slot of `name` (tests/models/test_step_layout.py checks the naming)."""
-    return tuple(_INDEX[n] for n in names.split())
-
-
-S_T, S_S, S_R, S_NS, S_MB, S_K, S_NBAN, S_NMW, S_NBIAS = _slots("T S R NS MB K NBAN NMW NBIAS")
-S_H, S_HQ, S_HKV, S_D, S_I, S_V, S_L, S_NBT, S_BS = _slots("H HQ HKV D I V L NBT BS")
-S_EMBED_FMT, S_LM_HEAD_FMT, S_CFMT = _slots("EMBED_FMT LM_HEAD_FMT CFMT")
-A_EMBED, A_NORM, A_LM_HEAD, A_INV_FREQ, A_CONSTS, A_LAYERS = _slots(
-    "embed norm lm_head inv_freq consts layers")
-A_PREV_SAMPLED, A_TIMERS, A_SAMPLED, A_LOGPROB, A_TOP_IDS, A_TOP_LOGPROBS = _slots(
-    "prev_sampled timers sampled logprob top_ids top_logprobs")
-A_TOKENS, A_POSITIONS, A_SLOT_MAPPING, A_SRC_ROWS, A_QUERY_START, A_CONTEXT_LENS = _slots(
-    "tokens positions slot_mapping src_rows query_start context_lens")
-A_BLOCK_TABLES, A_LOGIT_ROWS, A_TOP_K, A_COUNT_SLOT, A_PROMPT_LENS, A_PEN_SLOT = _slots(
-    "block_tables logit_rows top_k count_slot prompt_lens pen_slot")
-A_BAN_START, A_BAN_IDS, A_SEEDS, A_COUNTERS = _slots("ban_start ban_ids seeds counters")
-A_MASK_ROW, A_MASK_WORDS, A_BIAS_START, A_BIAS_IDS, A_BIAS = _slots(
-    "mask_row mask_words bias_start bias_ids bias")
-A_TEMPERATURE, A_TOP_P, A_MIN_P, A_PRESENCE, A_FREQUENCY, A_REPETITION = _slots(
-    "temperature top_p min_p presence frequency repetition")
-A_X, A_HBUF, A_Y, A_QKV, A_Q, A_K, A_V, A_ATTN, A_GATE_UP, A_ACT = _slots(
-    "x hbuf y qkv q k v attn gate_up act")
-A_HSEL, A_HN, A_LOGITS, A_LSM = _slots("hsel hn logits lsm")
-A_PEN_OUTPUT_COUNTS, A_PEN_PROMPT_MASK = _slots("pen_output_counts pen_prompt_mask")
+# Slot.<name> is a slot's index (a field's length: Slot.<name>_len, its address + 1); the entry
+# reads the table through it, so every slot derives from the lists above.
+Slot = IntEnum("Slot", {name.replace(".", "_"): i for i, (name, _) in enumerate(SLOTS)})
+_ROW_DTYPE = SAMPLE_ROW.dtype
+_ROW_WORDS = SAMPLE_ROW.words
 
 
 @njit(nogil=True, cache=True)
@@ -217,6 +203,12 @@ def _i64(i64, table, slot, n):
 
 
 @njit(nogil=True, cache=True)
+def _sample_rows(i64, table, n):
+    """SAMPLE_ROW[n] view of the sample_rows field."""
+    return i64_at(i64, _bounded(table, Slot.sample_rows, n), n * _ROW_WORDS).view(_ROW_DTYPE)
+
+
+@njit(nogil=True, cache=True)
 def _split_qkv(q, k, v, qkv, qd, kd):
     # q [T, QD], k/v [T, KD] <- qkv [T, QD + 2 KD]
     for t in range(qkv.shape[0]):
@@ -238,29 +230,29 @@ def _gather_rows(out, x, rows):
 
 @njit(nogil=True, cache=True)
 def step_entry(f32, i32, i64, u16, table):
-    T = table[S_T]
-    S = table[S_S]
-    R = table[S_R]
-    NS = table[S_NS]
-    MB = table[S_MB]
-    K = table[S_K]
-    NBAN = table[S_NBAN]
-    NMW = table[S_NMW]
-    NBIAS = table[S_NBIAS]
-    H = table[S_H]
-    HQ = table[S_HQ]
-    HKV = table[S_HKV]
-    D = table[S_D]
-    INTER = table[S_I]
-    V = table[S_V]
-    L = table[S_L]
-    NBT = table[S_NBT]
-    BS = table[S_BS]
+    T = table[Slot.T]
+    S = table[Slot.S]
+    R = table[Slot.R]
+    NS = table[Slot.NS]
+    MB = table[Slot.MB]
+    K = table[Slot.K]
+    NBAN = table[Slot.NBAN]
+    NMW = table[Slot.NMW]
+    NBIAS = table[Slot.NBIAS]
+    H = table[Slot.H]
+    HQ = table[Slot.HQ]
+    HKV = table[Slot.HKV]
+    D = table[Slot.D]
+    INTER = table[Slot.I]
+    V = table[Slot.V]
+    L = table[Slot.L]
+    NBT = table[Slot.NBT]
+    BS = table[Slot.BS]
     QD = HQ * D
     KD = HKV * D
     QKV = QD + 2 * KD
 
-    consts = f32_at(f32, table[A_CONSTS], N_CONSTS)
+    consts = f32_at(f32, table[Slot.consts], N_CONSTS)
     eps = consts[CONST_EPS]
     emb_mult = consts[CONST_EMB_MULT]
     attn_scale = consts[CONST_ATTN_SCALE]
@@ -268,37 +260,27 @@ def step_entry(f32, i32, i64, u16, table):
     inv_logit_scale = consts[CONST_INV_LOGIT_SCALE]
 
     # ---- inputs (INPUTS)
-    tokens = _i32(i32, table, A_TOKENS, T)
-    positions = _i32(i32, table, A_POSITIONS, T)
-    slot_mapping = _i32(i32, table, A_SLOT_MAPPING, T)
-    src_rows = _i32(i32, table, A_SRC_ROWS, T)
-    query_start = _i32(i32, table, A_QUERY_START, S + 1)
-    context_lens = _i32(i32, table, A_CONTEXT_LENS, S)
-    block_tables = _i32(i32, table, A_BLOCK_TABLES, S * MB).reshape(S, MB)
-    logit_rows = _i32(i32, table, A_LOGIT_ROWS, R)
-    count_slot = _i32(i32, table, A_COUNT_SLOT, S)
-    prompt_lens = _i32(i32, table, A_PROMPT_LENS, S)
-    top_k = _i32(i32, table, A_TOP_K, S)
-    pen_slot = _i32(i32, table, A_PEN_SLOT, S)
-    ban_start = _i32(i32, table, A_BAN_START, S + 1)
-    ban_ids = _i32(i32, table, A_BAN_IDS, NBAN)
-    mask_row = _i32(i32, table, A_MASK_ROW, S)
+    tokens = _i32(i32, table, Slot.tokens, T)
+    positions = _i32(i32, table, Slot.positions, T)
+    slot_mapping = _i32(i32, table, Slot.slot_mapping, T)
+    src_rows = _i32(i32, table, Slot.src_rows, T)
+    query_start = _i32(i32, table, Slot.query_start, S + 1)
+    context_lens = _i32(i32, table, Slot.context_lens, S)
+    block_tables = _i32(i32, table, Slot.block_tables, S * MB).reshape(S, MB)
+    logit_rows = _i32(i32, table, Slot.logit_rows, R)
+    count_slot = _i32(i32, table, Slot.count_slot, S)
+    prompt_lens = _i32(i32, table, Slot.prompt_lens, S)
+    ban_start = _i32(i32, table, Slot.ban_start, S + 1)
+    ban_ids = _i32(i32, table, Slot.ban_ids, NBAN)
     mw = (V + 31) // 32                      # words per grammar mask
-    mask_words = _i32(i32, table, A_MASK_WORDS, NMW).reshape(NMW // mw, mw)
-    bias_start = _i32(i32, table, A_BIAS_START, S + 1)
-    bias_ids = _i32(i32, table, A_BIAS_IDS, NBIAS)
-    bias = _f32(f32, table, A_BIAS, NBIAS)
-    temperature = _f32(f32, table, A_TEMPERATURE, S)
-    top_p = _f32(f32, table, A_TOP_P, S)
-    min_p = _f32(f32, table, A_MIN_P, S)
-    presence = _f32(f32, table, A_PRESENCE, S)
-    frequency = _f32(f32, table, A_FREQUENCY, S)
-    repetition = _f32(f32, table, A_REPETITION, S)
-    seeds = _i64(i64, table, A_SEEDS, S)
-    counters = _i64(i64, table, A_COUNTERS, S)
+    mask_words = _i32(i32, table, Slot.mask_words, NMW).reshape(NMW // mw, mw)
+    bias_start = _i32(i32, table, Slot.bias_start, S + 1)
+    bias_ids = _i32(i32, table, Slot.bias_ids, NBIAS)
+    bias = _f32(f32, table, Slot.bias, NBIAS)
+    rows = _sample_rows(i64, table, S)
 
     # Decode tokens sampled by the previous launch, read here instead of on the host.
-    prev_sampled = _i32(i32, table, A_PREV_SAMPLED, table[A_PREV_SAMPLED + 1])
+    prev_sampled = _i32(i32, table, Slot.prev_sampled, table[Slot.prev_sampled + 1])
     for t in range(T):
         if src_rows[t] >= prev_sampled.shape[0]:
             raise IndexError("step_entry: src_rows past the previous launch's samples",
@@ -307,37 +289,37 @@ def step_entry(f32, i32, i64, u16, table):
             tokens[t] = prev_sampled[src_rows[t]]
 
     # ---- workspace (WORKSPACE, placed for the largest bucket: this bucket's views are prefixes)
-    x = _f32(f32, table, A_X, T * H).reshape(T, H)
-    hbuf = _f32(f32, table, A_HBUF, T * H).reshape(T, H)
-    y = _f32(f32, table, A_Y, T * H).reshape(T, H)
-    qkv = _f32(f32, table, A_QKV, T * QKV).reshape(T, QKV)
-    qf = _f32(f32, table, A_Q, T * QD).reshape(T, QD)
-    kf = _f32(f32, table, A_K, T * KD).reshape(T, KD)
-    vf = _f32(f32, table, A_V, T * KD).reshape(T, KD)
-    attn = _f32(f32, table, A_ATTN, T * QD).reshape(T, QD)
-    gu = _f32(f32, table, A_GATE_UP, T * 2 * INTER).reshape(T, 2 * INTER)
-    act = _f32(f32, table, A_ACT, T * INTER).reshape(T, INTER)
-    hsel = _f32(f32, table, A_HSEL, R * H).reshape(R, H)
-    hn = _f32(f32, table, A_HN, R * H).reshape(R, H)
-    logits = _f32(f32, table, A_LOGITS, R * V).reshape(R, V)
-    lsm = _f32(f32, table, A_LSM, R * V).reshape(R, V)
-    npsl = table[A_PEN_OUTPUT_COUNTS + 1] // V              # penalty slots
-    pen_counts = _i32(i32, table, A_PEN_OUTPUT_COUNTS, npsl * V).reshape(npsl, V)
-    pen_prompt = _i32(i32, table, A_PEN_PROMPT_MASK, npsl * V).reshape(npsl, V)
+    x = _f32(f32, table, Slot.x, T * H).reshape(T, H)
+    hbuf = _f32(f32, table, Slot.hbuf, T * H).reshape(T, H)
+    y = _f32(f32, table, Slot.y, T * H).reshape(T, H)
+    qkv = _f32(f32, table, Slot.qkv, T * QKV).reshape(T, QKV)
+    qf = _f32(f32, table, Slot.q, T * QD).reshape(T, QD)
+    kf = _f32(f32, table, Slot.k, T * KD).reshape(T, KD)
+    vf = _f32(f32, table, Slot.v, T * KD).reshape(T, KD)
+    attn = _f32(f32, table, Slot.attn, T * QD).reshape(T, QD)
+    gu = _f32(f32, table, Slot.gate_up, T * 2 * INTER).reshape(T, 2 * INTER)
+    act = _f32(f32, table, Slot.act, T * INTER).reshape(T, INTER)
+    hsel = _f32(f32, table, Slot.hsel, R * H).reshape(R, H)
+    hn = _f32(f32, table, Slot.hn, R * H).reshape(R, H)
+    logits = _f32(f32, table, Slot.logits, R * V).reshape(R, V)
+    lsm = _f32(f32, table, Slot.lsm, R * V).reshape(R, V)
+    npsl = table[Slot.pen_output_counts + 1] // V              # penalty slots
+    pen_counts = _i32(i32, table, Slot.pen_output_counts, npsl * V).reshape(npsl, V)
+    pen_prompt = _i32(i32, table, Slot.pen_prompt_mask, npsl * V).reshape(npsl, V)
 
     q3 = qf.reshape(T, HQ, D)
     k3 = kf.reshape(T, HKV, D)
     v3 = vf.reshape(T, HKV, D)
     a3 = attn.reshape(T, HQ, D)
 
-    inv_freq = f32_at(f32, table[A_INV_FREQ], D // 2)
-    layers = i64_at(i64, table[A_LAYERS], L * LAYER_FIELDS).reshape(L, LAYER_FIELDS)
-    cfmt = table[S_CFMT]                     # GEMM inputs: rounded to 16 bits, or int8 (quantized weights)
-    timers = i64_at(i64, table[A_TIMERS], table[A_TIMERS + 1])
+    inv_freq = f32_at(f32, table[Slot.inv_freq], D // 2)
+    layers = i64_at(i64, table[Slot.layers], L * LAYER_FIELDS).reshape(L, LAYER_FIELDS)
+    cfmt = table[Slot.CFMT]                     # GEMM inputs: rounded to 16 bits, or int8 (quantized weights)
+    timers = i64_at(i64, table[Slot.timers], table[Slot.timers + 1])
     t = lap(timers, -1, 0)
 
     # ---- the model
-    gather_columns_at(x, f32, u16, table[A_EMBED], tokens, emb_mult, H, V, table[S_EMBED_FMT])
+    gather_columns_at(x, f32, u16, table[Slot.embed], tokens, emb_mult, H, V, table[Slot.EMBED_FMT])
     t = lap(timers, K_EMBEDDING, t)
     for layer in range(L):
         in_norm = f32_at(f32, layers[layer, COL_IN_NORM], H)
@@ -382,11 +364,11 @@ def step_entry(f32, i32, i64, u16, table):
         t = lap(timers, K_RESIDUAL, t)
 
     # ---- logits only for the rows that need them
-    norm = f32_at(f32, table[A_NORM], H)
+    norm = f32_at(f32, table[Slot.norm], H)
     _gather_rows(hsel, x, logit_rows)
     rmsnorm(hn, hsel, norm, eps)
     round_to_format(hn, cfmt)
-    gemm_at(logits, hn, f32, u16, table[A_LM_HEAD], H, V, table[S_LM_HEAD_FMT], cfmt)
+    gemm_at(logits, hn, f32, u16, table[Slot.lm_head], H, V, table[Slot.LM_HEAD_FMT], cfmt)
     lf = logits.reshape(R * V)
     for i in range(R * V):
         lf[i] *= inv_logit_scale
@@ -399,14 +381,12 @@ def step_entry(f32, i32, i64, u16, table):
     # slots, then sampling rows 0..NS-1: logit bias, penalties, bans, grammar masks,
     # temperature, filters, a draw; raw logprobs, top-K
     count_tokens(pen_counts, pen_prompt, count_slot, prompt_lens, query_start, positions, tokens)
-    sampled = _i32(i32, table, A_SAMPLED, NS)
-    logprob = _f32(f32, table, A_LOGPROB, NS)
-    top_ids = _i32(i32, table, A_TOP_IDS, NS * K).reshape(NS, K)
-    top_lp = _f32(f32, table, A_TOP_LOGPROBS, NS * K).reshape(NS, K)
+    sampled = _i32(i32, table, Slot.sampled, NS)
+    logprob = _f32(f32, table, Slot.logprob, NS)
+    top_ids = _i32(i32, table, Slot.top_ids, NS * K).reshape(NS, K)
+    top_lp = _f32(f32, table, Slot.top_logprobs, NS * K).reshape(NS, K)
     if NS > 0:
-        sample_with_state(sampled, logprob, top_ids, top_lp, logits[:NS], temperature[:NS],
-                          top_k[:NS], top_p[:NS], min_p[:NS], seeds[:NS], counters[:NS],
-                          presence[:NS], frequency[:NS], repetition[:NS], pen_slot[:NS],
-                          pen_counts, pen_prompt, ban_start[:NS + 1], ban_ids, mask_row[:NS],
-                          mask_words, bias_start[:NS + 1], bias_ids, bias)
+        sample_rows(sampled, logprob, top_ids, top_lp, logits[:NS], rows[:NS], pen_counts,
+                    pen_prompt, ban_start[:NS + 1], ban_ids, mask_words, bias_start[:NS + 1],
+                    bias_ids, bias)
     lap(timers, K_SAMPLING, t)

@@ -8,10 +8,9 @@ at offset p % BS.
 import numpy as np
 from numba import njit, prange
 
-from device.kernels.fastexp import exp_nonpos
+from device.kernels.online_softmax import NEG_BIG, online_softmax_block
 
 # Start value of running maxima. Finite, because fastmath assumes no infinities.
-_NEG_BIG = np.float32(-1.0e30)
 # Work items are (up to this many query vectors of one sequence, one KV head).
 _QV_MAX = 128
 # OpenBLAS multiplies an m x n x k GEMM with m*n*k <= 4 * 65536 on the calling thread
@@ -141,7 +140,7 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
         pv = np.empty((nqv, d), np.float32)
         kb = np.empty((bs, d), np.float32)
         vb = np.empty((bs, d), np.float32)
-        m = np.full(nqv, _NEG_BIG, np.float32)
+        m = np.full(nqv, NEG_BIG, np.float32)
         denom = np.zeros(nqv, np.float32)
         bits = np.empty(bs, np.int32)
         qt = np.empty((nqv, d), np.float32)  # the tile's query vectors, contiguous, scaled
@@ -173,24 +172,8 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
                 for qi in range(nqv):
                     first_hidden = pos0 + qi // group + 1 - b * bs
                     for o in range(max(0, first_hidden), cnt):
-                        scores[qi, o] = _NEG_BIG
-            for qi in range(nqv):
-                sg = scores[qi]
-                bmax = _NEG_BIG
-                for o in range(cnt):
-                    bmax = max(bmax, sg[o])
-                # row qi // group sees position 0 in block 0, so m is finite from then on
-                m_new = max(m[qi], bmax)
-                corr = np.float32(np.exp(m[qi] - m_new))
-                denom[qi] *= corr
-                for i in range(d):
-                    acc[qi, i] *= corr
-                for o in range(cnt):
-                    sg[o] -= m_new
-                exp_nonpos(sg, bits[:cnt])  # masked entries: -1e30 - m -> 0
-                for o in range(cnt):
-                    denom[qi] += sg[o]
-                m[qi] = m_new
+                        scores[qi, o] = NEG_BIG
+            online_softmax_block(scores, m, denom, acc, bits)
             if use_blas:
                 np.dot(scores, vb[:cnt], pv)
                 for qi in range(nqv):

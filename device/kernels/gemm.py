@@ -367,34 +367,3 @@ def round_to_format(x, fmt):
             for i in range(lo, hi):
                 u = bits[i]
                 bits[i] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-
-# ---- activations times activations: BLAS (np.dot), which packs its operands per call --------
-
-
-@njit(nogil=True, cache=True)
-def _check(out, a, b_rows, b_cols):
-    # out: [M, N], a: [M, K]; b is [K, N] (b_rows=K, b_cols=N)
-    m, k = a.shape
-    if b_rows != k:
-        raise ValueError("gemm: inner dimensions differ (a cols, b rows)", k, b_rows)
-    if out.shape[0] != m or out.shape[1] != b_cols:
-        raise ValueError("gemm: out shape does not match (rows, cols) wanted", m, b_cols)
-
-
-@njit(nogil=True, cache=True)
-def gemm(out, a, b):
-    """out[M, N] = a[M, K] @ b[K, N] via BLAS (sgemm / sgemv)."""
-    _check(out, a, b.shape[0], b.shape[1])
-    np.dot(a, b, out)
-
-
-@njit(nogil=True, cache=True)
-def gemm_bt(out, a, bt):
-    """out[M, N] = a[M, K] @ bt[N, K].T, b given transposed.
-
-    For the LM head with tied embeddings: logits[T, V] = x[T, H] @ E[V, H].T.
-    `bt.T` is an F-contiguous view, which Numba hands to BLAS with a
-    transpose flag: no copy, no performance warning.
-    """
-    _check(out, a, bt.shape[1], bt.shape[0])
-    np.dot(a, bt.T, out)

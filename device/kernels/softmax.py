@@ -1,4 +1,4 @@
-"""Softmax and log-softmax over the rows of a [M, N] matrix, float32.
+"""Log-softmax over the rows of a [M, N] matrix, float32.
 
 Exponentials by `exp_nonpos` (vectorized, 3e-7 relative); -inf entries give 0.
 """
@@ -28,22 +28,6 @@ def _exp_shifted(e, x, bits):
         e[j] = x[j] - mx
     exp_nonpos(e, bits)
     return mx
-
-
-@njit(nogil=True, cache=True, parallel=True, fastmath=_REORDER)
-def softmax(out, x):
-    """out[M, N] = exp(x - max) / sum(exp(x - max)), per row (out may be x)."""
-    _check(out, x)
-    m, n = x.shape
-    for i in prange(m):
-        bits = np.empty(n, np.int32)
-        _exp_shifted(out[i], x[i], bits)
-        s = np.float32(0.0)
-        for j in range(n):
-            s += out[i, j]
-        r = np.float32(1.0) / s
-        for j in range(n):
-            out[i, j] *= r
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=_REORDER)

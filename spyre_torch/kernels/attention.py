@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from device.abi import get_kernel_threads, set_kernel_threads
-from device.kernels.fastexp import exp_nonpos
+from device.kernels.online_softmax import NEG_BIG, online_softmax_block
 from spyre_torch.kernels import ATTENTION, index
 from spyre_torch.kernels.access import BOOL, F32, as_float
 
@@ -34,7 +34,6 @@ K_BS, K_HS, K_SS, V_BS, V_HS, V_SS = _I["k_bs"], _I["k_hs"], _I["k_ss"], _I["v_b
 M_BS, M_HS, M_LS, M_SS = _I["m_bs"], _I["m_hs"], _I["m_ls"], _I["m_ss"]
 
 KB = 64                      # keys per block
-NEG_BIG = np.float32(-1.0e30)  # a masked score; finite: the loops assume no infinities
 QV_MAX = 128                 # query vectors per work item
 BLAS_SERIAL_MNK = 262144     # OpenBLAS multiplies GEMMs up to this m*n*k on the calling thread
 BLAS_MIN_QV = 16             # fewer query vectors: dot loops (a BLAS call costs more)
@@ -140,25 +139,7 @@ def _attention(f32, u16, table):
             if causal or mask_dt >= 0:
                 _mask_block(scores, u8, f32, mask_dt, mask, m_bs, m_hs, m_ls, m_ss, b, h0,
                             group, r0, k0, cnt, causal)
-            for qi in range(nqv):
-                sg = scores[qi]
-                bmax = NEG_BIG
-                for o in range(cnt):
-                    bmax = max(bmax, sg[o])
-                m_new = max(m[qi], bmax)
-                if m_new == NEG_BIG:  # nothing visible to this row yet: the block adds nothing
-                    sg[:] = 0.0
-                    continue
-                corr = np.float32(np.exp(m[qi] - m_new))
-                denom[qi] *= corr
-                for i in range(dv):
-                    acc[qi, i] *= corr
-                for o in range(cnt):
-                    sg[o] -= m_new
-                exp_nonpos(sg, bits[:cnt])  # masked: -1e30 - m -> 0
-                for o in range(cnt):
-                    denom[qi] += sg[o]
-                m[qi] = m_new
+            online_softmax_block(scores, m, denom, acc, bits)
             if use_blas:
                 np.dot(scores, vb[:cnt], pv)
                 for qi in range(nqv):

@@ -3,50 +3,56 @@ import pytest
 from scipy import stats
 
 from device.kernels.sampling import (
-    _BANNED,
-    _penalize_table,
+    BANNED,
     add_logit_bias,
     apply_token_mask,
     count_tokens,
-    sample,
-    sample_with_state,
+    penalize_row,
+    sample_rows,
     uniform,
 )
+from models.step_program import SAMPLE_ROW
 
 V = 1000
 
 
+def rows_of(s, **cols):
+    """SAMPLE_ROW[s]: every row the padding defaults, then each given column (a scalar or a
+    list per row)."""
+    rows = np.full(s, SAMPLE_ROW.defaults, SAMPLE_ROW.dtype)
+    for name, x in cols.items():
+        rows[name] = x
+    return rows
+
+
+def _offsets(lists):
+    offsets = np.zeros(len(lists) + 1, np.int32)
+    offsets[1:] = np.cumsum([len(x) for x in lists])
+    return offsets, np.array([t for x in lists for t in x], np.int32)
+
+
 def _call(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, counter=None, k=0,
           presence=0.0, frequency=0.0, repetition=1.0, penalties=None, bans=None):
-    """Run `sample` with per-row parameters given as scalars or lists.
+    """Run `sample_rows` with per-row parameters given as scalars or lists.
 
-    penalties: per row a dict {token_id: output_count} (count 0 = prompt only).
-    bans: per row a list of token ids it may not sample (None: the arguments are omitted)."""
+    penalties: per row a dict {token_id: output_count} (count 0 = prompt only), put in the
+    row's slot of the tables; bans: per row a list of token ids it may not sample."""
     s, v = logits.shape
-
-    def col(x, dt):
-        return np.full(s, x, dt) if np.isscalar(x) else np.asarray(x, dt)
-
-    penalties = penalties or [{} for _ in range(s)]
-    offsets = np.zeros(s + 1, np.int32)
-    offsets[1:] = np.cumsum([len(p) for p in penalties])
-    pen_ids = np.array([t for p in penalties for t in p], np.int32)
-    pen_counts = np.array([c for p in penalties for c in p.values()], np.int32)
+    counts, prompt = np.zeros((s, v), np.int32), np.zeros((s, v), np.int32)
+    for i, pen in enumerate(penalties or []):
+        for t, c in pen.items():
+            prompt[i, t], counts[i, t] = 1, c
+    rows = rows_of(s, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   seed=seed, counter=np.arange(s) if counter is None else counter,
+                   presence=presence, frequency=frequency, repetition=repetition,
+                   pen_slot=np.arange(s))
     ids = np.full(s, -5, np.int32)
     lp = np.full(s, np.nan, np.float32)
     top_ids = np.full((s, k), -5, np.int32)
     top_lp = np.full((s, k), np.nan, np.float32)
-    counter = np.arange(s) if counter is None else counter
-    args = (ids, lp, top_ids, top_lp, logits, col(temperature, np.float32), col(top_k, np.int32),
-            col(top_p, np.float32), col(min_p, np.float32), col(seed, np.uint64),
-            col(counter, np.int64), col(presence, np.float32), col(frequency, np.float32),
-            col(repetition, np.float32), offsets, pen_ids, pen_counts)
-    if bans is None:
-        sample(*args)
-    else:
-        ban_offsets = np.zeros(s + 1, np.int32)
-        ban_offsets[1:] = np.cumsum([len(b) for b in bans])
-        sample(*args, ban_offsets, np.array([t for b in bans for t in b], np.int32))
+    sample_rows(ids, lp, top_ids, top_lp, logits, rows, counts, prompt,
+                *_offsets(bans or [[] for _ in range(s)]), np.zeros((0, (v + 31) // 32), np.int32),
+                *_offsets([[] for _ in range(s)]), np.zeros(0, np.float32))
     return ids, lp, top_ids, top_lp
 
 
@@ -307,36 +313,32 @@ def test_rejects_top_p_zero():
         _call(_logits(1), top_p=0.0)
 
 
-def test_rejects_penalty_token_out_of_vocab():
-    with pytest.raises(IndexError, match="penalty token id"):
-        _call(_logits(1, v=10), penalties=[{10: 1}])
-
-
 def test_rejects_per_row_array_of_wrong_length():
     logits = _logits(2)
+    counts = np.zeros((1, V), np.int32)
     with pytest.raises(ValueError, match="per-row"):
-        sample(np.empty(2, np.int32), np.empty(2, np.float32), np.empty((2, 0), np.int32),
-               np.empty((2, 0), np.float32), logits, np.ones(1, np.float32), np.zeros(2, np.int32),
-               np.ones(2, np.float32), np.zeros(2, np.float32), np.zeros(2, np.uint64),
-               np.zeros(2, np.int64), np.zeros(2, np.float32), np.zeros(2, np.float32),
-               np.ones(2, np.float32), np.zeros(3, np.int32), np.zeros(0, np.int32),
-               np.zeros(0, np.int32))
+        sample_rows(np.empty(2, np.int32), np.empty(2, np.float32), np.empty((2, 0), np.int32),
+                    np.empty((2, 0), np.float32), logits, rows_of(1), counts, counts.copy(),
+                    *_offsets([[], []]), np.zeros((0, 32), np.int32), *_offsets([[], []]),
+                    np.zeros(0, np.float32))
 
 
-def test_sample_is_callable_from_njit_code():
+def test_sample_rows_is_callable_from_njit_code():
     from numba import njit
 
     @njit
-    def step(ids, lp, tid, tlp, logits, t, k, p, mp, seeds, ctr, pr, fr, rp, off, pid, pc):
-        sample(ids, lp, tid, tlp, logits, t, k, p, mp, seeds, ctr, pr, fr, rp, off, pid, pc)
+    def step(ids, lp, tid, tlp, logits, rows, counts, prompt, bo, bi, words, zo, zi, zf):
+        sample_rows(ids, lp, tid, tlp, logits, rows, counts, prompt, bo, bi, words, zo, zi, zf)
 
     logits = _logits(3)
     ids = np.empty(3, np.int32)
-    zf, of = np.zeros(3, np.float32), np.ones(3, np.float32)
+    top = logits.argmax(1).astype(np.int32)
+    counts = np.zeros((0, V), np.int32)
     step(ids, np.empty(3, np.float32), np.empty((3, 2), np.int32), np.empty((3, 2), np.float32),
-         logits, zf, np.zeros(3, np.int32), of, zf, np.zeros(3, np.uint64), np.zeros(3, np.int64),
-         zf, zf, of, np.zeros(4, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
-    np.testing.assert_array_equal(ids, logits.argmax(1))
+         logits, rows_of(3), counts, counts, *_offsets([[int(t)] for t in top]),
+         np.zeros((0, 32), np.int32), *_offsets([[]] * 3), np.zeros(0, np.float32))
+    ref = [int(np.argmax(_banned(logits[s], [top[s]]))) for s in range(3)]
+    assert ids.tolist() == ref
 
 
 def test_minus_inf_logits_are_never_drawn_and_have_minus_inf_logprob():
@@ -441,63 +443,34 @@ def test_a_ban_on_one_row_leaves_the_others_alone():
 
 
 def test_rejects_a_banned_token_out_of_vocab():
-    with pytest.raises(IndexError, match="banned token id"):
+    with pytest.raises(IndexError, match="token id out of range"):
         _call(_logits(1, v=10), bans=[[10]])
 
 
 def test_rejects_ban_offsets_of_the_wrong_length():
     logits = _logits(2, v=10)
-    args = (np.empty(2, np.int32), np.empty(2, np.float32), np.empty((2, 0), np.int32),
-            np.empty((2, 0), np.float32), logits, np.ones(2, np.float32), np.zeros(2, np.int32),
-            np.ones(2, np.float32), np.zeros(2, np.float32), np.zeros(2, np.uint64),
-            np.zeros(2, np.int64), np.zeros(2, np.float32), np.zeros(2, np.float32),
-            np.ones(2, np.float32), np.zeros(3, np.int32), np.zeros(0, np.int32),
-            np.zeros(0, np.int32))
-    with pytest.raises(ValueError, match="ban_offsets"):
-        sample(*args, np.zeros(2, np.int32), np.zeros(0, np.int32))
+    counts = np.zeros((0, 10), np.int32)
+    with pytest.raises(ValueError, match="offsets"):
+        sample_rows(np.empty(2, np.int32), np.empty(2, np.float32), np.empty((2, 0), np.int32),
+                    np.empty((2, 0), np.float32), logits, rows_of(2), counts, counts,
+                    np.zeros(2, np.int32), np.zeros(0, np.int32), np.zeros((0, 1), np.int32),
+                    *_offsets([[], []]), np.zeros(0, np.float32))
 
 
-def test_sample_with_a_ban_is_callable_from_njit_code():
-    from numba import njit
-
-    @njit
-    def step(ids, lp, tid, tlp, logits, t, k, p, mp, seeds, ctr, pr, fr, rp, off, pid, pc, bo, bi):
-        sample(ids, lp, tid, tlp, logits, t, k, p, mp, seeds, ctr, pr, fr, rp, off, pid, pc,
-               bo, bi)
-
-    logits = _logits(3)
-    ids = np.empty(3, np.int32)
-    zf, of = np.zeros(3, np.float32), np.ones(3, np.float32)
-    top = logits.argmax(1).astype(np.int32)
-    step(ids, np.empty(3, np.float32), np.empty((3, 0), np.int32), np.empty((3, 0), np.float32),
-         logits, zf, np.zeros(3, np.int32), of, zf, np.zeros(3, np.uint64), np.zeros(3, np.int64),
-         zf, zf, of, np.zeros(4, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
-         np.arange(4, dtype=np.int32), top)
-    ref = [int(np.argmax(_banned(logits[s], [top[s]]))) for s in range(3)]
-    assert ids.tolist() == ref
-
-
-# --- penalty state on the card: count_tokens and sample_with_state ----------
+# --- penalty state on the card: count_tokens and sample_rows ----------
 
 def _state_call(logits, pen_slot, counts, prompt, temperature=0.0, presence=0.0, frequency=0.0,
                 repetition=1.0, bans=None, seed=7, masks=None, biases=None):
     """masks: per row an int32[ceil(V/32)] bitmask or None; biases: per row {id: bias}."""
     s, v = logits.shape
-
-    def col(x, dt):
-        return np.full(s, x, dt) if np.isscalar(x) else np.asarray(x, dt)
-
-    bans = bans or [[] for _ in range(s)]
-    ban_offsets = np.zeros(s + 1, np.int32)
-    ban_offsets[1:] = np.cumsum([len(b) for b in bans])
+    mask_row, words = _mask_args(s, v, masks)
+    rows = rows_of(s, temperature=temperature, seed=seed, counter=np.arange(s),
+                   presence=presence, frequency=frequency, repetition=repetition,
+                   pen_slot=pen_slot, mask_row=mask_row)
     ids, lp = np.full(s, -5, np.int32), np.full(s, np.nan, np.float32)
-    sample_with_state(ids, lp, np.zeros((s, 0), np.int32), np.zeros((s, 0), np.float32), logits,
-                      col(temperature, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
-                      np.zeros(s, np.float32), col(seed, np.uint64), np.arange(s, dtype=np.int64),
-                      col(presence, np.float32), col(frequency, np.float32),
-                      col(repetition, np.float32), np.asarray(pen_slot, np.int32), counts, prompt,
-                      ban_offsets, np.array([t for b in bans for t in b], np.int32),
-                      *_mask_args(s, v, masks), *_bias_args(s, biases))
+    sample_rows(ids, lp, np.zeros((s, 0), np.int32), np.zeros((s, 0), np.float32), logits, rows,
+                counts, prompt, *_offsets(bans or [[] for _ in range(s)]), words,
+                *_bias_args(s, biases))
     return ids, lp
 
 
@@ -533,7 +506,7 @@ def ref_apply_mask(z, words):
     allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:v].astype(bool)
     out = z.copy()
     if allowed.any():
-        out[~allowed] = _BANNED
+        out[~allowed] = BANNED
     return out
 
 
@@ -603,7 +576,7 @@ def test_penalties_from_the_tables_are_vllms_bit_for_bit(presence, frequency, re
                                 [presence] * s, [frequency] * s, [repetition] * s)
     for i in range(s):
         z = np.empty(v, np.float32)
-        _penalize_table(z, logits[i], np.float32(presence), np.float32(frequency),
+        penalize_row(z, logits[i], np.float32(presence), np.float32(frequency),
                         np.float32(repetition), counts[i], prompt[i])
         np.testing.assert_array_equal(z, want[i])
     ids, _ = _state_call(logits, np.arange(s), counts, prompt, presence=presence,
@@ -637,7 +610,7 @@ def test_a_row_without_a_slot_is_not_penalized_and_its_logprob_stays_raw():
     np.testing.assert_allclose(lp, _log_softmax(logits)[np.arange(3), ids], atol=1e-5)
 
 
-def test_sample_with_state_bans_after_the_penalties_and_samples_the_same_as_the_lists():
+def test_sample_rows_bans_after_the_penalties_and_samples_the_same_as_the_lists():
     logits = _logits(6, v=30, seed=34)
     rng = np.random.default_rng(35)
     hist = [_random_history(rng, 30, 5, 6) for _ in range(6)]
@@ -654,13 +627,13 @@ def test_sample_with_state_bans_after_the_penalties_and_samples_the_same_as_the_
     assert all(t != b[0] for t, b in zip(tables, bans, strict=True))
 
 
-def test_sample_with_state_rejects_a_slot_out_of_range():
+def test_sample_rows_rejects_a_slot_out_of_range():
     counts = np.zeros((2, 10), np.int32)
     with pytest.raises(IndexError, match="pen_slot"):
         _state_call(_logits(1, v=10), [2], counts, counts.copy())
 
 
-# --- grammar masks and logit bias (sample_with_state) -------------------------
+# --- grammar masks and logit bias (sample_rows) -------------------------
 
 @pytest.mark.parametrize("v", [1, 31, 32, 33, 1000, 8192])
 def test_apply_token_mask_is_the_numpy_reference(v):
@@ -684,7 +657,7 @@ def test_apply_token_mask_matches_llguidance_numpy_helper():
     lln.apply_token_bitmask_inplace(z, words[None, :])
     got = np.arange(v, dtype=np.float32)
     apply_token_mask(got, words)
-    assert np.isfinite(z[0]).nonzero()[0].tolist() == (got > _BANNED).nonzero()[0].tolist() == [3, 40, 99]
+    assert np.isfinite(z[0]).nonzero()[0].tolist() == (got > BANNED).nonzero()[0].tolist() == [3, 40, 99]
 
 
 def test_a_mask_restricts_greedy_and_random_draws_and_rows_without_one_are_free():
@@ -735,20 +708,16 @@ def test_logit_bias_is_added_before_the_penalties_and_moves_greedy():
     assert z.tolist() == [2.5, 1.5]
 
 
-def test_sample_with_state_rejects_bad_masks_and_biases():
+def test_sample_rows_rejects_bad_masks_and_biases():
     v = 40
     logits = _logits(1, v=v)
     counts = np.zeros((1, v), np.int32)
-    with pytest.raises(IndexError, match="logit bias token id"):
+    with pytest.raises(IndexError, match="token id out of range"):
         _state_call(logits, [-1], counts, counts.copy(), biases=[{v: 1.0}])
     with pytest.raises(ValueError, match="not finite"):
         _state_call(logits, [-1], counts, counts.copy(), biases=[{1: np.inf}])
-    ids, lp = np.zeros(1, np.int32), np.zeros(1, np.float32)
-    z32, f32 = np.zeros(1, np.int32), np.zeros(1, np.float32)
     with pytest.raises(IndexError, match="mask_row"):
-        sample_with_state(ids, lp, np.zeros((1, 0), np.int32), np.zeros((1, 0), np.float32),
-                          logits, f32, z32, np.ones(1, np.float32), f32, np.zeros(1, np.uint64),
-                          np.zeros(1, np.int64), f32, f32, np.ones(1, np.float32),
-                          np.full(1, -1, np.int32), counts, counts.copy(), np.zeros(2, np.int32),
-                          z32[:0], np.array([1], np.int32), np.zeros((1, 2), np.int32),
-                          np.zeros(2, np.int32), z32[:0], f32[:0])
+        sample_rows(np.zeros(1, np.int32), np.zeros(1, np.float32), np.zeros((1, 0), np.int32),
+                    np.zeros((1, 0), np.float32), logits, rows_of(1, mask_row=1), counts,
+                    counts.copy(), *_offsets([[]]), np.zeros((1, 2), np.int32), *_offsets([[]]),
+                    np.zeros(0, np.float32))

@@ -4,8 +4,6 @@ tables size, a reordered table gives the same step, and a view never runs past i
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
@@ -23,18 +21,7 @@ TABLES = (sp.INPUTS, sp.OUTPUTS, sp.WORKSPACE)
 SLOT_NAMES = [name for name, _ in sp.SLOTS]
 
 
-def _constants(prefix: str) -> dict[str, int]:
-    return {n: v for n, v in vars(sp).items() if re.fullmatch(prefix + r"_[A-Z0-9_]+", n)}
-
-
-# ---- (ii) slots: every slot the entry reads exists, every field has its slots -------------
-
-def test_every_slot_constant_names_its_slot():
-    for const, i in _constants("S").items():
-        assert SLOT_NAMES[i] == const[2:], const                  # S_<dim>
-    for const, i in _constants("A").items():
-        assert SLOT_NAMES[i] == const[2:].lower(), const          # A_<name>
-
+# ---- (ii) slots: every field has its slots, the entry reads every field through Slot ------
 
 def test_every_field_has_an_address_slot_then_its_length_slot():
     for layout in TABLES:
@@ -42,14 +29,21 @@ def test_every_field_has_an_address_slot_then_its_length_slot():
             i = SLOT_NAMES.index(f.name)
             assert sp.SLOTS[i] == (f.name, "address")
             assert sp.SLOTS[i + 1] == (length_slot(f.name), "dim")
-    assert len(set(SLOT_NAMES)) == len(SLOT_NAMES)
+            assert sp.Slot[f.name] == i and sp.Slot[f.name + "_len"] == i + 1
+    assert len(set(SLOT_NAMES)) == len(SLOT_NAMES) == len(sp.Slot)
 
 
-def test_the_entry_reads_every_field_and_only_declared_slots():
-    read = {n for n in sp.step_entry.py_func.__code__.co_names if re.fullmatch(r"[SA]_\w+", n)}
-    assert read <= set(_constants("S")) | set(_constants("A"))
-    fields = {"A_" + f.name.upper() for layout in TABLES for f in layout.fields}
+def test_the_entry_reads_every_field():
+    code = [sp.step_entry.py_func.__code__, sp._sample_rows.py_func.__code__]
+    read = {n for c in code for n in c.co_names} & set(sp.Slot.__members__)
+    fields = {f.name for layout in TABLES for f in layout.fields}
     assert fields <= read, sorted(fields - read)
+
+
+def test_a_sample_row_is_a_whole_number_of_words_with_its_defaults():
+    assert sp.SAMPLE_ROW.dtype.itemsize == 8 * sp.SAMPLE_ROW.words
+    assert sp.SAMPLE_ROW.dtype.names == tuple(f.name for f in sp.SAMPLE_ROW.fields)
+    assert sp.SAMPLE_ROW.defaults["top_p"] == 1.0 and sp.SAMPLE_ROW.defaults["pen_slot"] == -1
 
 
 # ---- (iii) sizes: what the tables size is what the host packs and the card holds ----------
@@ -106,10 +100,13 @@ def test_the_packed_inputs_are_the_table_placed_for_the_launch_dims(runner):
     assert views["tokens"][:5].tolist() == [5, 6, 7, 8, 9]
     assert views["query_start"].tolist() == [0, 5, 8, 18, 18]
     assert views["count_slot"].tolist() == [3, -1, -1, -1] and views["prompt_lens"][0] == 5
-    assert views["pen_slot"].tolist() == [3, -1, -1, -1]
+    rows = views["sample_rows"]
+    assert rows["pen_slot"].tolist() == [3, -1, -1, -1]
     assert views["ban_ids"].tolist() == [3, 11]
-    assert views["seeds"][0] == 3 and views["top_k"][:2].tolist() == [20, 0]
-    assert views["mask_row"].tolist() == [-1, 0, -1, -1]
+    assert rows["seed"][0] == 3 and rows["top_k"][:2].tolist() == [20, 0]
+    assert rows["mask_row"].tolist() == [-1, 0, -1, -1]
+    assert rows["temperature"][:2].tolist() == [np.float32(0.8), 0.0]
+    assert rows["repetition"].tolist() == [np.float32(1.2), 1.0, 1.0, 1.0]     # padding: off
     assert views["mask_words"].tolist() == allow([17, 99, 200]).tolist()
     assert views["bias_start"].tolist() == [0, 2, 2, 2, 2]
     assert views["bias_ids"].tolist() == [40, 41] and views["bias"].tolist() == [5.0, -2.0]

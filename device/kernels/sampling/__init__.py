@@ -1,0 +1,16 @@
+"""On-device sampling, one file per concept:
+
+    rows.py       sample_rows: the sampler of a step, one parameter record per row
+    select.py     temperature, min_p, top_k, top_p and the draw (quickselects, no sort)
+    penalties.py  vLLM's penalties from per-sequence tables; count_tokens fills them
+    masks.py      bans, grammar bitmasks, logit bias
+    rng.py        uniform(seed, counter): counter-based, so batch-position independent
+"""
+
+from device.kernels.sampling.masks import BANNED, add_logit_bias, apply_token_mask
+from device.kernels.sampling.penalties import count_tokens, penalize_row
+from device.kernels.sampling.rng import uniform
+from device.kernels.sampling.rows import sample_rows
+
+__all__ = ["BANNED", "add_logit_bias", "apply_token_mask", "count_tokens", "penalize_row",
+           "sample_rows", "uniform"]
