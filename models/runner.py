@@ -41,10 +41,10 @@ from models.weights import compute_code, resolve_compute_dtype
 class StepHandle:
     """A launched step. `result()` waits for its readback and returns the StepOutput."""
 
-    __slots__ = ("_runner", "_launch", "_step", "_out")
+    __slots__ = ("_prompt_logprobs", "_launch", "_step", "_out")
 
-    def __init__(self, runner: ModelRunner, launch: LaunchHandle, step: _Launched):
-        self._runner = runner
+    def __init__(self, launch: LaunchHandle, step: _Launched, prompt_logprobs: PromptLogprobs):
+        self._prompt_logprobs = prompt_logprobs
         self._launch = launch
         self._step = step
         self._out: StepOutput | None = None
@@ -60,7 +60,7 @@ class StepHandle:
     def result(self) -> StepOutput:
         if self._out is None:
             self._launch.wait()
-            self._out = self._runner._result(self._step)
+            self._out = step_output(self._step, self._prompt_logprobs)
         return self._out
 
 
@@ -209,26 +209,8 @@ class ModelRunner:
         self._launches += 1
         self._last_rows = packed.sample_rows
         self._prev_sampled = (out_dev.address + outputs.offsets["sampled"], outputs.count("sampled"))
-        return StepHandle(self, handle, _Launched(work=work, packed=packed, outputs=outputs,
-                                                  out=out, lsm=lsm, logits=logits))
-
-    def _result(self, step: _Launched) -> StepOutput:
-        p = step.packed
-        ns = len(p.sample_seq_ids)
-        v = step.outputs.views(step.out)
-        out = StepOutput(seq_ids=p.sample_seq_ids, token_ids=v["sampled"][:ns].copy(),
-                         logprobs=v["logprob"][:ns].copy(), top_ids=v["top_ids"][:ns].copy(),
-                         top_logprobs=v["top_logprobs"][:ns].copy())
-        if step.lsm is None:
-            return out
-        s = p.dims["S"]
-        for w, r0 in zip(step.work, p.row_start, strict=True):
-            if w.prompt_logprobs:
-                out.prompt_logprobs[w.seq_id] = self._prompt_logprobs.of_chunk(w, step.lsm, s + r0)
-        if step.logits is not None:
-            out.logits = {w.seq_id: step.logits[s + r0:s + r0 + len(w.token_ids)].copy()
-                          for w, r0 in zip(step.work, p.row_start, strict=True)}
-        return out
+        return StepHandle(handle, _Launched(work=work, packed=packed, outputs=outputs, out=out,
+                                            lsm=lsm, logits=logits), self._prompt_logprobs)
 
     # ---- profiling ------------------------------------------------------------------
     def profile(self, enabled: bool = True) -> None:
@@ -275,3 +257,23 @@ class ModelRunner:
         self.profile(False)
         self._programs.release()
         self.memory.free()
+
+
+def step_output(step: _Launched, prompt_logprobs: PromptLogprobs) -> StepOutput:
+    """The StepOutput of a launched step whose readback is done."""
+    p = step.packed
+    ns = len(p.sample_seq_ids)
+    v = step.outputs.views(step.out)
+    out = StepOutput(seq_ids=p.sample_seq_ids, token_ids=v["sampled"][:ns].copy(),
+                     logprobs=v["logprob"][:ns].copy(), top_ids=v["top_ids"][:ns].copy(),
+                     top_logprobs=v["top_logprobs"][:ns].copy())
+    if step.lsm is None:
+        return out
+    s = p.dims["S"]
+    for w, r0 in zip(step.work, p.row_start, strict=True):
+        if w.prompt_logprobs:
+            out.prompt_logprobs[w.seq_id] = prompt_logprobs.of_chunk(w, step.lsm, s + r0)
+    if step.logits is not None:
+        out.logits = {w.seq_id: step.logits[s + r0:s + r0 + len(w.token_ids)].copy()
+                      for w, r0 in zip(step.work, p.row_start, strict=True)}
+    return out

@@ -44,9 +44,9 @@ def check_lengths(num_prompt_tokens: int, max_tokens: int, *, max_model_len: int
         )
 
 
-def check_prompt_ids(ids: list[int], vocab_size: int | None) -> None:
-    """Token ids the embedding can read: 0..V-1 (the step's tokens are int32)."""
-    high = INT32_MAX if vocab_size is None else vocab_size - 1
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    """Token ids the embedding can read: 0..V-1."""
+    high = vocab_size - 1
     bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t <= high)), None)
     if bad is not None:
         raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary (0..{high})", "prompt")

@@ -105,6 +105,7 @@ def build(s: Settings, progress: bool = True) -> Built:
     from server.engine import Engine
     from server.metrics import Metrics
     from server.openai.app import create_app
+    from server.watchdog import Fault
 
     t0 = time.monotonic()
     from device import KERNEL_ISA
@@ -131,12 +132,13 @@ def build(s: Settings, progress: bool = True) -> Built:
     compiles = card.counters.snapshot()["compiles"]
     metrics = Metrics(s.served_name(model), card=card, compiles_at_ready=compiles,
                       max_model_len=runner.max_model_len)
-    engine = Engine(runner, model.tokenizer, max_num_seqs=s.max_num_seqs,
+    engine = Engine(runner, model.tokenizer, observer=metrics, fault=Fault.from_env(),
+                    max_num_seqs=s.max_num_seqs,
                     max_num_batched_tokens=s.max_num_batched_tokens, card=card,
                     step_timeout=s.step_timeout, enable_prefix_caching=s.enable_prefix_caching,
                     max_prefill_with_decodes=s.max_prefill_tokens_with_decodes,
                     structured_output_wait=s.structured_output_wait)
-    metrics.attach(engine)
+    metrics.watch(engine)
     engine.start()
     app = create_app(engine, model, s, metrics)
     log.info("ready in %.1f s: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, %d programs",
@@ -274,7 +276,17 @@ def serve(s: Settings) -> int:
     return 0
 
 
+def keep_torch_out() -> None:
+    """Serving needs no torch, but transformers imports it whenever it is installed (a dev venv
+    has it for the tests), and torch's backend autoload then imports spyre_torch. A None in
+    sys.modules makes `torch` unfindable (importlib.util.find_spec returns None), so transformers
+    runs its tokenizers without it: the serving process is the Docker image's, torch or not."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
+    keep_torch_out()
     command, s = parse_command(argv)
     if command == "warmup":
         return warmup(s)

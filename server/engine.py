@@ -51,6 +51,7 @@ from server.inbox import Inbox
 from server.open_requests import EngineRequest, OpenRequests
 from server.outputs import SeqUpdate, store_prompt_logprobs, token_logprob
 from server.scheduler import ScheduledChunk, Scheduler
+from server.seams import StepRunner, check_runner
 from server.sequence import GenerationParams, Sequence
 from server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
 from server.step_work import seq_work
@@ -80,7 +81,7 @@ def _holds_grammar_sample(step: _Step) -> bool:
 class Engine:
     def __init__(
         self,
-        runner,
+        runner: StepRunner,
         tokenizer,
         *,
         max_num_seqs: int = 32,
@@ -92,12 +93,12 @@ class Engine:
         enable_prefix_caching: bool = True,
         max_prefill_with_decodes: int | None = None,
         structured_output_wait: bool = False,
+        fault: Fault | None = None,
     ) -> None:
-        self.runner = runner
+        self.runner = runner = check_runner(runner)
         self.tokenizer = tokenizer
-        config = getattr(runner, "config", None)
-        self.eos_token_ids = eos_token_ids(config, tokenizer)
-        self.vocab_size = getattr(config, "vocab_size", None)
+        self.eos_token_ids = eos_token_ids(runner.config, tokenizer)
+        self.vocab_size = runner.config.vocab_size
         self.block_size = runner.block_size
         self.num_kv_blocks = runner.num_kv_blocks
         self.max_model_len = runner.max_model_len
@@ -107,10 +108,9 @@ class Engine:
         self.observer = observer or EngineObserver()
         self.blocks = BlockManager(self.num_kv_blocks, self.block_size,
                                    enable_caching=enable_prefix_caching)
-        forget = getattr(runner, "forget", None)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
-                                   token_buckets=getattr(runner, "t_buckets", None),
-                                   on_release=(lambda seq: forget(seq.seq_id)) if forget else None,
+                                   token_buckets=runner.t_buckets,
+                                   on_release=lambda seq: runner.forget(seq.seq_id),
                                    max_prefill_with_decodes=max_prefill_with_decodes)
         self.stats = EngineStats()
         # a grammar's mask needs the token before it on the host: read back the step holding it
@@ -128,7 +128,7 @@ class Engine:
         self._requests = self._open.by_id  # taken from the inbox, not answered in full
         self.accepting = True  # false while draining for shutdown
         self._failures = StepFailures()
-        self._fault = Fault.from_env()
+        self._fault = fault  # a test's injected fault (server/watchdog.py), None when serving
         self._counts = (0, 0)  # (running, waiting) requests, published by the engine thread
         self._waiting_seqs = 0  # sequences in the waiting queue, published by the engine thread
 
@@ -195,9 +195,7 @@ class Engine:
         if prompt_ids is not None:
             check_prompt_ids(prompt_ids, self.vocab_size)
         if params is not None:
-            self._check_params(params)
-
-    _check_params = staticmethod(check_params)  # an attribute: a test turns it off
+            check_params(params)
 
     def add_request(
         self,
@@ -303,7 +301,7 @@ class Engine:
         if not chunks:
             return None
         now = time.monotonic()
-        if self._fault is not None:  # test hook; outside the step's handling: fatal
+        if self._fault is not None:  # outside the step's handling: fatal
             self._fault.at_launch(self.stats.steps + 1)
         try:
             work = [seq_work(c, self.eos_token_ids, self.vocab_size) for c in chunks]

@@ -76,9 +76,11 @@ class Metrics(EngineObserver):
         )
         r.register(_LiveCollector(self))
 
-    def attach(self, engine: Engine) -> None:
+    def watch(self, engine: Engine) -> None:
+        """Read the gauges from `engine` (built with this as its observer: it feeds the rest)."""
+        if engine.observer is not self:
+            raise ValueError("Metrics.watch: build the engine with observer=metrics first")
         self.engine = engine
-        engine.observer = self
 
     # ---- EngineObserver (engine thread) ----
     def on_scheduled(self, queue_seconds: float, num_prompt_tokens: int) -> None:

@@ -8,7 +8,7 @@ from server.scheduler import ScheduledChunk
 from server.stopping import banned_tokens
 
 
-def seq_work(c: ScheduledChunk, eos_ids: frozenset[int], vocab_size: int | None) -> SeqWork:
+def seq_work(c: ScheduledChunk, eos_ids: frozenset[int], vocab_size: int) -> SeqWork:
     seq = c.seq
     p = seq.params
     if c.from_device:

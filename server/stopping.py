@@ -16,16 +16,14 @@ def eos_token_ids(config, tokenizer) -> frozenset[int]:
     return frozenset(int(t) for t in ids)
 
 
-def banned_tokens(p: GenerationParams, eos_ids: frozenset[int], vocab_size: int | None) -> list[int]:
+def banned_tokens(p: GenerationParams, eos_ids: frozenset[int], vocab_size: int) -> list[int]:
     """Tokens that would stop the sequence (every EOS id unless ignore_eos, and
     stop_token_ids): vLLM's min_tokens keeps them from being sampled, not just from
     stopping. Ids outside the vocabulary are never sampled anyway and are left out."""
     ids = list(p.stop_token_ids)
     if not p.ignore_eos:
         ids.extend(eos_ids)
-    if vocab_size is not None:
-        ids = [t for t in ids if 0 <= t < vocab_size]
-    return sorted(set(ids))
+    return sorted({t for t in ids if 0 <= t < vocab_size})
 
 
 def keep_stop_text(seq: Sequence, token: int) -> None:

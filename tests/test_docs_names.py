@@ -24,7 +24,7 @@ _TICKS = re.compile(r"`([^`\n]+)`")
 # a path: folders, then a file with an extension or a trailing slash (k8s annotation keys such
 # as prometheus.io/scrape are not: their first part has a dot)
 _PATH = re.compile(r"^(?:\.\./)*(?:[\w-]+/)+(?:[\w-]+\.\w+)?$")
-_DOTTED = re.compile(r"^(%s)(?:\.\w+)+$" % "|".join(PACKAGES))
+_DOTTED = re.compile(r"^(" + "|".join(PACKAGES) + r")(?:\.\w+)+$")
 _CALL = re.compile(r"^([A-Za-z_][\w.]*)\(")
 
 

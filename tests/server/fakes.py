@@ -105,7 +105,9 @@ class FakeRunner:
     launches: list = field(default_factory=list)  # the work of every launch
     violations: list = field(default_factory=list)
     events: list = field(default_factory=list)  # ("launch", i) and ("result", i) in call order
-    config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(vocab_size=VOCAB))
+    config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(vocab_size=VOCAB,
+                                                                            eos_token_id=None))
+    t_buckets: list[int] | None = None   # any token count
 
     def __post_init__(self) -> None:
         self.kv = np.full((self.num_kv_blocks, self.block_size), -2, dtype=np.int64)
@@ -114,6 +116,9 @@ class FakeRunner:
     def _check(self, ok: bool, message: str) -> None:
         if not ok:
             self.violations.append(message)
+
+    def forget(self, seq_id: int) -> None:
+        """The fake keeps nothing per sequence between steps."""
 
     def launch(self, work):
         self.events.append(("launch", len(self.launches)))

@@ -1,4 +1,5 @@
-"""The spyre-serve command: help, environment configuration, start-up log, SIGTERM drain."""
+"""The spyre-serve command: help, environment configuration, start-up log, SIGTERM drain, and
+a serving process without torch."""
 
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
                         break
                 except httpx.TransportError:
                     time.sleep(0.2)
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            assert "libtorch" not in maps and "/torch/" not in maps   # serving runs without torch
             events: list = []
             body = {"prompt": "Hello there", "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}
             with c.stream("POST", "/v1/completions", json=body) as r:

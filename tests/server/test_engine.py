@@ -20,6 +20,7 @@ from server.engine import (
     RequestRejected,
 )
 from server.sequence import GenerationParams
+from server.watchdog import Fault
 from tests.server.fakes import EOS, VOCAB, Collector, FakeRunner, FakeTokenizer, reference
 
 TOK = FakeTokenizer()
@@ -597,10 +598,9 @@ class Deaths:
         self.event.set()
 
 
-def test_an_injected_fatal_fault_fails_every_request_and_reports_the_death(monkeypatch):
-    monkeypatch.setenv("SPYRE_TEST_ENGINE_FAULT", "die@3")
+def test_an_injected_fatal_fault_fails_every_request_and_reports_the_death():
     deaths = Deaths()
-    engine = Engine(FakeRunner(), TOK, on_death=deaths)
+    engine = Engine(FakeRunner(), TOK, on_death=deaths, fault=Fault("die", 3))
     cs = submit_together(engine, *[("long " + "abc"[i], params(max_tokens=50, ignore_eos=True)) for i in range(3)])
     assert deaths.event.wait(10)
     for c in cs:

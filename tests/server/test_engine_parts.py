@@ -85,7 +85,7 @@ def test_min_tokens_bans_every_stopping_id_inside_the_vocabulary():
     p = GenerationParams(SamplingParams(), stop_token_ids=[3, 99])
     assert banned_tokens(p, frozenset({2}), vocab_size=10) == [2, 3]
     p.ignore_eos = True
-    assert banned_tokens(p, frozenset({2}), vocab_size=None) == [3, 99]
+    assert banned_tokens(p, frozenset({2}), vocab_size=100) == [3, 99]
 
 
 def test_stop_checks_in_vllms_order():
