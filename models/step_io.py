@@ -121,8 +121,9 @@ class StepOutput:
     top_ids: np.ndarray           # int32[S, K]   K = max logprobs asked in the step (0 if none)
     top_logprobs: np.ndarray      # float32[S, K]
     prompt_logprobs: dict = field(default_factory=dict)
-    # seq_id -> (float32[n], int32[n, K], float32[n, K]): logprob of each prompt token at
-    # position >= 1 computed in this step (the first token of a later chunk is scored by the
-    # previous chunk's last row, so results must be read in launch order), and its top-K.
+    # seq_id -> (float32[n], int32[n, K], float32[n, K], int32[n]): logprob of each prompt
+    # token at position >= 1 computed in this step (the first token of a later chunk is scored
+    # by the previous chunk's last row, so results must be read in launch order), its top-K,
+    # and its rank (models/prompt_logprobs.py `of_chunk`).
     logits: dict | None = None    # seq_id -> float32[n, V] of every row, when launch(return_logits=True)
 

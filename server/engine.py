@@ -40,23 +40,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from models.tokenizer import IncrementalDetokenizer
 from server.admission import RequestRejected, check_lengths, check_params, check_prompt_ids
 from server.block_manager import BlockManager
 from server.engine_death import EngineUnavailable, Lifeline
-from server.engine_stats import EngineObserver, EngineStats, device_seconds, time_token
+from server.engine_stats import EngineObserver, EngineStats, device_seconds
 from server.inbox import Inbox
 from server.open_requests import EngineRequest, OpenRequests
-from server.outputs import SeqUpdate, store_prompt_logprobs, token_logprob
-from server.scheduler import ScheduledChunk, Scheduler
+from server.output_processor import OutputProcessor
+from server.outputs import SeqUpdate, store_prompt_logprobs
+from server.scheduler import Scheduler
 from server.seams import StepRunner, check_runner
 from server.sequence import GenerationParams, Sequence
 from server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
-from server.step_work import seq_work
-from server.stopping import check_stop, eos_token_ids
-from server.structured import grammar_stop
+from server.step_work import ScheduledChunk, Step, holds_grammar_sample, seq_work
+from server.stopping import eos_token_ids
 from server.watchdog import EngineFatal, EngineStalled, Fault
 
 log = logging.getLogger("spyre_serve.engine")
@@ -64,18 +62,6 @@ log = logging.getLogger("spyre_serve.engine")
 __all__ = ["MAX_FAILED_STEPS_IN_A_ROW", "Engine", "EngineFatal", "EngineObserver", "EngineRequest",
            "EngineStalled", "EngineStats", "EngineUnavailable", "RequestRejected", "SeqUpdate",
            "eos_token_ids"]
-
-
-@dataclass(slots=True)
-class _Step:
-    chunks: list[ScheduledChunk]
-    handle: object
-    number: int  # launches so far, this one included
-
-
-def _holds_grammar_sample(step: _Step) -> bool:
-    """Whether ``step`` samples for a running sequence under a grammar (structured output)."""
-    return any(c.sample and c.seq.matcher is not None and not c.seq.is_finished for c in step.chunks)
 
 
 class Engine:
@@ -126,6 +112,8 @@ class Engine:
         self._open = OpenRequests(self.scheduler, self.stats, lambda: self.observer,
                                   silenced=self._silenced)
         self._requests = self._open.by_id  # taken from the inbox, not answered in full
+        self._outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
+                                        lambda: self.observer, self._requests)
         self.accepting = True  # false while draining for shutdown
         self._failures = StepFailures()
         self._fault = fault  # a test's injected fault (server/watchdog.py), None when serving
@@ -240,7 +228,7 @@ class Engine:
     # ---- the loop (engine thread only) ----------------------------------------
 
     def _run(self) -> None:
-        inflight: _Step | None = None
+        inflight: Step | None = None
         try:
             while not self._stop and not self._life.dead:
                 t0 = time.perf_counter()
@@ -253,7 +241,7 @@ class Engine:
                     self._probe()
                     self._publish_counts()
                     continue
-                if inflight is not None and self.structured_output_wait and _holds_grammar_sample(inflight):
+                if inflight is not None and self.structured_output_wait and holds_grammar_sample(inflight):
                     inflight = self._collect_pair(inflight, None)
                 chunks = self.scheduler.schedule()
                 step = self._launch(chunks)
@@ -287,17 +275,14 @@ class Engine:
                 req: EngineRequest = item
                 self._open.add(req)
                 for seq in req.seqs:
-                    seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids,
-                                                       skip_special_tokens=seq.params.skip_special_tokens)
-                    if seq.params.grammar is not None:
-                        seq.matcher = seq.params.grammar.matcher()
+                    self._outputs.start(seq)
                     self.scheduler.add(seq)
             else:
                 req = self._requests.get(item)
                 if req is not None:
                     self._open.finish(req, "abort", notify=False)
 
-    def _launch(self, chunks: list[ScheduledChunk]) -> _Step | None:
+    def _launch(self, chunks: list[ScheduledChunk]) -> Step | None:
         if not chunks:
             return None
         now = time.monotonic()
@@ -317,9 +302,9 @@ class Engine:
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
                 self.observer.on_scheduled(now - req.arrival, c.seq.num_prompt)
-        return _Step(chunks, handle, self.stats.steps)
+        return Step(chunks, handle, self.stats.steps)
 
-    def _collect_pair(self, step: _Step, next_step: _Step | None) -> _Step | None:
+    def _collect_pair(self, step: Step, next_step: Step | None) -> Step | None:
         """Read back ``step``; when it failed, read back the step launched after it too
         (its results for ``step``'s sequences followed a failed step: discarded), so that
         nothing is in flight. Returns what is still in flight."""
@@ -330,7 +315,7 @@ class Engine:
             self._collect(next_step, poisoned=failed)
         return None
 
-    def _collect(self, step: _Step, poisoned: frozenset[int] = frozenset()) -> frozenset[int] | None:
+    def _collect(self, step: Step, poisoned: frozenset[int] = frozenset()) -> frozenset[int] | None:
         """Read back ``step`` and apply it: None, or when it failed the ids of its sequences.
         The chunks of ``poisoned`` sequences are dropped (the step before failed for them)."""
         try:
@@ -362,7 +347,9 @@ class Engine:
                 if not kept:
                     self.stats.tokens_discarded += 1
                     continue
-                self._on_token(seq, out, i, now)
+                stop = self._outputs.on_token(seq, out, i, now)
+                if stop is not None:
+                    self._open.finish_seq(seq, *stop)
                 num_new_tokens += 1
             elif seq.params.max_tokens == 0 and c.start + c.num_new >= seq.num_prompt:
                 if not seq.is_finished:
@@ -379,19 +366,6 @@ class Engine:
                     self._open.emit(req, seq)
             if req.num_finished == len(req.seqs):
                 self._open.close(req)
-
-    def _on_token(self, seq: Sequence, out, i: int, now: float) -> None:
-        """The scheduler has added the token of ``out``'s row ``i`` to ``seq``: time it,
-        keep its logprobs, detokenize it and check the stop conditions."""
-        token = seq.token_ids[-1]
-        time_token(self.observer, self._requests[seq.request_id], seq, now)
-        if seq.params.logprobs is not None:
-            seq.output_logprobs.append(token_logprob(out, i, token, seq.params.logprobs))
-        stop = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
-        if seq.matcher is not None and stop is None:
-            stop = grammar_stop(seq, token)
-        if stop is not None:
-            self._open.finish_seq(seq, *stop)
 
     # ---- failures ---------------------------------------------------------------
 

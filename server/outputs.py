@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.scheduler import ScheduledChunk
 from server.sequence import Sequence, TokenLogprob
+from server.step_work import ScheduledChunk
 
 
 @dataclass(slots=True)

@@ -56,23 +56,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from server.block_manager import BlockManager
 from server.sequence import SeqStatus, Sequence
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    seq: Sequence
-    start: int  # tokens of seq already in the KV cache
-    num_new: int  # tokens computed this step
-    sample: bool  # sample the next token after this chunk
-    from_device: bool  # the one decode token is read on the device
-    prompt_logprobs: bool  # score the prompt tokens of this chunk (echo + logprobs)
-    num_generated: int  # output tokens before this chunk's sample: the RNG counter
-    cached: list[tuple[int, bytes]] = field(default_factory=list)  # (block, hash) registered
-    # in the prefix cache at this launch: not what they say if the step fails
+from server.step_work import ScheduledChunk
 
 
 class Scheduler:

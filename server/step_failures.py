@@ -14,8 +14,8 @@ import logging
 from collections import deque
 
 from models.step_io import SeqWorkError
-from server.scheduler import ScheduledChunk
 from server.sequence import Sequence
+from server.step_work import ScheduledChunk
 from server.watchdog import EngineFatal
 
 log = logging.getLogger("spyre_serve.engine")

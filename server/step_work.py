@@ -1,11 +1,40 @@
-"""What the engine hands the runner for one scheduled chunk: a ``SeqWork``
-(``models/step_io.py``), the boundary between the server and the model."""
+"""What a step carries: the scheduler's chunks (``ScheduledChunk``), the ``SeqWork`` the engine
+hands the runner for each (``models/step_io.py``, the boundary between the server and the
+model), and the launched ``Step`` the engine reads back."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from models import SamplingParams, SeqWork
-from server.scheduler import ScheduledChunk
+from server.seams import PendingStep
+from server.sequence import Sequence
 from server.stopping import banned_tokens
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # tokens of seq already in the KV cache
+    num_new: int  # tokens computed this step
+    sample: bool  # sample the next token after this chunk
+    from_device: bool  # the one decode token is read on the device
+    prompt_logprobs: bool  # score the prompt tokens of this chunk (echo + logprobs)
+    num_generated: int  # output tokens before this chunk's sample: the RNG counter
+    cached: list[tuple[int, bytes]] = field(default_factory=list)  # (block, hash) registered
+    # in the prefix cache at this launch: not what they say if the step fails
+
+
+@dataclass(slots=True)
+class Step:
+    chunks: list[ScheduledChunk]
+    handle: PendingStep  # its runner's handle: result() reads it back
+    number: int  # launches so far, this one included
+
+
+def holds_grammar_sample(step: Step) -> bool:
+    """Whether ``step`` samples for a running sequence under a grammar (structured output)."""
+    return any(c.sample and c.seq.matcher is not None and not c.seq.is_finished for c in step.chunks)
 
 
 def seq_work(c: ScheduledChunk, eos_ids: frozenset[int], vocab_size: int) -> SeqWork:

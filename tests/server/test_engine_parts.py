@@ -13,9 +13,9 @@ from server.admission import RequestRejected, check_lengths, check_params, check
 from server.inbox import Inbox
 from server.open_requests import EngineRequest
 from server.outputs import take_update
-from server.scheduler import ScheduledChunk
 from server.sequence import GenerationParams, Sequence
 from server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
+from server.step_work import ScheduledChunk
 from server.stopping import banned_tokens, check_stop, eos_token_ids
 from server.watchdog import EngineFatal
 

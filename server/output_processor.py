@@ -1,0 +1,47 @@
+"""The text and stop state of each sequence, kept by one object (vLLM v1's OutputProcessor):
+the scheduler owns a sequence's tokens and blocks, this its detokenizer, grammar matcher,
+logprobs and timing. The engine calls `start` when a sequence arrives and `on_token` for every
+token the scheduler has appended; `on_token` returns why the sequence stops, or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from models.tokenizer import IncrementalDetokenizer
+from server.engine_stats import EngineObserver, time_token
+from server.open_requests import EngineRequest
+from server.outputs import token_logprob
+from server.sequence import Sequence
+from server.stopping import check_stop
+from server.structured import grammar_stop
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int,
+                 observer: Callable[[], EngineObserver], requests: dict[str, EngineRequest]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._observer = observer
+        self._requests = requests
+
+    def start(self, seq: Sequence) -> None:
+        """A new sequence: its detokenizer, and its grammar's matcher when it has one."""
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids,
+                                           skip_special_tokens=seq.params.skip_special_tokens)
+        if seq.params.grammar is not None:
+            seq.matcher = seq.params.grammar.matcher()
+
+    def on_token(self, seq: Sequence, out, i: int, now: float) -> tuple | None:
+        """The scheduler has added the token of ``out``'s row ``i`` to ``seq``: time it, keep its
+        logprobs, detokenize it and check the stop conditions (the grammar's too); returns the
+        stop (reason, detail) or None."""
+        token = seq.token_ids[-1]
+        time_token(self._observer(), self._requests[seq.request_id], seq, now)
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.append(token_logprob(out, i, token, seq.params.logprobs))
+        stop = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+        if seq.matcher is not None and stop is None:
+            stop = grammar_stop(seq, token)
+        return stop
