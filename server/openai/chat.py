@@ -21,7 +21,7 @@ from server.openai.bridge import Choice
 from server.openai.errors import APIError
 from server.openai.logprobs import TokenTexts, chat_logprobs
 from server.openai.openapi import GENERATION_ERRORS, route
-from server.openai.prompts import chat_prompt, truncated
+from server.openai.prompts import chat_prompt
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.request_id import request_ids
 from server.openai.response import full_response, new_head, stream_response
@@ -41,24 +41,21 @@ async def create_chat_completion(request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     serving.check_limits(req)
     tools = ToolRequest.of(req)
-    ids = await serving.blocking("rendering the chat template for these messages", "messages", chat_prompt,
-                                 serving.tokenizer, req.messages, req.add_generation_prompt,
-                                 req.chat_template_kwargs, req.add_special_tokens,
-                                 tools.template_tools if tools is not None else None)
-    [ids] = truncated([ids], req.truncate_prompt_tokens, serving.engine.max_model_len)
-    serving.check_tokens(ids, "messages")
+    [ids] = await serving.prompt_ids("rendering the chat template for these messages", "messages",
+                                     chat_prompts, serving.tokenizer, req.messages, req.add_generation_prompt,
+                                     req.chat_template_kwargs, req.add_special_tokens,
+                                     tools.template_tools if tools is not None else None,
+                                     truncate=req.truncate_prompt_tokens)
     max_tokens = serving.max_tokens(req.output_limit, [ids])
     k = (req.top_logprobs or 0) if req.logprobs else None  # top alternatives per token; None: no logprobs
     params = generation_params(req, max_tokens, k, prompt_logprobs=False, vocab_size=serving.vocab_size,
                                defaults=serving.defaults)
     await chat_structure(serving, req, tools, params)
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    serving.check_fits(ids, params, {"prompt": "messages", "max_tokens": limit_param})
-    serving.check_admission(req.n)
     finished, streamed = tool_choices(tools, finished_choice, streamed_choice)
     head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name,
                     response_id)
-    sub = serving.submit(engine_id, [ids], params)
+    sub = serving.start(engine_id, [ids], params, {"prompt": "messages", "max_tokens": limit_param})
     role = reply_role(req)
     echo = echoed(req, role)
     if req.stream:
@@ -66,6 +63,11 @@ async def create_chat_completion(request: Request):
                                opening_choices(len(sub.choices), role, echo))
     return await full_response(sub, request.is_disconnected, head,
                                partial(finished, serving.texts, k, role, echo))
+
+
+def chat_prompts(*args) -> list[list[int]]:
+    """The chat's one prompt (``chat_prompt``), as the list ``Serving.prompt_ids`` takes."""
+    return [chat_prompt(*args)]
 
 
 def reply_role(req: ChatCompletionRequest) -> str:

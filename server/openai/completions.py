@@ -21,7 +21,7 @@ from server.openai import structured
 from server.openai.bridge import Choice, Submission
 from server.openai.logprobs import TokenTexts, completion_logprobs, joined, prompt_logprobs
 from server.openai.openapi import GENERATION_ERRORS, route
-from server.openai.prompts import completion_prompts, truncated
+from server.openai.prompts import completion_prompts
 from server.openai.protocol import CompletionRequest
 from server.openai.request_id import request_ids
 from server.openai.response import full_response, new_head, stream_response
@@ -38,11 +38,8 @@ async def create_completion(request: Request):
     response_id, engine_id = request_ids(request, "cmpl")
     req = await serving.read(request, CompletionRequest)
     serving.check_limits(req)
-    prompts = await serving.blocking("tokenizing the prompt", "prompt", completion_prompts, serving.tokenizer,
-                                     req.prompt, req.add_special_tokens)
-    prompts = truncated(prompts, req.truncate_prompt_tokens, serving.engine.max_model_len)
-    for ids in prompts:
-        serving.check_tokens(ids, "prompt")
+    prompts = await serving.prompt_ids("tokenizing the prompt", "prompt", completion_prompts, serving.tokenizer,
+                                       req.prompt, req.add_special_tokens, truncate=req.truncate_prompt_tokens)
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
     echo_scored = req.echo and req.logprobs is not None
     # vLLM's prompt_logprobs, which echo with logprobs asks for too; a stream has none (0 passes, > 0 is a 400)
@@ -53,11 +50,8 @@ async def create_completion(request: Request):
                                prompt_top=max((req.logprobs or 0) if echo_scored else 0, shown or 0))
     structured.apply(params, await structured.request_grammar(serving, req),
                      structured.logit_bias(req, serving.vocab_size))
-    for ids in prompts:
-        serving.check_fits(ids, params)
-    serving.check_admission(len(prompts) * req.n)
     head = new_head("cmpl", "text_completion", serving.model_name, response_id)
-    sub = serving.submit(engine_id, prompts, params)
+    sub = serving.start(engine_id, prompts, params)
     echo = None
     if req.echo:
         echo = Echo(serving.texts, sub, echoed_texts(serving.tokenizer, req, prompts), req.logprobs)

@@ -3,7 +3,9 @@
 One ``Serving`` per app (``app.state.serving``, read with ``serving_of``): the engine, the
 tokenizer (with ``--chat-template`` if given), the name clients use for the model, the
 settings' limits, and the threads that render and tokenize off the event loop
-(``blocking``). Its checks refuse a request before the engine sees it, each with the status
+(``blocking``). A generation endpoint reads its body (``read``, ``check_limits``), gets its
+prompts (``prompt_ids``), builds its parameters, and ``start``s. Its checks refuse a request
+before the engine sees it, each with the status
 and numbers that say why: an unknown model (404), a request over a cap (``limits``), a
 token id outside the vocabulary, a request that can never fit the context or the KV cache,
 a template that renders too long (400), an engine that is down, draining or has too many
@@ -26,7 +28,7 @@ from server.openai.errors import APIError
 from server.openai.limits import check_limits, num_prompts
 from server.openai.logprobs import TokenTexts
 from server.openai.offload import Offload, TimedOut
-from server.openai.prompts import with_chat_template
+from server.openai.prompts import truncated, with_chat_template
 from server.openai.protocol import SamplingRequest
 from server.openai.sampling import generation_defaults
 from server.sequence import GenerationParams
@@ -90,6 +92,27 @@ class Serving:
         except TimedOut:
             raise APIError(400, f"{what} took longer than {self.offload.timeout:g} s (--render-timeout)",
                            param) from None
+
+    async def prompt_ids(self, what: str, param: str, render: Callable[..., list[list[int]]], *args,
+                         truncate: int | None) -> list[list[int]]:
+        """The request's prompts as token ids: ``render(*args)`` (tokenize, or apply the chat
+        template) off the event loop, cut to ``truncate`` tokens (truncate_prompt_tokens), each
+        id checked against the vocabulary (400 naming ``param``)."""
+        prompts = await self.blocking(what, param, render, *args)
+        prompts = truncated(prompts, truncate, self.engine.max_model_len)
+        for ids in prompts:
+            self.check_tokens(ids, param)
+        return prompts
+
+    def start(self, request_id: str, prompts: list[list[int]], params: list[GenerationParams],
+              renames: dict[str, str] | None = None) -> Submission:
+        """Every prompt checked to fit with its choices (``check_fits``), the engine's room for
+        them (``check_admission``), then the submission: the last steps of every generation
+        endpoint, in this order and with no await between them."""
+        for ids in prompts:
+            self.check_fits(ids, params, renames)
+        self.check_admission(len(prompts) * len(params))
+        return self.submit(request_id, prompts, params)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
