@@ -24,6 +24,7 @@ from server.openai.protocol import (
     TokenizeRequest,
 )
 from server.openai.request_id import RequestIdMiddleware
+from server.openai.responses import GENERATION_RESPONSES
 from server.openai.serving import Serving
 from server.settings import Settings
 
@@ -44,5 +45,7 @@ def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastA
     app.include_router(status.open_router)
     serving = app.state.serving
     values = served_values(serving.model_name, serving.vocab_size, settings, free_variables(serving.tokenizer))
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest], values)
+    answers = [m for pair in GENERATION_RESPONSES.values() for m in pair]
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, *answers],
+                    values)
     return app

@@ -25,6 +25,7 @@ from server.openai.prompts import chat_prompt
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.request_id import request_ids
 from server.openai.response import full_response, new_head, stream_response
+from server.openai.responses import GENERATION_RESPONSES
 from server.openai.sampling import generation_params
 from server.openai.serving import serving_of
 from server.openai.tools import ToolRequest, chat_structure, tool_choices
@@ -32,7 +33,8 @@ from server.openai.tools import ToolRequest, chat_structure, tool_choices
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", **route(ChatCompletionRequest, GENERATION_ERRORS, streams=True))
+@router.post("/v1/chat/completions", **route(ChatCompletionRequest, GENERATION_ERRORS, streams=True,
+                    answers=GENERATION_RESPONSES["chat"]))
 async def create_chat_completion(request: Request):
     serving = serving_of(request)
     response_id, engine_id = request_ids(request, "chatcmpl")

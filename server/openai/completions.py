@@ -25,6 +25,7 @@ from server.openai.prompts import completion_prompts
 from server.openai.protocol import CompletionRequest
 from server.openai.request_id import request_ids
 from server.openai.response import full_response, new_head, stream_response
+from server.openai.responses import GENERATION_RESPONSES
 from server.openai.sampling import generation_params
 from server.openai.serving import serving_of
 from server.sequence import TokenLogprob
@@ -32,7 +33,8 @@ from server.sequence import TokenLogprob
 router = APIRouter()
 
 
-@router.post("/v1/completions", **route(CompletionRequest, GENERATION_ERRORS, streams=True))
+@router.post("/v1/completions", **route(CompletionRequest, GENERATION_ERRORS, streams=True,
+                    answers=GENERATION_RESPONSES["completions"]))
 async def create_completion(request: Request):
     serving = serving_of(request)
     response_id, engine_id = request_ids(request, "cmpl")

@@ -31,16 +31,20 @@ def errors(*statuses: int) -> dict:
     return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
-def route(model: type[BaseModel], statuses: tuple[int, ...], streams: bool = False) -> dict:
+def route(model: type[BaseModel], statuses: tuple[int, ...], streams: bool = False,
+          answers: tuple[type[BaseModel], type[BaseModel]] | None = None) -> dict:
     """Keyword arguments for ``router.post``: the JSON body ``model``, the error responses,
-    and with ``streams`` (a generation) a 200 that is JSON or, with ``"stream": true``,
-    server-sent events, and the ``X-Request-Id`` header that names it."""
+    and with ``streams`` (a generation) a 200 that is JSON (``answers[0]``, responses.py) or,
+    with ``"stream": true``, server-sent events (each ``data:`` one ``answers[1]``), and the
+    ``X-Request-Id`` header that names it."""
     body = {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}
     responses = errors(*statuses)
     extra: dict = {"requestBody": body}
     if streams:
-        responses[200] = {"description": "the completion; with `stream`, server-sent events ending `data: [DONE]`",
-                          "content": {"application/json": {}, "text/event-stream": {}}}
+        body, chunk = ({"schema": {"$ref": REF.format(model=m.__name__)}} for m in answers) if answers else ({}, {})
+        responses[200] = {"description": "the completion; with `stream`, server-sent events ending `data: [DONE]`, "
+                                         "each event's data a chunk",
+                          "content": {"application/json": body, "text/event-stream": chunk}}
         extra["parameters"] = [{"name": HEADER, "in": "header", "required": False,
                                 "schema": {"type": "string", "minLength": 1, "maxLength": MAX_LENGTH},
                                 "description": "the request's id (vLLM's): the answer's id is `cmpl-<id>` or "

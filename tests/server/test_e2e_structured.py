@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from server.openai.responses import ChatCompletionResponse
 from tests.reliability.conftest import NORMAL, beside, running_server
 from tests.server.conftest import PROMPT
 
@@ -172,6 +173,7 @@ def test_tool_choice_named_and_required_give_parseable_calls(client):
                                            max_tokens=300, seed=seed)
         check_calls(r.choices[0].message.tool_calls, set(PARAMS))
         assert r.choices[0].finish_reason == "tool_calls"
+        ChatCompletionResponse.model_validate(r.model_dump(exclude_unset=True))  # the declared shape
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
