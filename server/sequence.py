@@ -67,12 +67,16 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class Sequence:
+    # Each group of fields has its writers, and no other module writes them (WRITERS below;
+    # tests/server/test_sequence_ownership.py reads every module's assignments to check it).
+    # -- the request: set at creation, read by all
     seq_id: int
     request_id: str
     index: int  # choice index within the request
     prompt_ids: list[int]
     params: GenerationParams
     arrival: float
+    # -- scheduling state: the scheduler (and its block manager)
     token_ids: list[int] = field(default_factory=list)  # prompt + output known on the host
     num_pending: int = 0  # tokens sampled by launched steps, not read back yet
     num_computed: int = 0  # tokens written (or being written) into the KV cache
@@ -84,18 +88,21 @@ class Sequence:
     num_inflight: int = 0  # launched steps this sequence is part of, not collected yet
     release_pending: bool = False  # ended or preempted: release it once num_inflight is 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # -- how it ended: the open requests (which finish and fail them)
     stop_reason: int | str | None = None
     error: str | None = None
+    # -- text, logprobs, grammar and timing: the output processor (and its stop checks)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     text: str = ""  # output text so far (cut before a stop string)
-    num_text_sent: int = 0  # characters of ``text`` already handed to the client
-    num_tokens_sent: int = 0  # output tokens (and logprobs) already handed to the client
-    prompt_logprobs_sent: bool = False
     detok: object | None = None  # models.tokenizer.IncrementalDetokenizer
     matcher: object | None = None  # server.structured.Matcher: its grammar, advanced per known token
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # -- what the client has been sent: the updates (outputs.py)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    num_text_sent: int = 0  # characters of ``text`` already handed to the client
+    num_tokens_sent: int = 0  # output tokens (and logprobs) already handed to the client
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -176,3 +183,16 @@ class Sequence:
         delta = self.text[self.num_text_sent : end]
         self.num_text_sent = end
         return delta
+
+
+# Who writes which fields of a Sequence (module paths below server/): every other module reads.
+WRITERS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("token_ids", "num_pending", "num_computed", "block_table", "block_hashes", "num_cached_blocks",
+     "kv_suspect", "status", "num_inflight", "release_pending", "finish_reason"):
+        ("scheduler.py", "block_manager.py"),
+    ("stop_reason", "error"): ("open_requests.py",),
+    ("output_logprobs", "text", "detok", "matcher", "first_token_time", "last_token_time"):
+        ("output_processor.py", "stopping.py", "engine_stats.py", "sequence.py"),
+    ("prompt_logprobs", "num_text_sent", "num_tokens_sent", "prompt_logprobs_sent"):
+        ("outputs.py", "sequence.py"),
+}
