@@ -21,7 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
-	$(BIN)/python benchmarks/device.py
+	$(BIN)/python benchmarks/card.py
 	$(BIN)/python benchmarks/model.py
 	$(BIN)/python benchmarks/serving.py
 

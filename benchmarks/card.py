@@ -13,12 +13,13 @@ to benchmarks/results/device.json:
    the same 10 kernels as 10 one-kernel programs, and as 10 direct calls from
    Python with the bindings turned into arena views on every step.
 
-    .venv/bin/python benchmarks/device.py [--quick]
+    .venv/bin/python benchmarks/card.py [--quick]
 
 Run it as a script only: its njit entries are cached by Numba under the module
 name `__main__`, and loading that cache into the file imported under another
-name crashed (seen once, with importlib); `import device` inside it must find the
-package, which is why the repository root goes first on sys.path.
+name crashed (seen once, with importlib). The repository root goes first on sys.path (the
+checkout's packages, as every benchmark); the file's name is not a package's, so nothing
+in benchmarks/ hides one.
 """
 
 from __future__ import annotations
