@@ -9,7 +9,7 @@ from safetensors.numpy import load_file, save_file
 
 from models.checkpoint import CheckpointError, expected_shapes, load_checkpoint
 from models.config import GraniteConfig
-from tests.models.conftest import load_reference_model, write_granite_checkpoint
+from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
 
 
 def reference_state(path):

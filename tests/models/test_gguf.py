@@ -26,7 +26,7 @@ from models.gguf import (
     unpermute_rope_rows,
 )
 from models.profiles import ASSETS, TINY, InitStds, init_tensors
-from tests.models.conftest import granite_config, runner_greedy
+from tests.models.checkpoints import granite_config, runner_greedy
 from tests.models.gguf_files import Q, llama_cpp_permute, write_gguf, write_numpy_checkpoint
 
 # Models whose greedy output is varied (docs/design.md, "Testing with random weights").

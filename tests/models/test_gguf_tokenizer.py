@@ -165,7 +165,7 @@ def test_a_served_gguf_chats_through_its_own_template(tmp_path, original):
     from openai import OpenAI
 
     from server.cli import build
-    from tests.server.conftest import ServerThread, real_settings
+    from tests.server.servers import ServerThread, real_settings
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     built = build(real_settings(model=str(path), max_num_seqs=2, num_kv_blocks=16,

@@ -13,7 +13,7 @@ import torch
 
 from device import Card
 from models import ModelRunner, SamplingParams, SeqWork, load_model
-from tests.models.conftest import load_reference_model, write_granite_checkpoint
+from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0)

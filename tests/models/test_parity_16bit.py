@@ -26,7 +26,7 @@ import torch
 
 from device import Card
 from models import ModelRunner, SeqWork, load_model
-from tests.models.conftest import load_reference_model, write_granite_checkpoint
+from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
 from tests.models.test_parity import BLOCK, GREEDY, prompts_of, reference_greedy, run_mixed
 
 TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,7 +9,7 @@ import pytest
 
 from device import Card
 from models import ModelRunner, SamplingParams, SeqWork, load_model
-from tests.models.conftest import write_granite_checkpoint
+from tests.models.checkpoints import write_granite_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16

@@ -10,7 +10,7 @@ import torch
 
 from device import Card
 from models import ModelRunner, SamplingParams, SeqWork, load_model
-from tests.models.conftest import load_reference_model, write_granite_checkpoint
+from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
 from tests.models.test_parity import BLOCK, BlockPool, prompts_of, reference_logits, run_mixed
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -27,7 +27,7 @@ from device import Card
 from models import ModelRunner, load_model, resolve_model
 from models.gguf_fetch import FetchError
 from models.profiles import SMOLLM2
-from tests.models.conftest import runner_greedy
+from tests.models.checkpoints import runner_greedy
 
 torch = pytest.importorskip("torch")
 
@@ -192,7 +192,7 @@ def test_the_server_answers_a_chat_through_the_openai_client(gguf_path, referenc
     from openai import OpenAI
 
     from server.cli import build
-    from tests.server.conftest import ServerThread, real_settings
+    from tests.server.servers import ServerThread, real_settings
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPYRE_SERVE_CACHE", str(TEST_CACHE))

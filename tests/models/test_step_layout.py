@@ -14,7 +14,7 @@ from models import ModelRunner, SamplingParams, SeqWork, load_model
 from models.buffer_layout import Field, Layout, length_slot
 from models.memory_plan import workspace_dims
 from models.step_inputs import pack_step
-from tests.models.conftest import write_granite_checkpoint
+from tests.models.checkpoints import write_granite_checkpoint
 
 BLOCK = 16
 TABLES = (sp.INPUTS, sp.OUTPUTS, sp.WORKSPACE)

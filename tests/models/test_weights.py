@@ -9,7 +9,7 @@ from device import Card
 from models.checkpoint import load_checkpoint
 from models.loader import load_model
 from models.weights import COL_K_CACHE, COL_QKV, LAYER_FIELDS, build_layer_table
-from tests.models.conftest import write_granite_checkpoint
+from tests.models.checkpoints import write_granite_checkpoint
 
 
 @pytest.fixture(scope="module")

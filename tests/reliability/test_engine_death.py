@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.conftest import server_process
+from tests.reliability.servers import server_process
 
 STEP_TIMEOUT = 3.0
 

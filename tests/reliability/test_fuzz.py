@@ -19,7 +19,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.generation.modes import GenerationMode
 
-from tests.reliability.conftest import metric
+from tests.reliability.servers import metric
 
 # cases per operation that takes a body: (positive, negative); one that takes none gets FEW
 PER_BODY = (48, 24)

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.conftest import beside
-from tests.server.conftest import real_settings
+from tests.reliability.servers import beside
+from tests.server.servers import real_settings
 
 LIMITS = real_settings()  # what the server runs with
 # (what, body, param, words the message ends with)

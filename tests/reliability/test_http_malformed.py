@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.reliability.conftest import beside
+from tests.reliability.servers import beside
 
 JSON = {"content-type": "application/json"}
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]

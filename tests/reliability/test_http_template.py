@@ -13,7 +13,7 @@ import pytest
 
 from models.profiles import ASSETS
 from models.tokenizer import load_tokenizer
-from tests.reliability.conftest import beside, running_server
+from tests.reliability.servers import beside, running_server
 
 # granite-tiny's own template, after `rounds` x 100,000 empty Jinja loop turns (~5 ms a round)
 HEAVY = ("{%- if rounds is defined %}{%- for i in range(rounds) %}{%- for j in range(100000) %}{%- endfor %}"

@@ -12,7 +12,7 @@ import pytest
 
 from models import SamplingParams
 from server.sequence import GenerationParams
-from tests.reliability.conftest import beside
+from tests.reliability.servers import beside
 from tests.server.fakes import Collector
 
 # what passes the HTTP validation but not a step's int32 fields: (what, fields, statuses the

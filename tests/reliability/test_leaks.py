@@ -12,7 +12,7 @@ import pytest
 
 from models import SamplingParams
 from server.sequence import GenerationParams
-from tests.reliability.conftest import running_server
+from tests.reliability.servers import running_server
 from tests.server.fakes import Collector
 
 WORDS = ("the river runs past the old mill where seven birds sang about stone bridges near the "

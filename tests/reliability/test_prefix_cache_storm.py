@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from tests.reliability.conftest import metric, running_server, wait_idle
+from tests.reliability.servers import metric, running_server, wait_idle
 from tests.reliability.test_storm import storm
 
 SYSTEM = ("the harbour archivist answers questions about boats, the old mill, seven stone bridges "

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.reliability.conftest import server_process
+from tests.reliability.servers import server_process
 
 MAX_TOKENS = 48
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 import httpx
 
-from tests.reliability.conftest import server_process, wait_idle
+from tests.reliability.servers import server_process, wait_idle
 
 WORDS = ("the river runs past the old mill where seven birds sang about stone bridges near the "
          "quiet harbour and boats rest until morning light returns to the hills").split()

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import PROMPT, real_settings, sse_events
+from tests.server.servers import PROMPT, real_settings, sse_events
 
 MARK = 7777  # a prompt holding this token id is the one the injected fault hits
 

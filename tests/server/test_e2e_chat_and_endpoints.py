@@ -13,7 +13,7 @@ from models.profiles import ASSETS
 from models.tokenizer import load_tokenizer
 from server.openai.app import create_app
 from server.settings import Settings
-from tests.server.conftest import PROMPT, ServerThread, sse_events
+from tests.server.servers import PROMPT, ServerThread, sse_events
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.conftest import PROMPT, sse_events
+from tests.server.servers import PROMPT, sse_events
 
 
 def complete(client, **body):

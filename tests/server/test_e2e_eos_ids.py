@@ -15,8 +15,8 @@ import pytest
 
 from models import SamplingParams
 from server.sequence import GenerationParams
-from tests.server.conftest import PROMPT, real_settings
 from tests.server.fakes import Collector
+from tests.server.servers import PROMPT, real_settings
 
 MAX_TOKENS = 8
 EOS_NEXT = [7470]  # granite-tiny's greedy next token is its EOS (see test_e2e_min_tokens.py)

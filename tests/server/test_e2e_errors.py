@@ -8,7 +8,7 @@ import pytest
 from server.engine import Engine
 from server.openai.app import create_app
 from server.settings import Settings
-from tests.server.conftest import PROMPT, ServerThread
+from tests.server.servers import PROMPT, ServerThread
 
 
 def error_of(r: httpx.Response, status: int) -> dict:

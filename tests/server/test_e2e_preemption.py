@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from server.cli import build
-from tests.server.conftest import ServerThread, real_settings
+from tests.server.servers import ServerThread, real_settings
 
 PROMPTS = ["Once upon a time in a", "The river ran past the old mill and", "Seven small birds"]
 MAX_TOKENS = 12

@@ -12,8 +12,8 @@ import pytest
 
 from server.cli import build
 from server.settings import Settings, add_flags
-from tests.reliability.conftest import metric, wait_idle
-from tests.server.conftest import ServerThread, real_settings
+from tests.reliability.servers import metric, wait_idle
+from tests.server.servers import ServerThread, real_settings
 
 SYSTEM = ("You are the archivist of a small harbour town. You answer questions about its boats, "
           "its mill, its bridges and the birds that nest under them, in short plain sentences. "

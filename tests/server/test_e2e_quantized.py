@@ -14,7 +14,7 @@ from models.profiles import ASSETS, TINY, TOKENIZER_FILES, init_tensors
 from models.quantize import quantize_matrices
 from server.cli import build
 from tests.models.gguf_files import Q, write_gguf, write_numpy_checkpoint
-from tests.server.conftest import ServerThread, real_settings
+from tests.server.servers import ServerThread, real_settings
 
 PROMPTS = ["The river", "Once upon a time there was", "1, 2, 3,"]
 

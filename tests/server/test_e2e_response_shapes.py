@@ -13,7 +13,7 @@ from server.openai.responses import (
     CompletionChunk,
     CompletionResponse,
 )
-from tests.server.conftest import PROMPT
+from tests.server.servers import PROMPT
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 

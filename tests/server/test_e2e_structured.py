@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from server.openai.responses import ChatCompletionResponse
-from tests.reliability.conftest import NORMAL, beside, running_server
-from tests.server.conftest import PROMPT
+from tests.reliability.servers import NORMAL, beside, running_server
+from tests.server.servers import PROMPT
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "tool_chat_template_granite.jinja"
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.models.test_smollm2 import TEST_CACHE
-from tests.reliability.conftest import running_server
+from tests.reliability.servers import running_server
 from tests.server.test_e2e_structured import SCHEMA, TOOLS, check_calls
 
 pytestmark = pytest.mark.slow

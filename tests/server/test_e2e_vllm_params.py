@@ -18,7 +18,7 @@ import pytest
 
 from server.openai.app import create_app
 from server.settings import Settings
-from tests.server.conftest import PROMPT, ServerThread, sse_events
+from tests.server.servers import PROMPT, ServerThread, sse_events
 
 EOS_NEXT = [7470]
 EOS_TEXT = "<|end_of_text|>"

@@ -12,7 +12,7 @@ from models import ModelRunner, SamplingParams, load_model, resolve_model
 from models.tokenizer import load_tokenizer
 from server.engine import Engine
 from server.sequence import GenerationParams
-from tests.models.conftest import write_granite_checkpoint
+from tests.models.checkpoints import write_granite_checkpoint
 from tests.server.fakes import Collector
 
 BLOCK = 16

@@ -8,7 +8,7 @@ import torch
 
 from spyre_torch.memory import DEVICE_BASE
 from spyre_torch.runtime import runtime
-from tests.spyre_torch.conftest import run_python
+from tests.spyre_torch.processes import run_python
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tests.spyre_torch.conftest import gate
+from tests.spyre_torch.processes import gate
 
 
 def test_events_time_work_on_a_stream():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spyre_torch.memory import DEVICE_BASE
-from tests.spyre_torch.conftest import gate, run_python
+from tests.spyre_torch.processes import gate, run_python
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ SMI = str(Path(sys.executable).parent / "spyre-smi")
 @pytest.fixture(scope="module")
 def server():
     from server.cli import build
-    from tests.server.conftest import ServerThread, real_settings
+    from tests.server.servers import ServerThread, real_settings
 
     built = build(real_settings(max_num_seqs=4), progress=False)
     with ServerThread(built.app) as s:

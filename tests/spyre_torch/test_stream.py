@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from device import DeviceCommandError
-from tests.spyre_torch.conftest import gate
+from tests.spyre_torch.processes import gate
 
 
 def test_ops_go_to_the_current_stream_and_the_context_restores_it():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.openai.conftest import ScriptedEngine, client_for
+from tests.server.openai.fakes import ScriptedEngine, client_for
 
 GUARDED = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "a"}),
            ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),

@@ -8,7 +8,7 @@ import threading
 from server.engine import SeqUpdate
 from server.openai.bridge import Submission, collect
 from server.sequence import TokenLogprob
-from tests.server.openai.conftest import RecordingEngine, update
+from tests.server.openai.fakes import RecordingEngine, update
 
 
 def test_each_prompt_is_one_engine_request_with_every_choices_params():

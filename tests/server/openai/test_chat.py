@@ -13,7 +13,7 @@ from server.openai.app import create_app
 from server.openai.chat import opening_choices, streamed_choice
 from server.openai.logprobs import TokenTexts
 from server.settings import Settings
-from tests.server.openai.conftest import (
+from tests.server.openai.fakes import (
     CharTokenizer,
     ScriptedEngine,
     client_for,

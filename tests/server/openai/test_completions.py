@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.server.openai.conftest import ScriptedEngine, client_for, ids_of
+from tests.server.openai.fakes import ScriptedEngine, client_for, ids_of
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from server.openai.logprobs import (
     joined,
 )
 from server.sequence import TokenLogprob
-from tests.server.openai.conftest import CharTokenizer, ids_of
+from tests.server.openai.fakes import CharTokenizer, ids_of
 
 
 class CountingTokenizer(CharTokenizer):

@@ -8,7 +8,7 @@ import pytest
 import schemathesis
 
 from server.settings import Settings
-from tests.server.openai.conftest import VOCAB, client_for
+from tests.server.openai.fakes import VOCAB, client_for
 
 BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}

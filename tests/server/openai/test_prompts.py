@@ -7,7 +7,7 @@ import pytest
 from server.openai.errors import APIError
 from server.openai.prompts import chat_prompt, completion_prompts, template_variables, truncated
 from server.openai.protocol import ChatMessage
-from tests.server.openai.conftest import CharTokenizer, ids_of
+from tests.server.openai.fakes import CharTokenizer, ids_of
 
 TOK = CharTokenizer()
 

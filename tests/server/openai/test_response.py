@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from server.openai.bridge import Submission
 from server.openai.errors import APIError
 from server.openai.response import full_response, new_head, stream_response
-from tests.server.openai.conftest import RecordingEngine, update
+from tests.server.openai.fakes import RecordingEngine, update
 
 
 def test_a_head_has_a_fresh_prefixed_id_the_object_the_time_and_the_model():

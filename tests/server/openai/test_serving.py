@@ -13,7 +13,7 @@ from server.openai.protocol import DetokenizeRequest
 from server.openai.serving import Serving, serving_of
 from server.sequence import GenerationParams
 from server.settings import Settings
-from tests.server.openai.conftest import (
+from tests.server.openai.fakes import (
     VOCAB,
     CharTokenizer,
     ScriptedEngine,

@@ -8,7 +8,7 @@ import logging
 
 from server.openai.bridge import Submission
 from server.openai.sse import sse, sse_stream
-from tests.server.openai.conftest import RecordingEngine, update
+from tests.server.openai.fakes import RecordingEngine, update
 
 HEAD = {"id": "x-1", "object": "chunk"}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.server.openai.conftest import ScriptedEngine, client_for
+from tests.server.openai.fakes import ScriptedEngine, client_for
 
 
 def test_models_lists_the_served_model_its_root_and_context_length():

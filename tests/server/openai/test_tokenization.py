@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.openai.conftest import VOCAB, client_for, ids_of
+from tests.server.openai.fakes import VOCAB, client_for, ids_of
 
 
 @pytest.fixture(scope="module")
