@@ -45,6 +45,10 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from device.process import configure  # noqa: E402
+
+configure()   # threads, ISA level, compile cache: before any kernel is imported
+
 import numpy as np  # noqa: E402
 
 from benchmarks.limits import bandwidth, gemm_peak  # noqa: E402

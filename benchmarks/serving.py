@@ -466,7 +466,7 @@ def main_smollm2(args, argv) -> int:
     from smollm2 import paths
 
     from benchmarks.limits import bandwidth
-    from device import KERNEL_ISA
+    from device.isa import current as kernel_isa
 
     hf = paths(args.peers_cache)["hf_f32"]
     weight_bytes = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
@@ -481,7 +481,7 @@ def main_smollm2(args, argv) -> int:
     files = paths(args.peers_cache)
     gguf_bytes = {k: files[k].stat().st_size for k in ("gguf_q8_0", "gguf_q4_1") if files[k].exists()}
     lines = smollm2_ratios(levels, bw, weight_bytes, gguf_bytes)
-    report = {"command": command.strip(), "checkpoint": str(hf), "kernel_isa": KERNEL_ISA.describe(),
+    report = {"command": command.strip(), "checkpoint": str(hf), "kernel_isa": kernel_isa().describe(),
               "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "cpu_count": os.cpu_count(), "rounds": args.rounds,
               "bandwidth_gbs": round(bw, 1), "weight_bytes_fp32": weight_bytes,
@@ -489,7 +489,7 @@ def main_smollm2(args, argv) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"`{report['command']}` on {os.cpu_count()} cores, SmolLM2-135M-Instruct, prompts of "
           f"{args.prompt_tokens} token ids, {args.output_tokens} output tokens (ignore_eos), "
-          f"read bandwidth {bw:.1f} GB/s, kernels {KERNEL_ISA.describe()}\n")
+          f"read bandwidth {bw:.1f} GB/s, kernels {kernel_isa().describe()}\n")
     print(table(levels))
     print("\n" + "\n".join(lines))
     return 0

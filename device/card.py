@@ -15,6 +15,7 @@ import numpy as np
 from device.allocator import AllocatorStats, CachingAllocator
 from device.counters import Counters
 from device.memory import STICK, DeviceError, DeviceTensor
+from device.process import configure_runtime
 from device.stream import DEFAULT_DEPTH, Stream
 
 # 4 GiB: fits the machines we run on; pages are only touched when used. The card reads no
@@ -26,6 +27,7 @@ DEFAULT_CORES = 32  # Spyre has 32 AI cores
 class Card:
     def __init__(self, memory_bytes: int = DEFAULT_MEMORY_BYTES, cores: int = DEFAULT_CORES,
                  stream_depth: int = DEFAULT_DEPTH):
+        configure_runtime()   # threads and ISA, when no entry point configured the process
         if memory_bytes <= 0:
             raise DeviceError(f"card memory must be positive, got {memory_bytes} bytes")
         if cores < 1:

@@ -83,7 +83,7 @@ _SELECTED: KernelISA | None = None
 
 def current() -> KernelISA:
     """This process's level: chosen on the first call, which also points Numba's code
-    generation at it, so it must come before Numba compiles anything (device/__init__.py
+    generation at it, so it must come before Numba compiles anything (device/process.py
     calls it first thing)."""
     global _SELECTED
     if _SELECTED is None:

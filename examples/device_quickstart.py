@@ -9,6 +9,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from device.process import configure  # noqa: E402
+
+configure()   # threads, ISA level, compile cache: before any kernel is imported
+
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 

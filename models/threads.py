@@ -10,7 +10,7 @@ OpenBLAS's own pool never runs beside Numba's.
 This replaces a policy from the BLAS era (steps under 64 rows on one core, BLAS threads by
 work size, attention switching its thread count), which made sense when every parallel region
 cost a sleeping OpenMP thread's wake-up (OMP_WAIT_POLICY=PASSIVE, ~90 us here) and OpenBLAS's
-pool spun beside OpenMP's. Numba now runs on TBB (device/__init__.py says why): a region costs a
+pool spun beside OpenMP's. Numba now runs on TBB (device/process.py says why): a region costs a
 few microseconds, and a busy neighbour process does not stall a region the way OpenMP's static
 split does. Measured on a SmolLM2-135M-shaped model (fp32, 538 MB of weights), one process per
 setting (ms):

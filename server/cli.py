@@ -108,9 +108,9 @@ def build(s: Settings, progress: bool = True) -> Built:
     from server.watchdog import Fault
 
     t0 = time.monotonic()
-    from device import KERNEL_ISA
+    from device.isa import current
 
-    log.info("kernels compiled for %s", KERNEL_ISA.describe())
+    log.info("kernels compiled for %s", current().describe())
     card = _card(s)
     try:
         model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
@@ -287,6 +287,9 @@ def keep_torch_out() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     keep_torch_out()
+    from device.process import configure
+
+    configure()     # threads, ISA level, compile cache: before any kernel is imported
     command, s = parse_command(argv)
     if command == "warmup":
         return warmup(s)

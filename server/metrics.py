@@ -166,12 +166,13 @@ class _LiveCollector:
                 yield gauge("spyre_runner_held_sequences", "Sequences the model runner keeps state for "
                             "between steps (prompt-logprob rows, penalty slots); 0 when idle.",
                             float(sum(held().values())))
-        from device import KERNEL_ISA
+        from device.isa import current
 
+        kernel_isa = current()
         isa = GaugeMetricFamily("spyre_kernel_isa", "The vector ISA level the card's kernels are "
                                 "compiled for (1 on the level in use; device/isa.py).",
                                 labels=["model_name", "isa", "host_isa"])
-        isa.add_metric([m.model_name, KERNEL_ISA.level, KERNEL_ISA.host_level], 1.0)
+        isa.add_metric([m.model_name, kernel_isa.level, kernel_isa.host_level], 1.0)
         yield isa
         if card is not None:
             counters = card.counters.snapshot()

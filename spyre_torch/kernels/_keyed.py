@@ -1,10 +1,7 @@
-"""Imported first by every kernel module: points Numba's on-disk cache at the directory keyed
-by the sources of device/ and of this folder (device/cache.py says why), before any kernel
-here is decorated."""
+"""Imported first by every kernel module of spyre_torch: torch's backend autoload is this
+package's entry point, so it configures the process (device/process.py: threads, ISA level,
+the compile cache keyed by the kernels' sources) before any kernel here is decorated."""
 
-from pathlib import Path
+from device.process import configure
 
-import device
-from device.cache import use_source_keyed_cache
-
-CACHE_DIR = use_source_keyed_cache(Path(device.__file__).parent, Path(__file__).parent)
+configure()

@@ -2,8 +2,8 @@
 
 import numba
 
-import device
 from device.cache import source_key, use_source_keyed_cache
+from device.isa import current
 
 
 def _package(root, text):
@@ -28,7 +28,7 @@ def test_the_cache_directory_is_under_numba_cache_dir_named_by_the_key(tmp_path,
     old = numba.config.CACHE_DIR
     try:
         path = use_source_keyed_cache(pkg)
-        assert path == tmp_path / "cache" / f"{source_key([pkg])}-{device.KERNEL_ISA.level}"
+        assert path == tmp_path / "cache" / f"{source_key([pkg])}-{current().level}"
         assert numba.config.CACHE_DIR == str(path)
     finally:
         numba.config.CACHE_DIR = old

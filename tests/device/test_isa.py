@@ -9,7 +9,7 @@ import pytest
 
 import device
 from device.cache import use_source_keyed_cache
-from device.isa import LEVELS, ISAError, choose, host_level
+from device.isa import LEVELS, ISAError, choose, current, host_level
 
 ZEN4 = {f: True for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
                           "avx512vnni", "avx512bf16")}
@@ -39,7 +39,7 @@ def test_a_lower_level_can_be_forced_a_higher_one_is_refused():
 
 
 def test_this_process_runs_a_level_the_host_has_and_caches_by_it(tmp_path, monkeypatch):
-    isa = device.KERNEL_ISA
+    isa = current()
     assert isa.level in LEVELS and LEVELS.index(isa.level) <= LEVELS.index(isa.host_level)
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     import numba
@@ -55,10 +55,12 @@ def test_this_process_runs_a_level_the_host_has_and_caches_by_it(tmp_path, monke
 def test_every_level_the_host_runs_computes_the_same_gemm(level):
     """Each level at or below the host's, in a fresh process (the level is chosen before Numba
     compiles): the quantized and float GEMMs give the numpy reference's values."""
-    if LEVELS.index(level) > LEVELS.index(device.KERNEL_ISA.host_level):
-        pytest.skip(f"this CPU runs at most {device.KERNEL_ISA.host_level}, not {level}")
+    if LEVELS.index(level) > LEVELS.index(current().host_level):
+        pytest.skip(f"this CPU runs at most {current().host_level}, not {level}")
     code = """
-import numpy as np, device
+import numpy as np
+from device.process import configure
+isa = configure()
 from device.kernels.gemm import ACT_F32, FMT_F32, FMT_Q4_1, gemm_packed
 from device.layout import QuantizedWeight, pack, pack_quantized
 rng = np.random.default_rng(0)
@@ -71,7 +73,7 @@ gemm_packed(out, a, pack_quantized(qw).reshape(-1), 64, 33, FMT_Q4_1, ACT_F32)
 gemm_packed(ref, a, pack(np.ascontiguousarray(qw.dequantize().T), FMT_F32).reshape(-1), 64, 33, FMT_F32, ACT_F32)
 assert np.array_equal(out, ref)
 np.testing.assert_allclose(out, a.astype(np.float64) @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
-print(device.KERNEL_ISA.level)
+print(isa.level)
 """
     env = {**os.environ, "SPYRE_KERNEL_ISA": level}   # its own cache directory: keyed by the level
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
