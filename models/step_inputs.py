@@ -213,10 +213,10 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     placement = layout.place(dims)
     host = np.zeros(placement.nbytes, np.uint8)
     v = placement.views(host)
-    _write_defaults(v, placement, limits.trash_slot)
+    records = _records(placement)
+    _write_defaults(v, records, limits.trash_slot)
     row_start = _write_rows(v, work, limits.block_size, last_rows, pen_slots)
-    sample_rows = _write_sampling(v, _records(placement), work, row_start, bans, limits.seed,
-                                  pen_slots)
+    sample_rows = _write_sampling(v, records, work, row_start, bans, limits.seed, pen_slots)
     if return_rows:
         v["logit_rows"][s:s + t] = np.arange(t, dtype=np.int32)
     _check_vocab(v, limits.vocab_size)
@@ -231,14 +231,15 @@ def _records(placement: Placement) -> list[tuple[str, Record]]:
     return [(f.name, f.dtype) for f in placement.fields if isinstance(f.dtype, Record)]
 
 
-def _write_defaults(v: dict[str, np.ndarray], placement: Placement, trash_slot: int) -> None:
+def _write_defaults(v: dict[str, np.ndarray], records: list[tuple[str, Record]],
+                    trash_slot: int) -> None:
     """What padding rows and sequences read (the buffer starts zeroed): padding rows write
     the trash block and read no device token; sampling rows without a sequence sample
     nothing, and their neutral parameters keep the kernels' arithmetic finite."""
     v["slot_mapping"][:] = trash_slot
     v["src_rows"][:] = -1
     v["count_slot"][:] = -1
-    for name, record in _records(placement):
+    for name, record in records:
         v[name][:] = record.defaults
 
 

@@ -23,7 +23,7 @@ INPUTS (packed by the host at every launch), OUTPUTS (read back; two, alternatin
 launch reads the previous one's samples) and WORKSPACE (activations, placed once for the
 largest bucket). SLOTS gives every field two slots, its address and its length; the host
 places the fields from the tables and binds their addresses at launch, and the entry views a
-field through `_i32` / `_f32` / `_i64`, which refuse a view longer than the field. So the
+field through `_i32` / `_f32` / `_sample_rows`, which refuse a view longer than the field. So the
 order of fields in a buffer is host-side data: reordering a table needs no recompile.
 
 Numba freezes the module-level values the entry reads (Slot, KMAX, the layer-table columns,
@@ -194,12 +194,6 @@ def _f32(f32, table, slot, n):
 def _i32(i32, table, slot, n):
     """int32[n] view of the field at `slot`."""
     return i32_at(i32, _bounded(table, slot, n), n)
-
-
-@njit(nogil=True, cache=True)
-def _i64(i64, table, slot, n):
-    """int64[n] view of the field at `slot`."""
-    return i64_at(i64, _bounded(table, slot, n), n)
 
 
 @njit(nogil=True, cache=True)

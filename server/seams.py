@@ -38,11 +38,16 @@ class StepRunner(Protocol):
     def forget(self, seq_id: int) -> None: ...
 
 
+def _members(protocol: type) -> list[str]:
+    """A Protocol's attributes and methods, as declared above."""
+    return [*protocol.__annotations__,
+            *(n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_"))]
+
+
 def check_runner(runner: object) -> StepRunner:
     """`runner`, once it has every member of StepRunner (TypeError naming the missing)."""
-    missing = [n for n in ("config", "block_size", "num_kv_blocks", "max_model_len", "t_buckets",
-                           "launch", "forget") if not hasattr(runner, n)]
-    missing += [f"config.{n}" for n in ("vocab_size", "eos_token_id")
+    missing = [n for n in _members(StepRunner) if not hasattr(runner, n)]
+    missing += [f"config.{n}" for n in _members(ModelShape)
                 if hasattr(runner, "config") and not hasattr(runner.config, n)]
     if missing:
         raise TypeError(f"{type(runner).__name__} is not a StepRunner: it lacks {missing}")

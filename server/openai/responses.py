@@ -126,10 +126,8 @@ class ChatCompletionChunk(Envelope):
     usage: Usage | None = None
 
 
-class CompletionChunk(Envelope):
-    object: Literal["text_completion"]
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
+class CompletionChunk(CompletionResponse):
+    """A stream's chunk: the body's shape (one choice's new text per chunk)."""
 
 
 # what each generation endpoint answers: (the JSON body, a stream's chunk)
