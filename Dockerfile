@@ -13,7 +13,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # ---- stage 1: the wheel, from the sources serving needs --------------------------------------
 FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY device/ device/
 COPY models/ models/
 COPY server/ server/

@@ -17,9 +17,8 @@ to benchmarks/results/device.json:
 
 Run it as a script only: its njit entries are cached by Numba under the module
 name `__main__`, and loading that cache into the file imported under another
-name crashed (seen once, with importlib). The repository root goes first on sys.path (the
-checkout's packages, as every benchmark); the file's name is not a package's, so nothing
-in benchmarks/ hides one.
+name crashed (seen once, with importlib). The repository root goes first on sys.path (for
+`benchmarks.limits`); the project itself is imported by its installed name, `spyre_serve`.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from device.process import configure  # noqa: E402
+from spyre_serve.device.process import configure  # noqa: E402
 
 configure()   # threads, ISA level, compile cache: before any kernel is imported
 
@@ -43,13 +42,13 @@ import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
 from benchmarks.limits import bandwidth, best_of, blas_gemm, fma_peak  # noqa: E402
-from device import Card, Program, Slot  # noqa: E402
-from device.abi import f32_at  # noqa: E402
-from device.kernels.activation import swiglu  # noqa: E402
-from device.kernels.gemm import ACT_F32, FMT_BF16, FMT_F32, gemm_packed, packed_size  # noqa: E402
-from device.kernels.norm import rmsnorm  # noqa: E402
-from device.kernels.residual import residual_add  # noqa: E402
-from device.layout import pack  # noqa: E402
+from spyre_serve.device import Card, Program, Slot  # noqa: E402
+from spyre_serve.device.abi import f32_at  # noqa: E402
+from spyre_serve.device.kernels.activation import swiglu  # noqa: E402
+from spyre_serve.device.kernels.gemm import ACT_F32, FMT_BF16, FMT_F32, gemm_packed, packed_size  # noqa: E402
+from spyre_serve.device.kernels.norm import rmsnorm  # noqa: E402
+from spyre_serve.device.kernels.residual import residual_add  # noqa: E402
+from spyre_serve.device.layout import pack  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "device.json"
 GEMM_M = (1, 8, 32, 512)

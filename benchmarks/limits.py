@@ -18,9 +18,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from device.kernels.gemm import ACT_F32, FMT_F32, MR, NR, gemm_packed
-from device.kernels.microkernel import tile
-from device.layout import pack
+from spyre_serve.device.kernels.gemm import ACT_F32, FMT_F32, MR, NR, gemm_packed
+from spyre_serve.device.kernels.microkernel import tile
+from spyre_serve.device.layout import pack
 
 
 @njit(nogil=True, cache=True)

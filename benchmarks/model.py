@@ -45,16 +45,16 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from device.process import configure  # noqa: E402
+from spyre_serve.device.process import configure  # noqa: E402
 
 configure()   # threads, ISA level, compile cache: before any kernel is imported
 
 import numpy as np  # noqa: E402
 
 from benchmarks.limits import bandwidth, gemm_peak  # noqa: E402
-from device import Card  # noqa: E402
-from models import ModelRunner, SamplingParams, SeqWork, load_model  # noqa: E402
-from models.eager import EagerModel  # noqa: E402
+from spyre_serve.device import Card  # noqa: E402
+from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model  # noqa: E402
+from spyre_serve.models.eager import EagerModel  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "model.json"
 GREEDY = SamplingParams(temperature=0.0)
@@ -367,7 +367,7 @@ def main():
     steps1 = 8 if args.quick else 16
     steps32 = 4 if args.quick else 8
 
-    from models.profiles import resolve_model
+    from spyre_serve.models.profiles import resolve_model
 
     path = resolve_model(args.model)
     ckpt_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))

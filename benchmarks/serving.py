@@ -53,7 +53,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deploy.loadtest.stats import percentile  # noqa: E402  (an empty list gives 0.0)
+from spyre_serve.deploy.loadtest.stats import percentile  # noqa: E402  (an empty list gives 0.0)
 
 
 @dataclass(slots=True)
@@ -98,8 +98,8 @@ def free_port() -> int:
 def text_prompt_maker(total: int, tokens: int):
     """make(n) -> n text prompts of about ``tokens`` tokens, each cut at its own offset of the
     shipped prose corpus (``total`` of them at most, spread over it), none given twice."""
-    from models import resolve_model
-    from models.tokenizer import load_tokenizer
+    from spyre_serve.models import resolve_model
+    from spyre_serve.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model("granite-tiny"))
     text = (ROOT / "models" / "assets" / "corpus" / "prose.txt").read_text()
@@ -466,7 +466,7 @@ def main_smollm2(args, argv) -> int:
     from smollm2 import paths
 
     from benchmarks.limits import bandwidth
-    from device.isa import current as kernel_isa
+    from spyre_serve.device.isa import current as kernel_isa
 
     hf = paths(args.peers_cache)["hf_f32"]
     weight_bytes = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.model == "smollm2":
         return main_smollm2(args, argv)
-    from models import resolve_model
+    from spyre_serve.models import resolve_model
 
     checkpoint = str(resolve_model("granite-tiny"))
     prompts = PromptSets(text_prompt_maker(prompts_needed(args), args.prompt_tokens), args)

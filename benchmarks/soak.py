@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import free_port, stop, text_prompt_maker, wait_ready  # noqa: E402
-from deploy.loadtest.stats import percentile  # noqa: E402  (an empty list gives 0.0)
+from spyre_serve.deploy.loadtest.stats import percentile  # noqa: E402  (an empty list gives 0.0)
 
 # Malformed requests: (what, raw body bytes or a JSON-able body, content type). Each must be a 4xx.
 MALFORMED = [
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p for n in (rng.randint(lo, hi) for _ in range(8)) for p in text_prompt_maker(8, n)(8)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", "granite-tiny", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "spyre_serve.server.cli", "serve", "--model", "granite-tiny", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning", *args.server_arg]
     print(f"starting {' '.join(cmd[1:])} (log: {args.log})", flush=True)
     with open(args.log, "w") as log:

@@ -10,21 +10,21 @@ any kernel is imported.
 from importlib import import_module
 
 _EXPORTS = {
-    "AllocatorStats": "device.allocator", "CachingAllocator": "device.allocator",
-    "Card": "device.card", "Counters": "device.counters", "Event": "device.event",
-    "STICK": "device.memory", "DeviceError": "device.memory", "DeviceOutOfMemory": "device.memory",
-    "DeviceTensor": "device.memory",
-    "D2H": "device.program", "H2D": "device.program", "Compute": "device.program",
-    "HostCompute": "device.program", "JobPlan": "device.program", "LaunchHandle": "device.program",
-    "Program": "device.program", "Slot": "device.program",
-    "DeviceCommandError": "device.stream", "Stream": "device.stream",
+    "AllocatorStats": "allocator", "CachingAllocator": "allocator",
+    "Card": "card", "Counters": "counters", "Event": "event",
+    "STICK": "memory", "DeviceError": "memory", "DeviceOutOfMemory": "memory",
+    "DeviceTensor": "memory",
+    "D2H": "program", "H2D": "program", "Compute": "program",
+    "HostCompute": "program", "JobPlan": "program", "LaunchHandle": "program",
+    "Program": "program", "Slot": "program",
+    "DeviceCommandError": "stream", "Stream": "stream",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'device' has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name]), name)
+        raise AttributeError(f"module 'spyre_serve.device' has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
     globals()[name] = value
     return value

@@ -20,7 +20,7 @@ import bisect
 import threading
 from dataclasses import dataclass
 
-from device.memory import STICK, DeviceError, DeviceOutOfMemory
+from spyre_serve.device.memory import STICK, DeviceError, DeviceOutOfMemory
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ def source_key(package_dirs: list[Path]) -> str:
 def use_source_keyed_cache(*package_dirs: Path) -> Path:
     """Point Numba's cache at base/<key of these packages' sources>-<ISA level>; returns that
     directory."""
-    from device.isa import current
+    from spyre_serve.device.isa import current
 
     base = Path(os.environ.get("NUMBA_CACHE_DIR") or DEFAULT_BASE)
     path = base / f"{source_key([Path(p) for p in package_dirs])}-{current().level}"

@@ -12,11 +12,11 @@ import threading
 
 import numpy as np
 
-from device.allocator import AllocatorStats, CachingAllocator
-from device.counters import Counters
-from device.memory import STICK, DeviceError, DeviceTensor
-from device.process import configure_runtime
-from device.stream import DEFAULT_DEPTH, Stream
+from spyre_serve.device.allocator import AllocatorStats, CachingAllocator
+from spyre_serve.device.counters import Counters
+from spyre_serve.device.memory import STICK, DeviceError, DeviceTensor
+from spyre_serve.device.process import configure_runtime
+from spyre_serve.device.stream import DEFAULT_DEPTH, Stream
 
 # 4 GiB: fits the machines we run on; pages are only touched when used. The card reads no
 # environment: the server's --device-memory ($SPYRE_SERVE_DEVICE_MEMORY) sizes it from above.

@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from device.memory import DeviceError
+from spyre_serve.device.memory import DeviceError
 
 if TYPE_CHECKING:
-    from device.stream import Stream
+    from spyre_serve.device.stream import Stream
 
 
 class Event:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from device.card import Card
-from device.kernels.gemm import (
+from spyre_serve.device.card import Card
+from spyre_serve.device.kernels.gemm import (
     FMT_BF16,
     FMT_F16,
     FMT_F32,
@@ -42,7 +42,7 @@ from device.kernels.gemm import (
     QB,
     RECORD_BYTES,
 )
-from device.memory import DeviceError, DeviceTensor
+from spyre_serve.device.memory import DeviceError, DeviceTensor
 
 STORAGE = {FMT_F32: np.float32, FMT_BF16: np.uint16, FMT_F16: np.uint16}
 QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1)

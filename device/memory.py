@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from device.card import Card
+    from spyre_serve.device.card import Card
 
 STICK = 128  # bytes: Spyre lays tensors out in 128-byte sticks; every allocation is aligned to one
 

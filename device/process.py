@@ -1,7 +1,7 @@
 """The process settings the card's kernels need, made once by each entry point (the CLI, the
 tests' conftest, the benchmarks, spyre_torch's autoload) before any kernel is imported:
 
-    from device.process import configure
+    from spyre_serve.device.process import configure
     configure()          # idempotent; returns the kernels' ISA level (device/isa.py)
 
 Importing a package of this project changes nothing of the process; `configure` does, in this
@@ -14,6 +14,7 @@ keyed only if no kernel was imported yet (Numba fixes a function's cache when de
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -42,9 +43,14 @@ log = logging.getLogger("spyre_serve.device")
 # 59-60 -> 39-41 ms.
 
 # the packages whose Numba functions are cached: one key over all their sources
-KERNEL_PACKAGES = ("device", "models", "spyre_torch")
-_ROOT = Path(__file__).resolve().parent.parent
+KERNEL_PACKAGES = ("spyre_serve.device", "spyre_serve.models", "spyre_torch")
 _done: dict[str, object] = {}
+
+
+def _package_dir(name: str) -> Path | None:
+    """The folder of an installed package, found without importing it (None when absent)."""
+    spec = importlib.util.find_spec(name)
+    return Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
 
 
 def _load_tbb() -> bool:
@@ -70,7 +76,7 @@ def configure_runtime():
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     import numba
 
-    from device.isa import current
+    from spyre_serve.device.isa import current
 
     isa = current()    # before anything compiles: it points Numba's code generation at the level
     # Numba's default "workqueue" threading layer aborts when parallel kernels run from two
@@ -86,15 +92,16 @@ def configure():
     """Everything above, and the compile cache keyed by the kernels' sources (once)."""
     isa = configure_runtime()
     if "cache" not in _done:
-        from device.cache import use_source_keyed_cache
+        from spyre_serve.device.cache import use_source_keyed_cache
 
         imported = sorted(m for m in sys.modules
-                          if m.startswith(("device.kernels", "device.abi", "device.program",
-                                           "device.profile", "models.step_program", "models.eager",
-                                           "spyre_torch.kernels")))
+                          if m.startswith(("spyre_serve.device.kernels", "spyre_serve.device.abi",
+                                           "spyre_serve.device.program", "spyre_serve.device.profile",
+                                           "spyre_serve.models.step_program",
+                                           "spyre_serve.models.eager", "spyre_torch.kernels")))
         if imported:
             log.warning("kernels imported before device.process.configure() (%s): their compile "
                         "cache is not keyed by the sources", ", ".join(imported[:3]))
-        dirs = [_ROOT / p for p in KERNEL_PACKAGES if (_ROOT / p).is_dir()]
+        dirs = [d for d in map(_package_dir, KERNEL_PACKAGES) if d is not None]
         _done["cache"] = use_source_keyed_cache(*dirs)
     return isa

@@ -18,7 +18,7 @@ import time
 
 from numba import njit
 
-from device.abi import cycle_counter
+from spyre_serve.device.abi import cycle_counter
 
 
 @njit(nogil=True, cache=True, inline="always")

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba.core.dispatcher import Dispatcher
 
-from device.abi import ENTRY_ARGS
-from device.event import Event
-from device.memory import DeviceError, DeviceTensor
+from spyre_serve.device.abi import ENTRY_ARGS
+from spyre_serve.device.event import Event
+from spyre_serve.device.memory import DeviceError, DeviceTensor
 
 if TYPE_CHECKING:
-    from device.card import Card
-    from device.stream import Stream
+    from spyre_serve.device.card import Card
+    from spyre_serve.device.stream import Stream
 
 SLOT_KINDS = ("address", "dim")
 

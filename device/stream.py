@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from device.memory import DeviceError, DeviceTensor
+from spyre_serve.device.memory import DeviceError, DeviceTensor
 
 if TYPE_CHECKING:
-    from device.card import Card
-    from device.event import Event
+    from spyre_serve.device.card import Card
+    from spyre_serve.device.event import Event
 
 DEFAULT_DEPTH = 64
 
@@ -92,7 +92,7 @@ class Stream:
         return self._submit(_d2h, (self.card, dst, src), False, "copy_d2h")
 
     def record_event(self, event: Event | None = None) -> Event:
-        from device.event import Event
+        from spyre_serve.device.event import Event
 
         event = event or Event()
         event.record(self)

@@ -4,20 +4,15 @@ with different tensors, read back, print the card's counters.
     .venv/bin/python examples/device_quickstart.py
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from device.process import configure  # noqa: E402
+from spyre_serve.device.process import configure
 
 configure()   # threads, ISA level, compile cache: before any kernel is imported
 
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
-from device import Card, Program, Slot  # noqa: E402
-from device.abi import f32_at  # noqa: E402
+from spyre_serve.device import Card, Program, Slot  # noqa: E402
+from spyre_serve.device.abi import f32_at  # noqa: E402
 
 
 @njit(nogil=True, cache=True)

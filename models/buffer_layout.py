@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from device.memory import STICK
+from spyre_serve.device.memory import STICK
 
 
 def length_slot(name: str) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.config import GraniteConfig
+from spyre_serve.models.config import GraniteConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

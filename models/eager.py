@@ -28,18 +28,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from device import Card, DeviceTensor, Program, Slot
-from device.abi import ENTRY_ARGS, f32_at, i32_at, i64_at
-from device.kernels.activation import swiglu
-from device.kernels.attention import paged_attention, write_kv
-from device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
-from device.kernels.norm import rmsnorm
-from device.kernels.residual import residual_add
-from device.kernels.rope import rope_inplace
-from device.kernels.sampling import sample_rows
-from models.kv_cache import KVCache
-from models.step_io import SeqWork
-from models.step_program import (
+from spyre_serve.device import Card, DeviceTensor, Program, Slot
+from spyre_serve.device.abi import ENTRY_ARGS, f32_at, i32_at, i64_at
+from spyre_serve.device.kernels.activation import swiglu
+from spyre_serve.device.kernels.attention import paged_attention, write_kv
+from spyre_serve.device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
+from spyre_serve.device.kernels.norm import rmsnorm
+from spyre_serve.device.kernels.residual import residual_add
+from spyre_serve.device.kernels.rope import rope_inplace
+from spyre_serve.device.kernels.sampling import sample_rows
+from spyre_serve.models.kv_cache import KVCache
+from spyre_serve.models.step_io import SeqWork
+from spyre_serve.models.step_program import (
     CONST_ATTN_SCALE,
     CONST_EMB_MULT,
     CONST_EPS,
@@ -50,8 +50,8 @@ from models.step_program import (
     _gather_rows,
     _split_qkv,
 )
-from models.threads import use_every_core
-from models.weights import compute_code, resolve_compute_dtype
+from spyre_serve.models.threads import use_every_core
+from spyre_serve.models.weights import compute_code, resolve_compute_dtype
 
 # ---- one entry per op, with the device ABI: table slots in the order of the bindings ----
 

@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, Keys
 
-from models.checkpoint import Checkpoint, check_shapes, expected_shapes
-from models.config import ConfigError, GraniteConfig
-from models.gguf_file import (  # noqa: F401  (GGUFError, is_gguf_file: this module's interface)
+from spyre_serve.models.checkpoint import Checkpoint, check_shapes, expected_shapes
+from spyre_serve.models.config import ConfigError, GraniteConfig
+from spyre_serve.models.gguf_file import (  # noqa: F401  (GGUFError, is_gguf_file: this module's interface)
     QUANTIZED_TYPES,
     GGUFError,
     GGUFFile,

@@ -24,9 +24,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
 from gguf.quants import dequantize
 
-from device.kernels.gemm import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
-from device.layout import QuantizedWeight
-from models.checkpoint import CheckpointError
+from spyre_serve.device.kernels.gemm import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
+from spyre_serve.device.layout import QuantizedWeight
+from spyre_serve.models.checkpoint import CheckpointError
 
 GGUF_SUFFIX = ".gguf"
 MAGIC = b"GGUF"

@@ -28,7 +28,7 @@ from pathlib import Path
 from gguf import Keys, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from models.gguf_file import GGUFError, GGUFFile, read_gguf, require
+from spyre_serve.models.gguf_file import GGUFError, GGUFFile, read_gguf, require
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), applied one after the other, each
 # splitting the pieces of the one before (matches and the text between them both kept).

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from device import Card, DeviceOutOfMemory, DeviceTensor
-from models.config import GraniteConfig
+from spyre_serve.device import Card, DeviceOutOfMemory, DeviceTensor
+from spyre_serve.models.config import GraniteConfig
 
 
 def block_bytes(config: GraniteConfig, block_size: int) -> int:

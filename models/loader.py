@@ -7,15 +7,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from device import Card
-from models.checkpoint import load_checkpoint
-from models.config import GraniteConfig
-from models.gguf import is_gguf_file, load_gguf_checkpoint
-from models.gguf_tokenizer import load_gguf_tokenizer
-from models.profiles import model_names, resolve_model
-from models.quantize import quantize_matrices
-from models.tokenizer import load_tokenizer
-from models.weights import ModelWeights, place_weights
+from spyre_serve.device import Card
+from spyre_serve.models.checkpoint import load_checkpoint
+from spyre_serve.models.config import GraniteConfig
+from spyre_serve.models.gguf import is_gguf_file, load_gguf_checkpoint
+from spyre_serve.models.gguf_tokenizer import load_gguf_tokenizer
+from spyre_serve.models.profiles import model_names, resolve_model
+from spyre_serve.models.quantize import quantize_matrices
+from spyre_serve.models.tokenizer import load_tokenizer
+from spyre_serve.models.weights import ModelWeights, place_weights
 
 
 @dataclass(slots=True)

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from device import Card, DeviceTensor
-from models.buffer_layout import Layout, Placement
-from models.config import GraniteConfig
-from models.kv_cache import KVCache
-from models.step_program import INPUTS, KMAX, OUTPUTS, WORKSPACE
-from models.weights import ModelWeights, build_layer_table
+from spyre_serve.device import Card, DeviceTensor
+from spyre_serve.models.buffer_layout import Layout, Placement
+from spyre_serve.models.config import GraniteConfig
+from spyre_serve.models.kv_cache import KVCache
+from spyre_serve.models.step_program import INPUTS, KMAX, OUTPUTS, WORKSPACE
+from spyre_serve.models.weights import ModelWeights, build_layer_table
 
 
 @dataclass(frozen=True, slots=True)

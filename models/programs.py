@@ -13,8 +13,8 @@ import bisect
 import sys
 from collections.abc import Callable, Mapping
 
-from device import Card, Program, Slot
-from models.step_program import SLOTS, step_entry
+from spyre_serve.device import Card, Program, Slot
+from spyre_serve.models.step_program import SLOTS, step_entry
 
 
 def buckets(limit: int) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.step_io import SeqWork
+from spyre_serve.models.step_io import SeqWork
 
 
 def top_k_of_rows(mat: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from device.kernels.gemm import FMT_Q8_0, QB
-from device.layout import QuantizedWeight
+from spyre_serve.device.kernels.gemm import FMT_Q8_0, QB
+from spyre_serve.device.layout import QuantizedWeight
 
 QUANTIZATIONS = ("int8",)
 

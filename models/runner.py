@@ -24,18 +24,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from device import Card, DeviceTensor, LaunchHandle
-from device.profile import ticks_per_second
-from models.buffer_layout import Placement, length_slot
-from models.memory_plan import Capacity, StepMemory
-from models.penalty_slots import PenaltySlots
-from models.programs import StepPrograms, bucket, buckets
-from models.prompt_logprobs import PromptLogprobs
-from models.step_inputs import PackedStep, StepLimits, check_work, mask_words, pack_step
-from models.step_io import SeqWork, StepOutput
-from models.step_program import TIMERS
-from models.threads import use_every_core
-from models.weights import compute_code, resolve_compute_dtype
+from spyre_serve.device import Card, DeviceTensor, LaunchHandle
+from spyre_serve.device.profile import ticks_per_second
+from spyre_serve.models.buffer_layout import Placement, length_slot
+from spyre_serve.models.memory_plan import Capacity, StepMemory
+from spyre_serve.models.penalty_slots import PenaltySlots
+from spyre_serve.models.programs import StepPrograms, bucket, buckets
+from spyre_serve.models.prompt_logprobs import PromptLogprobs
+from spyre_serve.models.step_inputs import PackedStep, StepLimits, check_work, mask_words, pack_step
+from spyre_serve.models.step_io import SeqWork, StepOutput
+from spyre_serve.models.step_program import TIMERS
+from spyre_serve.models.threads import use_every_core
+from spyre_serve.models.weights import compute_code, resolve_compute_dtype
 
 
 class StepHandle:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.buffer_layout import Layout, Placement, Record
-from models.step_io import INT32_MAX, INT64_MAX, SeqWork, SeqWorkError
+from spyre_serve.models.buffer_layout import Layout, Placement, Record
+from spyre_serve.models.step_io import INT32_MAX, INT64_MAX, SeqWork, SeqWorkError
 
 _SEED_MASK = (1 << 63) - 1
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily (1 / t would overflow float32)

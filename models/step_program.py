@@ -38,19 +38,19 @@ from enum import IntEnum
 import numpy as np
 from numba import njit
 
-from device.abi import f32_at, i32_at, i64_at
-from device.kernels.activation import swiglu
-from device.kernels.attention import paged_attention, write_kv
-from device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
-from device.kernels.norm import rmsnorm
-from device.kernels.residual import residual_add
-from device.kernels.rope import rope_inplace
-from device.kernels.sampling import count_tokens, sample_rows
-from device.kernels.softmax import log_softmax
-from device.profile import lap
-from models.buffer_layout import Field, Layout, Record, RowField, length_slot
-from models.step_inputs import greedy_or
-from models.step_io import KMAX  # noqa: F401  (the top-logprobs width: this module's interface)
+from spyre_serve.device.abi import f32_at, i32_at, i64_at
+from spyre_serve.device.kernels.activation import swiglu
+from spyre_serve.device.kernels.attention import paged_attention, write_kv
+from spyre_serve.device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
+from spyre_serve.device.kernels.norm import rmsnorm
+from spyre_serve.device.kernels.residual import residual_add
+from spyre_serve.device.kernels.rope import rope_inplace
+from spyre_serve.device.kernels.sampling import count_tokens, sample_rows
+from spyre_serve.device.kernels.softmax import log_softmax
+from spyre_serve.device.profile import lap
+from spyre_serve.models.buffer_layout import Field, Layout, Record, RowField, length_slot
+from spyre_serve.models.step_inputs import greedy_or
+from spyre_serve.models.step_io import KMAX  # noqa: F401  (the top-logprobs width: this module's interface)
 
 # Columns of the per-layer table int64[L, LAYER_FIELDS] (models/weights.py builds it): byte
 # addresses, then each projection's number format (device.kernels.gemm.FMT_*).

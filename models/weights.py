@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from device import Card, DeviceTensor
-from device.kernels.gemm import ACT_INT8
-from device.layout import (
+from spyre_serve.device import Card, DeviceTensor
+from spyre_serve.device.kernels.gemm import ACT_INT8
+from spyre_serve.device.layout import (
     QUANTIZED,
     GemmWeight,
     QuantizedWeight,
@@ -38,8 +38,8 @@ from device.layout import (
     place_gemm_weight,
     place_quantized_weight,
 )
-from models.config import GraniteConfig
-from models.step_program import (
+from spyre_serve.models.config import GraniteConfig
+from spyre_serve.models.step_program import (
     COL_DOWN,
     COL_DOWN_FMT,
     COL_GATE_UP,

@@ -4,8 +4,8 @@ reaches the runner and fails the other requests of its step."""
 
 from __future__ import annotations
 
-from models.step_io import INT32_MAX, MAX_LOGPROBS, ParamError
-from server.sequence import GenerationParams
+from spyre_serve.models.step_io import INT32_MAX, MAX_LOGPROBS, ParamError
+from spyre_serve.server.sequence import GenerationParams
 
 
 class RequestRejected(ValueError):

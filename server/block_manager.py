@@ -35,7 +35,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from server.sequence import Sequence
+from spyre_serve.server.sequence import Sequence
 
 
 def hash_block(parent: bytes | None, tokens) -> bytes:

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, fields
 
-from server.settings import ENV_PREFIX, SIZING, Settings, add_flags
+from spyre_serve.server.settings import ENV_PREFIX, SIZING, Settings, add_flags
 
 log = logging.getLogger("spyre_serve")
 
@@ -94,21 +94,21 @@ def _mb(n: int) -> str:
 
 def _card(s: Settings):
     """The emulated card, ``--device-memory`` big (the card's own default when not given)."""
-    from device import Card
+    from spyre_serve.device import Card
 
     return Card(memory_bytes=s.device_memory) if s.device_memory else Card()
 
 
 def build(s: Settings, progress: bool = True) -> Built:
     """Card, model, runner (warmed up), engine (started), metrics and the app."""
-    from models import load_model
-    from server.engine import Engine
-    from server.metrics import Metrics
-    from server.openai.app import create_app
-    from server.watchdog import Fault
+    from spyre_serve.models import load_model
+    from spyre_serve.server.engine import Engine
+    from spyre_serve.server.metrics import Metrics
+    from spyre_serve.server.openai.app import create_app
+    from spyre_serve.server.watchdog import Fault
 
     t0 = time.monotonic()
-    from device.isa import current
+    from spyre_serve.device.isa import current
 
     log.info("kernels compiled for %s", current().describe())
     card = _card(s)
@@ -148,7 +148,7 @@ def build(s: Settings, progress: bool = True) -> Built:
 
 
 def _runner(s: Settings, model, card):
-    from models import ModelRunner
+    from spyre_serve.models import ModelRunner
 
     return ModelRunner(model, card, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                        block_size=s.block_size, num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len,
@@ -174,7 +174,7 @@ def warmup(s: Settings, progress: bool = True, out=None) -> int:
     writes the compiled code to its on-disk cache), print them and the memory plan; 0 when done."""
     import numba
 
-    from models import load_model
+    from spyre_serve.models import load_model
 
     out = out or sys.stdout
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -287,7 +287,7 @@ def keep_torch_out() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     keep_torch_out()
-    from device.process import configure
+    from spyre_serve.device.process import configure
 
     configure()     # threads, ISA level, compile cache: before any kernel is imported
     command, s = parse_command(argv)

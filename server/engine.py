@@ -41,21 +41,26 @@ import threading
 import time
 from collections.abc import Callable
 
-from server.admission import RequestRejected, check_lengths, check_params, check_prompt_ids
-from server.block_manager import BlockManager
-from server.engine_death import EngineUnavailable, Lifeline
-from server.engine_stats import EngineObserver, EngineStats, device_seconds
-from server.inbox import Inbox
-from server.open_requests import EngineRequest, OpenRequests
-from server.output_processor import OutputProcessor
-from server.outputs import SeqUpdate, store_prompt_logprobs
-from server.scheduler import Scheduler
-from server.seams import StepRunner, check_runner
-from server.sequence import GenerationParams, Sequence
-from server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
-from server.step_work import ScheduledChunk, Step, holds_grammar_sample, seq_work
-from server.stopping import eos_token_ids
-from server.watchdog import EngineFatal, EngineStalled, Fault
+from spyre_serve.server.admission import (
+    RequestRejected,
+    check_lengths,
+    check_params,
+    check_prompt_ids,
+)
+from spyre_serve.server.block_manager import BlockManager
+from spyre_serve.server.engine_death import EngineUnavailable, Lifeline
+from spyre_serve.server.engine_stats import EngineObserver, EngineStats, device_seconds
+from spyre_serve.server.inbox import Inbox
+from spyre_serve.server.open_requests import EngineRequest, OpenRequests
+from spyre_serve.server.output_processor import OutputProcessor
+from spyre_serve.server.outputs import SeqUpdate, store_prompt_logprobs
+from spyre_serve.server.scheduler import Scheduler
+from spyre_serve.server.seams import StepRunner, check_runner
+from spyre_serve.server.sequence import GenerationParams, Sequence
+from spyre_serve.server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
+from spyre_serve.server.step_work import ScheduledChunk, Step, holds_grammar_sample, seq_work
+from spyre_serve.server.stopping import eos_token_ids
+from spyre_serve.server.watchdog import EngineFatal, EngineStalled, Fault
 
 log = logging.getLogger("spyre_serve.engine")
 

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from server.watchdog import Watchdog
+from spyre_serve.server.watchdog import Watchdog
 
 log = logging.getLogger("spyre_serve.engine")
 

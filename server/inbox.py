@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from server.open_requests import EngineRequest
+from spyre_serve.server.open_requests import EngineRequest
 
 
 class Inbox:

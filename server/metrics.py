@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from server.engine import Engine, EngineObserver
+from spyre_serve.server.engine import Engine, EngineObserver
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -166,7 +166,7 @@ class _LiveCollector:
                 yield gauge("spyre_runner_held_sequences", "Sequences the model runner keeps state for "
                             "between steps (prompt-logprob rows, penalty slots); 0 when idle.",
                             float(sum(held().values())))
-        from device.isa import current
+        from spyre_serve.device.isa import current
 
         kernel_isa = current()
         isa = GaugeMetricFamily("spyre_kernel_isa", "The vector ISA level the card's kernels are "

@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.engine_stats import EngineObserver, EngineStats
-from server.outputs import SeqUpdate, take_update
-from server.scheduler import Scheduler
-from server.sequence import Sequence
+from spyre_serve.server.engine_stats import EngineObserver, EngineStats
+from spyre_serve.server.outputs import SeqUpdate, take_update
+from spyre_serve.server.scheduler import Scheduler
+from spyre_serve.server.sequence import Sequence
 
 log = logging.getLogger("spyre_serve.engine")
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from models.tokenizer import IncrementalDetokenizer
-from server.engine_stats import EngineObserver, time_token
-from server.open_requests import EngineRequest
-from server.outputs import token_logprob
-from server.sequence import Sequence
-from server.stopping import check_stop
-from server.structured import grammar_stop
+from spyre_serve.models.tokenizer import IncrementalDetokenizer
+from spyre_serve.server.engine_stats import EngineObserver, time_token
+from spyre_serve.server.open_requests import EngineRequest
+from spyre_serve.server.outputs import token_logprob
+from spyre_serve.server.sequence import Sequence
+from spyre_serve.server.stopping import check_stop
+from spyre_serve.server.structured import grammar_stop
 
 
 class OutputProcessor:

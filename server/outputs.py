@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.sequence import Sequence, TokenLogprob
-from server.step_work import ScheduledChunk
+from spyre_serve.server.sequence import Sequence, TokenLogprob
+from spyre_serve.server.step_work import ScheduledChunk
 
 
 @dataclass(slots=True)

@@ -57,9 +57,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from server.block_manager import BlockManager
-from server.sequence import SeqStatus, Sequence
-from server.step_work import ScheduledChunk
+from spyre_serve.server.block_manager import BlockManager
+from spyre_serve.server.sequence import SeqStatus, Sequence
+from spyre_serve.server.step_work import ScheduledChunk
 
 
 class Scheduler:

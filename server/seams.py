@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from models.step_io import SeqWork, StepOutput
+from spyre_serve.models.step_io import SeqWork, StepOutput
 
 
 class ModelShape(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from models import SamplingParams
+from spyre_serve.models import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from device.memory import DeviceError, parse_bytes
+from spyre_serve.device.memory import DeviceError, parse_bytes
 
 ENV_PREFIX = "SPYRE_SERVE_"
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from models.step_io import SeqWorkError
-from server.sequence import Sequence
-from server.step_work import ScheduledChunk
-from server.watchdog import EngineFatal
+from spyre_serve.models.step_io import SeqWorkError
+from spyre_serve.server.sequence import Sequence
+from spyre_serve.server.step_work import ScheduledChunk
+from spyre_serve.server.watchdog import EngineFatal
 
 log = logging.getLogger("spyre_serve.engine")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models import SamplingParams, SeqWork
-from server.seams import PendingStep
-from server.sequence import Sequence
-from server.stopping import banned_tokens
+from spyre_serve.models import SamplingParams, SeqWork
+from spyre_serve.server.seams import PendingStep
+from spyre_serve.server.sequence import Sequence
+from spyre_serve.server.stopping import banned_tokens
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@ stop checks on each new token (in vLLM's order: EOS, stop token ids, stop string
 
 from __future__ import annotations
 
-from server.sequence import GenerationParams, Sequence
+from spyre_serve.server.sequence import GenerationParams, Sequence
 
 
 def eos_token_ids(config, tokenizer) -> frozenset[int]:

@@ -125,7 +125,7 @@ def get_device_name(device=None) -> str:
 
 def get_device_properties(device=None) -> SpyreDeviceProperties:
     _index(device)
-    from device.memory import STICK
+    from spyre_serve.device.memory import STICK
 
     card = runtime().card
     return SpyreDeviceProperties(NAME, card.cores, card.capacity, STICK)

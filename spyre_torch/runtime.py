@@ -64,9 +64,9 @@ class Runtime:
     def __init__(self):
         import torch
 
-        from device import Card
-        from device.card import DEFAULT_MEMORY_BYTES
-        from device.memory import DeviceOutOfMemory, parse_bytes
+        from spyre_serve.device import Card
+        from spyre_serve.device.card import DEFAULT_MEMORY_BYTES
+        from spyre_serve.device.memory import DeviceOutOfMemory, parse_bytes
 
         size = os.environ.get(MEMORY_ENV)
         self.card = Card(parse_bytes(size) if size else DEFAULT_MEMORY_BYTES)

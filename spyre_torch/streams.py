@@ -84,7 +84,7 @@ class Event:
     """A marker in a stream; `elapsed_time` needs both events made with `enable_timing=True`."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        from device import Event as DeviceEvent
+        from spyre_serve.device import Event as DeviceEvent
 
         runtime()
         self.enable_timing = enable_timing

@@ -2,6 +2,6 @@
 threads, the kernels' ISA level, the compile cache keyed by the sources), before any test module
 imports a kernel."""
 
-from device.process import configure
+from spyre_serve.device.process import configure
 
 configure()

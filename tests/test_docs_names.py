@@ -24,7 +24,8 @@ _TICKS = re.compile(r"`([^`\n]+)`")
 # a path: folders, then a file with an extension or a trailing slash (k8s annotation keys such
 # as prometheus.io/scrape are not: their first part has a dot)
 _PATH = re.compile(r"^(?:\.\./)*(?:[\w-]+/)+(?:[\w-]+\.\w+)?$")
-_DOTTED = re.compile(r"^(" + "|".join(PACKAGES) + r")(?:\.\w+)+$")
+_DOTTED = re.compile(r"^(?:spyre_serve\.)?(" + "|".join(PACKAGES) + r")(?:\.\w+)+$")
+LAYERS = ("device", "models", "server", "deploy")   # installed as spyre_serve.<folder>
 _CALL = re.compile(r"^([A-Za-z_][\w.]*)\(")
 
 
@@ -57,6 +58,10 @@ def _mentions():
 
 
 def _resolves(dotted: str) -> bool:
+    """A dotted name the docs give by its folder (`models.step_program.X`) or by its installed
+    name (`spyre_serve.models.step_program.X`) is looked up under the installed name."""
+    if dotted.split(".")[0] in LAYERS:
+        dotted = "spyre_serve." + dotted
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:

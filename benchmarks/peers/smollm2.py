@@ -219,10 +219,8 @@ def check(hf_dir: Path, n_new: int = 48) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root))
-    from device import Card
-    from models import ModelRunner, SamplingParams, SeqWork, load_model
+    from spyre_serve.device import Card
+    from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     prompt = tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)

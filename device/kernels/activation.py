@@ -8,7 +8,7 @@ go through `exp_nonpos`, which vectorizes.
 import numpy as np
 from numba import njit, prange
 
-from device.kernels.fastexp import exp_nonpos
+from spyre_serve.device.kernels.fastexp import exp_nonpos
 
 
 @njit(nogil=True, cache=True, parallel=True)

@@ -8,7 +8,7 @@ at offset p % BS.
 import numpy as np
 from numba import njit, prange
 
-from device.kernels.online_softmax import NEG_BIG, online_softmax_block
+from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
 
 # Start value of running maxima. Finite, because fastmath assumes no infinities.
 # Work items are (up to this many query vectors of one sequence, one KV head).

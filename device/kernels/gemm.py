@@ -35,9 +35,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from device.abi import f32_at, get_kernel_threads, u16_at
-from device.kernels.int8_tile import itile
-from device.kernels.microkernel import (  # noqa: F401  (NR, MR, QB, RECORD_BYTES: this module's interface)
+from spyre_serve.device.abi import f32_at, get_kernel_threads, u16_at
+from spyre_serve.device.kernels.int8_tile import itile
+from spyre_serve.device.kernels.microkernel import (  # noqa: F401  (NR, MR, QB, RECORD_BYTES: this module's interface)
     FMT_BF16,
     FMT_F16,
     FMT_F32,

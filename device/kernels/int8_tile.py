@@ -28,7 +28,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from device.kernels.microkernel import (
+from spyre_serve.device.kernels.microkernel import (
     _I8,
     _I32,
     _SCALES,

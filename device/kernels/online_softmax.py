@@ -14,7 +14,7 @@ adds nothing; the caller's final acc / denom must treat denom 0 as a row that sa
 import numpy as np
 from numba import njit
 
-from device.kernels.fastexp import exp_nonpos
+from spyre_serve.device.kernels.fastexp import exp_nonpos
 
 NEG_BIG = np.float32(-1.0e30)  # a masked score; finite: the loops assume no infinities
 

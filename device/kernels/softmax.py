@@ -6,7 +6,7 @@ Exponentials by `exp_nonpos` (vectorized, 3e-7 relative); -inf entries give 0.
 import numpy as np
 from numba import njit, prange
 
-from device.kernels.fastexp import exp_nonpos
+from spyre_serve.device.kernels.fastexp import exp_nonpos
 
 # Reassociated sums (vectorized), but infinities and NaN keep their meaning.
 _REORDER = {"reassoc", "contract", "nsz", "arcp", "afn"}

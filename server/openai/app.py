@@ -11,22 +11,22 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI
 
-from server.engine import Engine
-from server.openai import chat, completions, status, tokenization
-from server.openai.auth import api_key_guard
-from server.openai.errors import install_error_handlers
-from server.openai.openapi import install_openapi, served_values
-from server.openai.prompts import free_variables
-from server.openai.protocol import (
+from spyre_serve.server.engine import Engine
+from spyre_serve.server.openai import chat, completions, status, tokenization
+from spyre_serve.server.openai.auth import api_key_guard
+from spyre_serve.server.openai.errors import install_error_handlers
+from spyre_serve.server.openai.openapi import install_openapi, served_values
+from spyre_serve.server.openai.prompts import free_variables
+from spyre_serve.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from server.openai.request_id import RequestIdMiddleware
-from server.openai.responses import GENERATION_RESPONSES
-from server.openai.serving import Serving
-from server.settings import Settings
+from spyre_serve.server.openai.request_id import RequestIdMiddleware
+from spyre_serve.server.openai.responses import GENERATION_RESPONSES
+from spyre_serve.server.openai.serving import Serving
+from spyre_serve.server.settings import Settings
 
 
 def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastAPI:

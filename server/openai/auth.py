@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from fastapi import Request
 
-from server.openai.errors import APIError
+from spyre_serve.server.openai.errors import APIError
 
 
 def check_bearer(authorization: str, api_key: str | None) -> None:

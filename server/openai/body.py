@@ -20,7 +20,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from server.openai.errors import APIError, validation_error
+from spyre_serve.server.openai.errors import APIError, validation_error
 
 Body = TypeVar("Body", bound=BaseModel)
 

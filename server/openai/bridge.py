@@ -15,8 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from server.engine import Engine, SeqUpdate
-from server.sequence import GenerationParams, TokenLogprob
+from spyre_serve.server.engine import Engine, SeqUpdate
+from spyre_serve.server.sequence import GenerationParams, TokenLogprob
 
 DISCONNECT_POLL_SECONDS = 0.05  # how often a waiting non-streaming request asks if its client left
 

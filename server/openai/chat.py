@@ -16,19 +16,19 @@ from functools import partial
 
 from fastapi import APIRouter, Request
 
-from server.engine import SeqUpdate
-from server.openai.bridge import Choice
-from server.openai.errors import APIError
-from server.openai.logprobs import TokenTexts, chat_logprobs
-from server.openai.openapi import GENERATION_ERRORS, route
-from server.openai.prompts import chat_prompt
-from server.openai.protocol import ChatCompletionRequest
-from server.openai.request_id import request_ids
-from server.openai.response import full_response, new_head, stream_response
-from server.openai.responses import GENERATION_RESPONSES
-from server.openai.sampling import generation_params
-from server.openai.serving import serving_of
-from server.openai.tools import ToolRequest, chat_structure, tool_choices
+from spyre_serve.server.engine import SeqUpdate
+from spyre_serve.server.openai.bridge import Choice
+from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.logprobs import TokenTexts, chat_logprobs
+from spyre_serve.server.openai.openapi import GENERATION_ERRORS, route
+from spyre_serve.server.openai.prompts import chat_prompt
+from spyre_serve.server.openai.protocol import ChatCompletionRequest
+from spyre_serve.server.openai.request_id import request_ids
+from spyre_serve.server.openai.response import full_response, new_head, stream_response
+from spyre_serve.server.openai.responses import GENERATION_RESPONSES
+from spyre_serve.server.openai.sampling import generation_params
+from spyre_serve.server.openai.serving import serving_of
+from spyre_serve.server.openai.tools import ToolRequest, chat_structure, tool_choices
 
 router = APIRouter()
 

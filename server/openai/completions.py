@@ -16,19 +16,24 @@ from functools import partial
 
 from fastapi import APIRouter, Request
 
-from server.engine import SeqUpdate
-from server.openai import structured
-from server.openai.bridge import Choice, Submission
-from server.openai.logprobs import TokenTexts, completion_logprobs, joined, prompt_logprobs
-from server.openai.openapi import GENERATION_ERRORS, route
-from server.openai.prompts import completion_prompts
-from server.openai.protocol import CompletionRequest
-from server.openai.request_id import request_ids
-from server.openai.response import full_response, new_head, stream_response
-from server.openai.responses import GENERATION_RESPONSES
-from server.openai.sampling import generation_params
-from server.openai.serving import serving_of
-from server.sequence import TokenLogprob
+from spyre_serve.server.engine import SeqUpdate
+from spyre_serve.server.openai import structured
+from spyre_serve.server.openai.bridge import Choice, Submission
+from spyre_serve.server.openai.logprobs import (
+    TokenTexts,
+    completion_logprobs,
+    joined,
+    prompt_logprobs,
+)
+from spyre_serve.server.openai.openapi import GENERATION_ERRORS, route
+from spyre_serve.server.openai.prompts import completion_prompts
+from spyre_serve.server.openai.protocol import CompletionRequest
+from spyre_serve.server.openai.request_id import request_ids
+from spyre_serve.server.openai.response import full_response, new_head, stream_response
+from spyre_serve.server.openai.responses import GENERATION_RESPONSES
+from spyre_serve.server.openai.sampling import generation_params
+from spyre_serve.server.openai.serving import serving_of
+from spyre_serve.server.sequence import TokenLogprob
 
 router = APIRouter()
 

@@ -13,9 +13,9 @@ Whether the queue has room now is the 503 of ``Serving.check_admission``.
 
 from __future__ import annotations
 
-from server.openai.errors import APIError
-from server.openai.protocol import CompletionRequest, SamplingRequest
-from server.settings import Settings
+from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.protocol import CompletionRequest, SamplingRequest
+from spyre_serve.server.settings import Settings
 
 
 def num_prompts(req: SamplingRequest) -> int:

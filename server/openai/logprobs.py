@@ -10,7 +10,7 @@ reported as the floor.
 
 from __future__ import annotations
 
-from server.sequence import TokenLogprob
+from spyre_serve.server.sequence import TokenLogprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this instead
 

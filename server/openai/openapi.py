@@ -17,8 +17,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from server.openai.errors import ERROR_DESCRIPTIONS, ErrorResponse
-from server.openai.request_id import HEADER, MAX_LENGTH
+from spyre_serve.server.openai.errors import ERROR_DESCRIPTIONS, ErrorResponse
+from spyre_serve.server.openai.request_id import HEADER, MAX_LENGTH
 
 REF = "#/components/schemas/{model}"
 # The errors a route that generates can answer with; the others list fewer.

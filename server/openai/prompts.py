@@ -28,9 +28,9 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.sandbox
 
-from server.openai.errors import APIError
-from server.openai.protocol import ChatMessage
-from server.settings import chat_template_text
+from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.protocol import ChatMessage
+from spyre_serve.server.settings import chat_template_text
 
 log = logging.getLogger("spyre_serve.api")
 

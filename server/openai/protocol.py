@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from server.openai.fields import (  # noqa: F401  (INT64, MAX_LOGPROBS, UNSUPPORTED: this module's interface)
+from spyre_serve.server.openai.fields import (  # noqa: F401  (INT64, MAX_LOGPROBS, UNSUPPORTED: this module's interface)
     FLOORS,
     INT64,
     MAX_LOGPROBS,

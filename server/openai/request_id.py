@@ -13,7 +13,7 @@ import uuid
 
 from fastapi import Request
 
-from server.openai.errors import APIError
+from spyre_serve.server.openai.errors import APIError
 
 HEADER = "X-Request-Id"
 MAX_LENGTH = 256  # characters of a client's id: it goes into every log line of the request

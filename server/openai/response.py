@@ -14,10 +14,10 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from fastapi.responses import Response, StreamingResponse
 
-from server.engine import SeqUpdate
-from server.openai.bridge import Choice, Submission, collect
-from server.openai.errors import internal_error
-from server.openai.sse import MEDIA_TYPE, sse_stream
+from spyre_serve.server.engine import SeqUpdate
+from spyre_serve.server.openai.bridge import Choice, Submission, collect
+from spyre_serve.server.openai.errors import internal_error
+from spyre_serve.server.openai.sse import MEDIA_TYPE, sse_stream
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 

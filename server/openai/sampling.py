@@ -14,9 +14,9 @@ import json
 import logging
 from pathlib import Path
 
-from models import SamplingParams
-from server.openai.protocol import INT64, SamplingRequest
-from server.sequence import GenerationParams
+from spyre_serve.models import SamplingParams
+from spyre_serve.server.openai.protocol import INT64, SamplingRequest
+from spyre_serve.server.sequence import GenerationParams
 
 log = logging.getLogger("spyre_serve.api")
 

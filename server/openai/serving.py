@@ -21,19 +21,19 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from server.engine import Engine, EngineUnavailable, RequestRejected
-from server.openai.body import Body, read_request
-from server.openai.bridge import Submission
-from server.openai.errors import APIError
-from server.openai.limits import check_limits, num_prompts
-from server.openai.logprobs import TokenTexts
-from server.openai.offload import Offload, TimedOut
-from server.openai.prompts import truncated, with_chat_template
-from server.openai.protocol import SamplingRequest
-from server.openai.sampling import generation_defaults
-from server.sequence import GenerationParams
-from server.settings import Settings
-from server.structured import Grammars
+from spyre_serve.server.engine import Engine, EngineUnavailable, RequestRejected
+from spyre_serve.server.openai.body import Body, read_request
+from spyre_serve.server.openai.bridge import Submission
+from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.limits import check_limits, num_prompts
+from spyre_serve.server.openai.logprobs import TokenTexts
+from spyre_serve.server.openai.offload import Offload, TimedOut
+from spyre_serve.server.openai.prompts import truncated, with_chat_template
+from spyre_serve.server.openai.protocol import SamplingRequest
+from spyre_serve.server.openai.sampling import generation_defaults
+from spyre_serve.server.sequence import GenerationParams
+from spyre_serve.server.settings import Settings
+from spyre_serve.server.structured import Grammars
 
 log = logging.getLogger("spyre_serve.api")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from server.engine import SeqUpdate
-from server.openai.bridge import Submission
-from server.openai.errors import APIError, error_body, internal_error
+from spyre_serve.server.engine import SeqUpdate
+from spyre_serve.server.openai.bridge import Submission
+from spyre_serve.server.openai.errors import APIError, error_body, internal_error
 
 MEDIA_TYPE = "text/event-stream"
 DONE = "[DONE]"  # OpenAI's last event

@@ -13,9 +13,9 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.openai.errors import APIError, error_response
-from server.openai.openapi import errors
-from server.openai.serving import RETRY_AFTER_SECONDS, serving_of
+from spyre_serve.server.openai.errors import APIError, error_response
+from spyre_serve.server.openai.openapi import errors
+from spyre_serve.server.openai.serving import RETRY_AFTER_SECONDS, serving_of
 
 router = APIRouter()
 open_router = APIRouter()

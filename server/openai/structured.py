@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import math
 
-from server.openai.errors import APIError
-from server.openai.protocol import SamplingRequest
-from server.structured import GrammarError, GrammarSpec, json_spec
+from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.protocol import SamplingRequest
+from spyre_serve.server.structured import GrammarError, GrammarSpec, json_spec
 
 LOGIT_BIAS_MAX = 100.0   # vLLM clamps each bias to [-100, 100] (OpenAI's range)
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")

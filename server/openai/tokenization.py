@@ -12,10 +12,10 @@ from functools import partial
 
 from fastapi import APIRouter, Request
 
-from server.openai.openapi import BODY_ERRORS, route
-from server.openai.prompts import chat_prompt, completion_prompts
-from server.openai.protocol import DetokenizeRequest, TokenizeRequest
-from server.openai.serving import serving_of
+from spyre_serve.server.openai.openapi import BODY_ERRORS, route
+from spyre_serve.server.openai.prompts import chat_prompt, completion_prompts
+from spyre_serve.server.openai.protocol import DetokenizeRequest, TokenizeRequest
+from spyre_serve.server.openai.serving import serving_of
 
 router = APIRouter()
 

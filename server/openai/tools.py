@@ -34,10 +34,10 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from server.openai import structured
-from server.openai.errors import APIError
-from server.openai.structured import check_json_schema
-from server.structured import GrammarSpec, json_spec
+from spyre_serve.server.openai import structured
+from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.structured import check_json_schema
+from spyre_serve.server.structured import GrammarSpec, json_spec
 
 BOT_TOKEN = "<|tool_call|>"    # Granite 3.0
 BOT_STRING = "<tool_call>"     # Granite 3.1

@@ -91,7 +91,7 @@ def program(card, op: str, name: str, stream):
     """A prepared program of torch op `op` on entry `name`, for `stream`, every slot bound to 0
     (a launch binds only the slots it uses). The entry compiles once (the first op using it);
     every later op's program only places its operand table."""
-    from device import Program, Slot
+    from spyre_serve.device import Program, Slot
 
     _, slots = SPECS[name]
     entry = getattr(importlib.import_module(f"spyre_torch.kernels.{ENTRIES[name]}"), name)

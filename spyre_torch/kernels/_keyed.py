@@ -2,6 +2,6 @@
 package's entry point, so it configures the process (device/process.py: threads, ISA level,
 the compile cache keyed by the kernels' sources) before any kernel here is decorated."""
 
-from device.process import configure
+from spyre_serve.device.process import configure
 
 configure()

@@ -20,8 +20,8 @@ micro-GEMMs per block (scores = q @ k.T, acc += p @ v); a few rows (decode) use 
 import numpy as np
 from numba import njit, prange
 
-from device.abi import get_kernel_threads, set_kernel_threads
-from device.kernels.online_softmax import NEG_BIG, online_softmax_block
+from spyre_serve.device.abi import get_kernel_threads, set_kernel_threads
+from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
 from spyre_torch.kernels import ATTENTION, index
 from spyre_torch.kernels.access import BOOL, F32, as_float
 

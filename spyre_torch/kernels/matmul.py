@@ -17,7 +17,7 @@ the cores by output columns from GEMV_PARALLEL_BYTES of matrix.
 import numpy as np
 from numba import njit, prange
 
-from device.abi import f32_at, get_kernel_threads
+from spyre_serve.device.abi import f32_at, get_kernel_threads
 from spyre_torch.kernels import MATMUL, index
 from spyre_torch.kernels.access import as_float
 

@@ -33,7 +33,7 @@ def row_major(t: torch.Tensor) -> bool:
 
 
 def _device_tensor(t: torch.Tensor, np_dtype):
-    from device import DeviceTensor
+    from spyre_serve.device import DeviceTensor
 
     return DeviceTensor(memory.address(t), (t.numel(),), np_dtype, runtime().card)
 

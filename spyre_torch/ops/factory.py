@@ -95,7 +95,7 @@ def arange_out(start, end, step=1, *, out):
 @aten("_local_scalar_dense")
 def local_scalar_dense(self):
     """`t.item()`: one element copied to the host (the stream is waited for)."""
-    from device import DeviceTensor
+    from spyre_serve.device import DeviceTensor
 
     rt = runtime()
     np_dtype = np.dtype(dtypes.NUMPY[self.dtype])

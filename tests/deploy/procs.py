@@ -62,7 +62,7 @@ def server_args(port: int) -> list[str]:
     Started as ``python -m server.cli`` from the repository, which is what the
     ``spyre-serve`` command runs, independent of how the venv installed the package.
     """
-    return [sys.executable, "-m", "server.cli", "serve", "--model", "granite-tiny",
+    return [sys.executable, "-m", "spyre_serve.server.cli", "serve", "--model", "granite-tiny",
             "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "8",
             "--max-num-batched-tokens", "128", "--device-memory", "1G"]
 
@@ -172,5 +172,5 @@ def total(m: dict[str, float], name: str) -> float:
 
 def loadtest(*args: str, timeout: float = 300.0, **popen) -> subprocess.CompletedProcess:
     """Run ``python -m deploy.loadtest`` (the spyre-loadtest command) to completion."""
-    return subprocess.run([sys.executable, "-m", "deploy.loadtest", "--disable-tqdm", *args],
+    return subprocess.run([sys.executable, "-m", "spyre_serve.deploy.loadtest", "--disable-tqdm", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, **popen)

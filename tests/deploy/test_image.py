@@ -130,7 +130,7 @@ def image():
     try:
         img.install(img.build_wheel())
         # the model: an embedded profile written by the project, mounted read-only
-        from models import resolve_model
+        from spyre_serve.models import resolve_model
 
         shutil.copytree(resolve_model("granite-tiny"), base / "model")
         _read_only(base / "model")

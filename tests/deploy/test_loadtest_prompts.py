@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from deploy.loadtest.client import _token_text, request_body
-from deploy.loadtest.datasets import (
+from spyre_serve.deploy.loadtest.client import _token_text, request_body
+from spyre_serve.deploy.loadtest.datasets import (
     jsonl_prompts,
     parse_id_range,
     random_prompts,
@@ -96,7 +96,7 @@ def test_role_and_usage_chunks_are_not_tokens():
 
 
 def test_sharegpt_reply_length_is_counted_in_tokens_with_a_tokenizer(tmp_path):
-    from deploy.loadtest.datasets import load_tokenizer
+    from spyre_serve.deploy.loadtest.datasets import load_tokenizer
 
     tok = load_tokenizer(REPO / "models" / "assets" / "tokenizer")
     reply = "The quick brown fox jumps over the lazy dog."
@@ -109,7 +109,7 @@ def test_sharegpt_reply_length_is_counted_in_tokens_with_a_tokenizer(tmp_path):
 
 
 def test_random_chat_prompts_are_decoded_text():
-    from deploy.loadtest.datasets import load_tokenizer
+    from spyre_serve.deploy.loadtest.datasets import load_tokenizer
 
     tok = load_tokenizer(REPO / "models" / "assets" / "tokenizer")
     (p,) = random_prompts(1, 12, 4, (100, 200), seed=1, tokenizer=tok, chat=True)

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from deploy.loadtest.arrivals import arrival_gaps
-from deploy.loadtest.report import format_report
-from deploy.loadtest.stats import (
+from spyre_serve.deploy.loadtest.arrivals import arrival_gaps
+from spyre_serve.deploy.loadtest.report import format_report
+from spyre_serve.deploy.loadtest.stats import (
     RequestResult,
     Summary,
     compute_metrics,

@@ -28,7 +28,7 @@ def test_loadtest_through_nginx_completes_every_request_on_both_replicas(replica
     front = nginx([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"])
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.loadtest", "--disable-tqdm", "--base-url", front.url,
+        [sys.executable, "-m", "spyre_serve.deploy.loadtest", "--disable-tqdm", "--base-url", front.url,
          "--num-prompts", "8", "--concurrency", "4", "--input-len", "16", "--output-len", "4",
          "--num-warmups", "0", "--result-file", str(out)],
         capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -48,7 +48,7 @@ def test_sigterm_drains_accepted_requests_while_new_ones_go_to_the_other(replica
     out = tmp_path / "r.json"
     n, out_len = 16, 8
     run = subprocess.Popen(
-        [sys.executable, "-m", "deploy.loadtest", "--disable-tqdm", "--base-url", front.url,
+        [sys.executable, "-m", "spyre_serve.deploy.loadtest", "--disable-tqdm", "--base-url", front.url,
          "--num-prompts", str(n), "--concurrency", "4", "--input-len", "16",
          "--output-len", str(out_len), "--num-warmups", "0", "--save-requests",
          "--result-file", str(out)],

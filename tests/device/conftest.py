@@ -1,6 +1,6 @@
 import pytest
 
-from device import Card
+from spyre_serve.device import Card
 
 
 @pytest.fixture

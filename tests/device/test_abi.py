@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from device.abi import f32_at, i32_at, i64_at, u16_at
+from spyre_serve.device.abi import f32_at, i32_at, i64_at, u16_at
 
 
 def test_typed_views_start_at_the_byte_address(card):
@@ -37,7 +37,7 @@ def test_kernel_threads_are_read_and_set_from_njit_code_per_calling_thread():
     import numba
     from numba import njit
 
-    from device.abi import get_kernel_threads, set_kernel_threads
+    from spyre_serve.device.abi import get_kernel_threads, set_kernel_threads
 
     @njit(cache=False)
     def swap(n):

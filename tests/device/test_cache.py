@@ -2,8 +2,8 @@
 
 import numba
 
-from device.cache import source_key, use_source_keyed_cache
-from device.isa import current
+from spyre_serve.device.cache import source_key, use_source_keyed_cache
+from spyre_serve.device.isa import current
 
 
 def _package(root, text):

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from device import DeviceCommandError, DeviceError, Event
+from spyre_serve.device import DeviceCommandError, DeviceError, Event
 
 
 def _gate(stream):

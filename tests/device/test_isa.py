@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-import device
-from device.cache import use_source_keyed_cache
-from device.isa import LEVELS, ISAError, choose, current, host_level
+import spyre_serve.device as device
+from spyre_serve.device.cache import use_source_keyed_cache
+from spyre_serve.device.isa import LEVELS, ISAError, choose, current, host_level
 
 ZEN4 = {f: True for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
                           "avx512vnni", "avx512bf16")}
@@ -59,10 +59,10 @@ def test_every_level_the_host_runs_computes_the_same_gemm(level):
         pytest.skip(f"this CPU runs at most {current().host_level}, not {level}")
     code = """
 import numpy as np
-from device.process import configure
+from spyre_serve.device.process import configure
 isa = configure()
-from device.kernels.gemm import ACT_F32, FMT_F32, FMT_Q4_1, gemm_packed
-from device.layout import QuantizedWeight, pack, pack_quantized
+from spyre_serve.device.kernels.gemm import ACT_F32, FMT_F32, FMT_Q4_1, gemm_packed
+from spyre_serve.device.layout import QuantizedWeight, pack, pack_quantized
 rng = np.random.default_rng(0)
 q = rng.integers(0, 16, (33, 64)).astype(np.int8)
 d = (rng.standard_normal((33, 2)) * .01).astype(np.float16)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from device.kernels.activation import swiglu
+from spyre_serve.device.kernels.activation import swiglu
 
 
 @pytest.mark.parametrize("t,i", [(1, 1), (3, 37), (16, 1280)])

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from device.kernels.attention import paged_attention, write_kv
+from spyre_serve.device.kernels.attention import paged_attention, write_kv
 
 D = 16
 

@@ -1,6 +1,6 @@
 import numpy as np
 
-from device.kernels.fastexp import exp_nonpos
+from spyre_serve.device.kernels.fastexp import exp_nonpos
 
 
 def test_exp_nonpos_matches_exp_to_float32_precision():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from device.kernels.gemm import (
+from spyre_serve.device.kernels.gemm import (
     ACT_F32,
     FMT_BF16,
     FMT_F16,
@@ -14,7 +14,7 @@ from device.kernels.gemm import (
     packed_size,
     round_to_format,
 )
-from device.layout import pack, unpack
+from spyre_serve.device.layout import pack, unpack
 
 FMTS = [FMT_F32, FMT_BF16, FMT_F16]
 # rows: one (GEMV), two, a partial tile, more than a block of k, the largest bucket

@@ -5,8 +5,8 @@ activations, and with int8 activations the product of both sides' quantized valu
 import numpy as np
 import pytest
 
-from device import Card, DeviceError
-from device.kernels.gemm import (
+from spyre_serve.device import Card, DeviceError
+from spyre_serve.device.kernels.gemm import (
     ACT_F32,
     ACT_INT8,
     FMT_F32,
@@ -21,7 +21,7 @@ from device.kernels.gemm import (
     packed_len,
     quantize_rows,
 )
-from device.layout import (
+from spyre_serve.device.layout import (
     QuantizedWeight,
     pack,
     pack_quantized,

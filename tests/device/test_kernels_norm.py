@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from device.kernels.norm import rmsnorm
+from spyre_serve.device.kernels.norm import rmsnorm
 
 
 def _reference(x, w, eps):

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from device.kernels.residual import residual_add
+from spyre_serve.device.kernels.residual import residual_add
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 257), (2, 3, 5)])

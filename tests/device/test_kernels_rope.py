@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from device.kernels.rope import rope_inplace
+from spyre_serve.device.kernels.rope import rope_inplace
 
 
 def _reference(x, positions, theta):

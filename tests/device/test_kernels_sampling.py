@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from device.kernels.sampling import (
+from spyre_serve.device.kernels.sampling import (
     BANNED,
     add_logit_bias,
     apply_token_mask,
@@ -11,7 +11,7 @@ from device.kernels.sampling import (
     sample_rows,
     uniform,
 )
-from models.step_program import SAMPLE_ROW
+from spyre_serve.models.step_program import SAMPLE_ROW
 
 V = 1000
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from device.kernels.softmax import log_softmax
+from spyre_serve.device.kernels.softmax import log_softmax
 
 SHAPES = [(1, 1), (1, 49159), (7, 33)]
 

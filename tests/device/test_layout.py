@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from device import Card, DeviceError
-from device.kernels.gemm import FMT_BF16, FMT_F16, FMT_F32, NR
-from device.layout import (
+from spyre_serve.device import Card, DeviceError
+from spyre_serve.device.kernels.gemm import FMT_BF16, FMT_F16, FMT_F32, NR
+from spyre_serve.device.layout import (
     decode,
     encode,
     format_code,

@@ -3,10 +3,10 @@ import random
 import numpy as np
 import pytest
 
-from device import STICK, Card, DeviceError, DeviceOutOfMemory, DeviceTensor
-from device.allocator import CachingAllocator
-from device.card import DEFAULT_MEMORY_BYTES
-from device.memory import parse_bytes
+from spyre_serve.device import STICK, Card, DeviceError, DeviceOutOfMemory, DeviceTensor
+from spyre_serve.device.allocator import CachingAllocator
+from spyre_serve.device.card import DEFAULT_MEMORY_BYTES
+from spyre_serve.device.memory import parse_bytes
 
 
 def test_arena_base_is_128_byte_aligned(card):

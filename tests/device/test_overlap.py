@@ -8,8 +8,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from device import Program, Slot
-from device.abi import f32_at
+from spyre_serve.device import Program, Slot
+from spyre_serve.device.abi import f32_at
 
 SPIN = 60_000_000  # iterations of the spin kernel: a few hundred ms
 

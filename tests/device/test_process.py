@@ -14,9 +14,9 @@ def state():
     return (numba.config.CACHE_DIR, numba.config.THREADING_LAYER, numba.config.CPU_NAME,
             os.environ.get("OPENBLAS_THREAD_TIMEOUT"), os.environ.get("OMP_WAIT_POLICY"))
 before = state()
-import device, models, server.engine, server.openai.app, models.step_program
+import spyre_serve.device, spyre_serve.models, spyre_serve.server.engine, spyre_serve.server.openai.app, spyre_serve.models.step_program
 assert state() == before, (state(), before)
-from device.process import configure
+from spyre_serve.device.process import configure
 isa = configure()
 after = state()
 assert after != before and after[3] == "4" and after[1] == "threadsafe", after

@@ -5,7 +5,7 @@ import time
 import numpy as np
 from numba import njit
 
-from device.profile import lap, ticks_per_second
+from spyre_serve.device.profile import lap, ticks_per_second
 
 
 @njit(nogil=True)

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from device import DeviceCommandError, DeviceError, JobPlan, Program, Slot
-from device.abi import ENTRY_ARGS, f32_at, i32_at
+from spyre_serve.device import DeviceCommandError, DeviceError, JobPlan, Program, Slot
+from spyre_serve.device.abi import ENTRY_ARGS, f32_at, i32_at
 
 AXPY_SLOTS = [Slot("x", "address"), Slot("y", "address"), Slot("out", "address"),
               Slot("n", "dim"), Slot("a", "dim")]

@@ -5,7 +5,7 @@ import traceback
 import numpy as np
 import pytest
 
-from device import Card, DeviceCommandError, DeviceError
+from spyre_serve.device import Card, DeviceCommandError, DeviceError
 
 
 def _gate(stream):

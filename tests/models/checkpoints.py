@@ -22,8 +22,8 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from models.config import GraniteConfig  # noqa: E402
-from models.profiles import ASSETS, TINY, TOKENIZER_FILES, InitStds, init_tensors  # noqa: E402
+from spyre_serve.models.config import GraniteConfig  # noqa: E402
+from spyre_serve.models.profiles import ASSETS, TINY, TOKENIZER_FILES, InitStds, init_tensors  # noqa: E402
 
 
 def granite_config(*, vocab: int = 256, hidden: int = 128, layers: int = 2, heads: int = 4,
@@ -115,7 +115,7 @@ def runner_greedy(runner, prompts: list[list[int]], n_new: int, stop_ids=(),
     prefilled in one launch, then one decode step for all of them at a time. Returns the
     prefill logits (seq index -> float32[len(prompt), V]) and the generated ids of each,
     cut after the first of ``stop_ids``."""
-    from models import SamplingParams, SeqWork
+    from spyre_serve.models import SamplingParams, SeqWork
 
     greedy = SamplingParams(temperature=0.0)
     longest = max(len(p) for p in prompts) + n_new

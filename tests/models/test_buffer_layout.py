@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from device import STICK
-from models.buffer_layout import Field, Layout, length_slot
+from spyre_serve.device import STICK
+from spyre_serve.models.buffer_layout import Field, Layout, length_slot
 
 TABLE = Layout("t", [
     Field("ids", np.int32, ("T",)),

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from models.checkpoint import CheckpointError, expected_shapes, load_checkpoint
-from models.config import GraniteConfig
+from spyre_serve.models.checkpoint import CheckpointError, expected_shapes, load_checkpoint
+from spyre_serve.models.config import GraniteConfig
 from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
 
 

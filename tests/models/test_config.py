@@ -7,7 +7,7 @@ import pytest
 from transformers import GraniteConfig as HFGraniteConfig
 from transformers import LlamaConfig as HFLlamaConfig
 
-from models.config import ConfigError, GraniteConfig
+from spyre_serve.models.config import ConfigError, GraniteConfig
 
 SMALL = dict(vocab_size=300, hidden_size=128, intermediate_size=400, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

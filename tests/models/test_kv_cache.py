@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from device import Card, DeviceOutOfMemory
-from models.kv_cache import KVCache, block_bytes
+from spyre_serve.device import Card, DeviceOutOfMemory
+from spyre_serve.models.kv_cache import KVCache, block_bytes
 from tests.models.checkpoints import granite_config
 
 CFG = granite_config(hidden=128, layers=3, heads=4, kv_heads=2)   # D 32, Hkv 2

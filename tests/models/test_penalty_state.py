@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import SamplingParams, SeqWork
-from models.step_io import SeqWorkError
+from spyre_serve.models import SamplingParams, SeqWork
+from spyre_serve.models.step_io import SeqWorkError
 from tests.device.test_kernels_sampling import vllm_apply_penalties
 from tests.models.test_parity import BlockPool, prompts_of
 from tests.models.test_sampling_model import setup  # noqa: F401 (the runner and its model)

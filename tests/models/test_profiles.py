@@ -10,10 +10,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from models import profiles  # noqa: E402
-from models.checkpoint import expected_shapes, load_checkpoint  # noqa: E402
-from models.config import GraniteConfig  # noqa: E402
-from models.profiles import (  # noqa: E402
+from spyre_serve.models import profiles  # noqa: E402
+from spyre_serve.models.checkpoint import expected_shapes, load_checkpoint  # noqa: E402
+from spyre_serve.models.config import GraniteConfig  # noqa: E402
+from spyre_serve.models.profiles import (  # noqa: E402
     EIGHT_B_LAYERS,
     FORMAT_VERSION,
     TINY,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from models import SamplingParams, SeqWork
-from models.prompt_logprobs import PromptLogprobs
+from spyre_serve.models import SamplingParams, SeqWork
+from spyre_serve.models.prompt_logprobs import PromptLogprobs
 
 
 def test_a_tokens_rank_counts_the_tokens_more_likely_than_it_ties_sharing_it():

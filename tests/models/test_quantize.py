@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from device.kernels.gemm import FMT_Q8_0, QB
-from models.quantize import quantize_int8_per_channel, quantize_matrices
+from spyre_serve.device.kernels.gemm import FMT_Q8_0, QB
+from spyre_serve.models.quantize import quantize_int8_per_channel, quantize_matrices
 
 
 def test_int8_per_channel_is_symmetric_with_one_scale_a_row():

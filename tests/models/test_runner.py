@@ -7,8 +7,8 @@ import numba
 import numpy as np
 import pytest
 
-from device import Card
-from models import ModelRunner, SamplingParams, SeqWork, load_model
+from spyre_serve.device import Card
+from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model
 from tests.models.checkpoints import write_granite_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -132,7 +132,7 @@ def test_kv_blocks_come_from_the_memory_left(model_dir):
 
 
 def test_eager_baseline_computes_the_same_greedy_tokens(runner):
-    from models.eager import EagerModel
+    from spyre_serve.models.eager import EagerModel
 
     eager = EagerModel(runner.model, runner.card, block_size=BLOCK, num_kv_blocks=8)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from device import Card
-from models import ModelRunner, SamplingParams, SeqWork, load_model
+from spyre_serve.device import Card
+from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model
 from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
 from tests.models.test_parity import BLOCK, BlockPool, prompts_of, reference_logits, run_mixed
 

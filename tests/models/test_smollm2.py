@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device import Card
-from models import ModelRunner, load_model, resolve_model
-from models.gguf_fetch import FetchError
-from models.profiles import SMOLLM2
+from spyre_serve.device import Card
+from spyre_serve.models import ModelRunner, load_model, resolve_model
+from spyre_serve.models.gguf_fetch import FetchError
+from spyre_serve.models.profiles import SMOLLM2
 from tests.models.checkpoints import runner_greedy
 
 torch = pytest.importorskip("torch")
@@ -191,7 +191,7 @@ def test_the_server_answers_a_chat_through_the_openai_client(gguf_path, referenc
     """The whole stack (server.cli.build, uvicorn) serving the model by name."""
     from openai import OpenAI
 
-    from server.cli import build
+    from spyre_serve.server.cli import build
     from tests.server.servers import ServerThread, real_settings
 
     with pytest.MonkeyPatch.context() as mp:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from device import Card
-from models.checkpoint import load_checkpoint
-from models.loader import load_model
-from models.weights import COL_K_CACHE, COL_QKV, LAYER_FIELDS, build_layer_table
+from spyre_serve.device import Card
+from spyre_serve.models.checkpoint import load_checkpoint
+from spyre_serve.models.loader import load_model
+from spyre_serve.models.weights import COL_K_CACHE, COL_QKV, LAYER_FIELDS, build_layer_table
 from tests.models.checkpoints import write_granite_checkpoint
 
 
@@ -79,7 +79,7 @@ def test_layer_table_holds_each_layers_addresses(untied):
 
 
 def test_weights_on_a_card_too_small_are_refused_and_freed(untied):
-    from device import DeviceOutOfMemory
+    from spyre_serve.device import DeviceOutOfMemory
 
     card = Card(200 << 10)
     with pytest.raises(DeviceOutOfMemory):

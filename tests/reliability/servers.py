@@ -35,7 +35,7 @@ NORMAL = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": Tr
 @contextmanager
 def running_server(**settings):
     """A real server with ``SHORT`` and ``settings`` over tests/server's ``real_settings``."""
-    from server.cli import build
+    from spyre_serve.server.cli import build
 
     built = build(real_settings(**{**SHORT, **settings}), progress=False)
     try:
@@ -121,7 +121,7 @@ def server_process(*flags: str, env: dict | None = None, ready_timeout: float = 
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log_path = Path(tempfile.mkstemp(prefix="spyre-serve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "spyre_serve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *PROCESS_FLAGS, *flags]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log_file,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from models import SamplingParams
-from server.sequence import GenerationParams
+from spyre_serve.models import SamplingParams
+from spyre_serve.server.sequence import GenerationParams
 from tests.reliability.servers import running_server
 from tests.server.fakes import Collector
 

@@ -11,7 +11,7 @@ from tests.server.servers import PROMPT, ServerThread, real_settings
 @pytest.fixture(scope="session")
 def real_server():
     """The real stack (granite-tiny, ModelRunner, Engine, FastAPI) behind uvicorn, once per session."""
-    from server.cli import build
+    from spyre_serve.server.cli import build
 
     built = build(real_settings(), progress=False)
     with ServerThread(built.app) as server:

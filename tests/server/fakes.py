@@ -19,7 +19,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders
 from tokenizers import models as tokenizer_models
 
-from models import StepOutput
+from spyre_serve.models import StepOutput
 
 VOCAB = 40
 EOS = 0

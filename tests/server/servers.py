@@ -43,7 +43,7 @@ class ServerThread:
 
 def real_settings(**overrides):
     """granite-tiny, sized so tests are quick on 2 cores: small buckets, lazy programs."""
-    from server.cli import Settings
+    from spyre_serve.server.cli import Settings
 
     base = dict(
         model="granite-tiny",

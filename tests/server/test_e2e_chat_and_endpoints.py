@@ -9,10 +9,10 @@ import openai
 import pytest
 from tokenizers.processors import TemplateProcessing
 
-from models.profiles import ASSETS
-from models.tokenizer import load_tokenizer
-from server.openai.app import create_app
-from server.settings import Settings
+from spyre_serve.models.profiles import ASSETS
+from spyre_serve.models.tokenizer import load_tokenizer
+from spyre_serve.server.openai.app import create_app
+from spyre_serve.server.settings import Settings
 from tests.server.servers import PROMPT, ServerThread, sse_events
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
@@ -120,7 +120,7 @@ def test_metrics_use_vllms_names_and_the_cards_counters(client, greedy):
     assert values['vllm:generation_tokens_total{model_name="granite-tiny"}'] >= 12
     assert values['vllm:request_success_total{finished_reason="length",model_name="granite-tiny"}'] >= 1
     assert 0 < values['spyre_device_busy_fraction{model_name="granite-tiny"}'] <= 1
-    from device.isa import current
+    from spyre_serve.device.isa import current
 
     KERNEL_ISA = current()
     isa = [k for k in values if k.startswith("spyre_kernel_isa{")]

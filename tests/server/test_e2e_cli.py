@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.cli import Settings, parse_args
+from spyre_serve.server.cli import Settings, parse_args
 
 BIN = Path(sys.executable).parent / "spyre-serve"
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
 
 
 def test_warmup_takes_the_sizing_flags_only():
-    from server.cli import parse_command
+    from spyre_serve.server.cli import parse_command
 
     command, s = parse_command(["warmup", "--model", "granite-tiny", "--max-num-seqs", "3",
                                 "--device-memory", "1G"])

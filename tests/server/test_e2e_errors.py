@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.engine import Engine
-from server.openai.app import create_app
-from server.settings import Settings
+from spyre_serve.server.engine import Engine
+from spyre_serve.server.openai.app import create_app
+from spyre_serve.server.settings import Settings
 from tests.server.servers import PROMPT, ServerThread
 
 

@@ -10,9 +10,9 @@ import shutil
 import httpx
 import pytest
 
-from models.profiles import ASSETS, TINY, TOKENIZER_FILES, init_tensors
-from models.quantize import quantize_matrices
-from server.cli import build
+from spyre_serve.models.profiles import ASSETS, TINY, TOKENIZER_FILES, init_tensors
+from spyre_serve.models.quantize import quantize_matrices
+from spyre_serve.server.cli import build
 from tests.models.gguf_files import Q, write_gguf, write_numpy_checkpoint
 from tests.server.servers import ServerThread, real_settings
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from server.openai.responses import (
+from spyre_serve.server.openai.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,

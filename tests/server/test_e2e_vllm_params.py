@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from server.openai.app import create_app
-from server.settings import Settings
+from spyre_serve.server.openai.app import create_app
+from spyre_serve.server.settings import Settings
 from tests.server.servers import PROMPT, ServerThread, sse_events
 
 EOS_NEXT = [7470]
@@ -211,7 +211,7 @@ def test_two_requests_may_share_an_x_request_id(real_server):
 
 
 def test_version_and_ping_answer_as_vllm(client):
-    from server.openai.status import version
+    from spyre_serve.server.openai.status import version
 
     assert client.get("/version").json() == {"version": version()} and version() != "unknown"
     assert client.get("/ping").status_code == client.post("/ping").status_code == 200

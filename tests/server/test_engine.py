@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from models import SamplingParams
-from models.step_io import SeqWorkError
-from server.engine import (
+from spyre_serve.models import SamplingParams
+from spyre_serve.models.step_io import SeqWorkError
+from spyre_serve.server.engine import (
     MAX_FAILED_STEPS_IN_A_ROW,
     Engine,
     EngineFatal,
@@ -19,8 +19,8 @@ from server.engine import (
     EngineUnavailable,
     RequestRejected,
 )
-from server.sequence import GenerationParams
-from server.watchdog import Fault
+from spyre_serve.server.sequence import GenerationParams
+from spyre_serve.server.watchdog import Fault
 from tests.server.fakes import EOS, VOCAB, Collector, FakeRunner, FakeTokenizer, reference
 
 TOK = FakeTokenizer()

@@ -7,17 +7,22 @@ from types import SimpleNamespace
 
 import pytest
 
-from models import SamplingParams
-from models.step_io import SeqWorkError
-from server.admission import RequestRejected, check_lengths, check_params, check_prompt_ids
-from server.inbox import Inbox
-from server.open_requests import EngineRequest
-from server.outputs import take_update
-from server.sequence import GenerationParams, Sequence
-from server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
-from server.step_work import ScheduledChunk
-from server.stopping import banned_tokens, check_stop, eos_token_ids
-from server.watchdog import EngineFatal
+from spyre_serve.models import SamplingParams
+from spyre_serve.models.step_io import SeqWorkError
+from spyre_serve.server.admission import (
+    RequestRejected,
+    check_lengths,
+    check_params,
+    check_prompt_ids,
+)
+from spyre_serve.server.inbox import Inbox
+from spyre_serve.server.open_requests import EngineRequest
+from spyre_serve.server.outputs import take_update
+from spyre_serve.server.sequence import GenerationParams, Sequence
+from spyre_serve.server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
+from spyre_serve.server.step_work import ScheduledChunk
+from spyre_serve.server.stopping import banned_tokens, check_stop, eos_token_ids
+from spyre_serve.server.watchdog import EngineFatal
 
 
 def seq(seq_id=0, request_id="r", prompt=(1, 2, 3), **kw) -> Sequence:

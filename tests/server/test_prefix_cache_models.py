@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from device import Card
-from models import ModelRunner, SamplingParams, load_model, resolve_model
-from models.tokenizer import load_tokenizer
-from server.engine import Engine
-from server.sequence import GenerationParams
+from spyre_serve.device import Card
+from spyre_serve.models import ModelRunner, SamplingParams, load_model, resolve_model
+from spyre_serve.models.tokenizer import load_tokenizer
+from spyre_serve.server.engine import Engine
+from spyre_serve.server.sequence import GenerationParams
 from tests.models.checkpoints import write_granite_checkpoint
 from tests.server.fakes import Collector
 

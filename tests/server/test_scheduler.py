@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from models import SamplingParams
-from server.block_manager import BlockManager
-from server.scheduler import Scheduler
-from server.sequence import GenerationParams, SeqStatus, Sequence
+from spyre_serve.models import SamplingParams
+from spyre_serve.server.block_manager import BlockManager
+from spyre_serve.server.scheduler import Scheduler
+from spyre_serve.server.sequence import GenerationParams, SeqStatus, Sequence
 
 
 def make_seq(seq_id: int, prompt: list[int], max_tokens: int = 16) -> Sequence:

@@ -10,7 +10,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from server.sequence import WRITERS, Sequence
+from spyre_serve.server.sequence import WRITERS, Sequence
 
 SERVER = Path(__file__).resolve().parents[2] / "server"
 FIELDS = {f.name for f in dataclasses.fields(Sequence)}

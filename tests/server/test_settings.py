@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from server.settings import SIZING, Settings, add_flags, parse_size
+from spyre_serve.server.settings import SIZING, Settings, add_flags, parse_size
 
 
 def parser_for(*names: str) -> argparse.ArgumentParser:

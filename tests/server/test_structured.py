@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from models import resolve_model
-from models.tokenizer import load_tokenizer
-from server.structured import GrammarError, Grammars, GrammarSpec, json_spec
+from spyre_serve.models import resolve_model
+from spyre_serve.models.tokenizer import load_tokenizer
+from spyre_serve.server.structured import GrammarError, Grammars, GrammarSpec, json_spec
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ def test_the_models_weights_live_on_the_card(granite_dir):
 
 
 def test_granite_tiny_prefill_and_decode_through_eager_model_match_the_cpu(fallbacks):
-    from models import resolve_model
+    from spyre_serve.models import resolve_model
     from spyre_torch.eager import EagerModel
 
     path = resolve_model("granite-tiny")

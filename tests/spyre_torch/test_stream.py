@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from device import DeviceCommandError
+from spyre_serve.device import DeviceCommandError
 from tests.spyre_torch.processes import gate
 
 

@@ -7,10 +7,10 @@
     rng.py        uniform(seed, counter): counter-based, so batch-position independent
 """
 
-from device.kernels.sampling.masks import BANNED, add_logit_bias, apply_token_mask
-from device.kernels.sampling.penalties import count_tokens, penalize_row
-from device.kernels.sampling.rng import uniform
-from device.kernels.sampling.rows import sample_rows
+from spyre_serve.device.kernels.sampling.masks import BANNED, add_logit_bias, apply_token_mask
+from spyre_serve.device.kernels.sampling.penalties import count_tokens, penalize_row
+from spyre_serve.device.kernels.sampling.rng import uniform
+from spyre_serve.device.kernels.sampling.rows import sample_rows
 
 __all__ = ["BANNED", "add_logit_bias", "apply_token_mask", "count_tokens", "penalize_row",
            "sample_rows", "uniform"]

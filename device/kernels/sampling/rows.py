@@ -32,9 +32,9 @@ Scratch: four [V] arrays per row, allocated in the kernel.
 import numpy as np
 from numba import njit, prange
 
-from device.kernels.sampling.masks import add_logit_bias, ban_and_mask
-from device.kernels.sampling.penalties import penalize_row
-from device.kernels.sampling.select import draw, log_sum_exp, top_raw
+from spyre_serve.device.kernels.sampling.masks import add_logit_bias, ban_and_mask
+from spyre_serve.device.kernels.sampling.penalties import penalize_row
+from spyre_serve.device.kernels.sampling.select import draw, log_sum_exp, top_raw
 
 
 @njit(nogil=True, cache=True)

@@ -12,8 +12,8 @@ underflow) are never drawn.
 import numpy as np
 from numba import njit
 
-from device.kernels.fastexp import exp_nonpos
-from device.kernels.sampling.rng import uniform
+from spyre_serve.device.kernels.fastexp import exp_nonpos
+from spyre_serve.device.kernels.sampling.rng import uniform
 
 _LOG_UNDERFLOW = np.float32(-87.0)  # exp_nonpos gives 0 below this
 

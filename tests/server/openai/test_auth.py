@@ -6,8 +6,8 @@ import pytest
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
-from server.openai.auth import api_key_guard, check_bearer
-from server.openai.errors import APIError, install_error_handlers
+from spyre_serve.server.openai.auth import api_key_guard, check_bearer
+from spyre_serve.server.openai.errors import APIError, install_error_handlers
 
 
 def test_without_a_key_any_header_passes():

@@ -6,9 +6,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from server.openai.body import json_object, read_request
-from server.openai.errors import APIError, install_error_handlers
-from server.openai.protocol import DetokenizeRequest
+from spyre_serve.server.openai.body import json_object, read_request
+from spyre_serve.server.openai.errors import APIError, install_error_handlers
+from spyre_serve.server.openai.protocol import DetokenizeRequest
 
 LIMIT = 64
 

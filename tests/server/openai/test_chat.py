@@ -8,11 +8,11 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from server.engine import SeqUpdate
-from server.openai.app import create_app
-from server.openai.chat import opening_choices, streamed_choice
-from server.openai.logprobs import TokenTexts
-from server.settings import Settings
+from spyre_serve.server.engine import SeqUpdate
+from spyre_serve.server.openai.app import create_app
+from spyre_serve.server.openai.chat import opening_choices, streamed_choice
+from spyre_serve.server.openai.logprobs import TokenTexts
+from spyre_serve.server.settings import Settings
 from tests.server.openai.fakes import (
     CharTokenizer,
     ScriptedEngine,

@@ -11,14 +11,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from server.openai.errors import (
+from spyre_serve.server.openai.errors import (
     APIError,
     error_body,
     error_response,
     install_error_handlers,
     validation_error,
 )
-from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from spyre_serve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def refusal(model, **body) -> APIError:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from server.openai.offload import Offload, TimedOut
+from spyre_serve.server.openai.offload import Offload, TimedOut
 
 
 def spin(seconds: float) -> int:

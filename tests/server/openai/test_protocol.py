@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from server.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from spyre_serve.server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+)
 
 
 def message(model, **body) -> str:

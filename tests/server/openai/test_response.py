@@ -9,9 +9,9 @@ import re
 import pytest
 from fastapi.responses import Response
 
-from server.openai.bridge import Submission
-from server.openai.errors import APIError
-from server.openai.response import full_response, new_head, stream_response
+from spyre_serve.server.openai.bridge import Submission
+from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.response import full_response, new_head, stream_response
 from tests.server.openai.fakes import RecordingEngine, update
 
 

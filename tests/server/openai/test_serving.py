@@ -6,13 +6,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from models import SamplingParams
-from server.engine import EngineUnavailable, RequestRejected
-from server.openai.errors import APIError, install_error_handlers
-from server.openai.protocol import DetokenizeRequest
-from server.openai.serving import Serving, serving_of
-from server.sequence import GenerationParams
-from server.settings import Settings
+from spyre_serve.models import SamplingParams
+from spyre_serve.server.engine import EngineUnavailable, RequestRejected
+from spyre_serve.server.openai.errors import APIError, install_error_handlers
+from spyre_serve.server.openai.protocol import DetokenizeRequest
+from spyre_serve.server.openai.serving import Serving, serving_of
+from spyre_serve.server.sequence import GenerationParams
+from spyre_serve.server.settings import Settings
 from tests.server.openai.fakes import (
     VOCAB,
     CharTokenizer,

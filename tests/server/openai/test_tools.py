@@ -10,10 +10,15 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from server.openai.errors import APIError
-from server.openai.prompts import chat_prompt
-from server.openai.protocol import ChatCompletionRequest
-from server.openai.tools import ToolRequest, complete_items, parse_call_list, tool_choices
+from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.prompts import chat_prompt
+from spyre_serve.server.openai.protocol import ChatCompletionRequest
+from spyre_serve.server.openai.tools import (
+    ToolRequest,
+    complete_items,
+    parse_call_list,
+    tool_choices,
+)
 
 TEMPLATE = Path(__file__).resolve().parents[3] / "examples" / "tool_chat_template_granite.jinja"
 F = {"type": "function", "function": {"name": "f", "parameters": {
@@ -113,9 +118,9 @@ def test_streamed_text_stays_content_and_a_named_call_streams_its_arguments():
 
 
 def test_the_template_gets_the_tools_and_the_calls_of_the_conversation():
-    from models import resolve_model
-    from models.tokenizer import load_tokenizer
-    from server.openai.prompts import with_chat_template
+    from spyre_serve.models import resolve_model
+    from spyre_serve.models.tokenizer import load_tokenizer
+    from spyre_serve.server.openai.prompts import with_chat_template
 
     tokenizer = with_chat_template(load_tokenizer(resolve_model("granite-tiny")), str(TEMPLATE))
     req = ChatCompletionRequest(messages=[
