@@ -18,8 +18,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from spyre_serve.device.kernels.gemm import ACT_F32, FMT_F32, MR, NR, gemm_packed
+from spyre_serve.device.kernels.gemm import ACT_F32, FMT_F32, NR, gemm_packed
 from spyre_serve.device.kernels.microkernel import tile
+from spyre_serve.device.kernels.simd import geometry
 from spyre_serve.device.layout import pack
 
 
@@ -101,20 +102,21 @@ def _gemm_peak(shapes, budget):
 
 
 @njit(nogil=True, parallel=True, cache=True)
-def _fma_loop(out, a, w, reps):
-    # each core: the gemm's microkernel (one MR x NR tile over a [256, NR] slab), again and
-    # again, on data that stays in L1
+def _fma_loop(out, a, w, reps, mr):
+    # each core: the gemm's microkernel (its tallest tile, mr x NR, over a [256, NR] slab),
+    # again and again, on data that stays in L1
     for c in prange(out.shape[0]):
         for _ in range(reps):
-            tile(MR, a[c], 0, 256, w, 0, out[c], 0, NR, 256, 1, FMT_F32)
+            tile(mr, a[c], 0, 256, w, 0, out[c], 0, NR, 256, 1, FMT_F32)
 
 
 def fma_peak(seconds: float = 0.3) -> float:
     """GFLOP/s of the microkernel on L1-resident data, one tile per core, every core."""
     cores = numba.get_num_threads()
+    MR = geometry().heights[0]   # noqa: N806  (the level's tile height)
     a = np.ones((cores, MR * 256), np.float32)
     w = np.ones(256 * NR, np.float32)
     out = np.zeros((cores, MR * NR), np.float32)
     reps = 2000
-    t = best_of(lambda: _fma_loop(out, a, w, reps), min_reps=3, budget=seconds)
+    t = best_of(lambda: _fma_loop(out, a, w, reps, MR), min_reps=3, budget=seconds)
     return cores * reps * 2.0 * MR * NR * 256 / t / 1e9

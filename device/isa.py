@@ -6,14 +6,18 @@ forced by SPYRE_KERNEL_ISA, chosen once per process before Numba compiles anythi
     avx512        + avx512f, avx512bw, avx512dq, avx512vl                skylake-avx512
     avx512_vnni   + avx512vnni                                           cascadelake
     avx512_bf16   + avx512bf16                                           cooperlake
+    amx           + amx-tile, amx-bf16 (and the kernel's leave to use them)  sapphirerapids
 
 The host's level is the highest whose features llvmlite reports for this CPU; unforced, Numba
 compiles for the host itself (all its features). SPYRE_KERNEL_ISA names a level at or below
 the host's: Numba then compiles for that level's CPU (NUMBA_CPU_NAME), so every path below
 the host's can be run and tested on it; above the host's is refused, naming both. The
 compile cache is keyed by the level too (device/cache.py), so code compiled for one level is
-never loaded for another. What the kernels do with the level: device/kernels/microkernel.py
-(integer dot products for the 8- and 4-bit weights need avx2's vpmaddubsw).
+never loaded for another. What the kernels do with each level: device/kernels/simd.py.
+
+AMX's tile registers are state Linux hands a process only when asked (arch_prctl
+ARCH_REQ_XCOMP_PERM for XTILEDATA); the host reaches the amx level only once that was
+granted, and `current()` asks for it before anything compiles.
 """
 
 from __future__ import annotations
@@ -21,15 +25,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-LEVELS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16")
+LEVELS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 _NEEDS = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),
     "avx512_vnni": ("avx512vnni",),
     "avx512_bf16": ("avx512bf16",),
+    "amx": ("amx-tile", "amx-bf16"),
 }
 _CPU_NAME = {"avx2": "haswell", "avx512": "skylake-avx512", "avx512_vnni": "cascadelake",
-             "avx512_bf16": "cooperlake"}
+             "avx512_bf16": "cooperlake", "amx": "sapphirerapids"}
 ENV = "SPYRE_KERNEL_ISA"
 
 
@@ -52,11 +57,14 @@ class KernelISA:
         return f"{self.level} ({how}; host {self.cpu}, up to {self.host_level})"
 
 
-def host_level(features: dict[str, bool]) -> str:
-    """The highest level all of whose features (and those below it) are present."""
+def host_level(features: dict[str, bool], amx_granted: bool = True) -> str:
+    """The highest level all of whose features (and those below it) are present (amx: and
+    the kernel granted the tile state)."""
     best = None
     for level in LEVELS:
         if not all(features.get(f, False) for f in _NEEDS[level]):
+            break
+        if level == "amx" and not amx_granted:
             break
         best = level
     if best is None:
@@ -65,9 +73,10 @@ def host_level(features: dict[str, bool]) -> str:
     return best
 
 
-def choose(features: dict[str, bool], cpu: str, requested: str | None) -> KernelISA:
+def choose(features: dict[str, bool], cpu: str, requested: str | None,
+           amx_granted: bool = True) -> KernelISA:
     """The level for a host with `features`, and SPYRE_KERNEL_ISA's value (None: unset)."""
-    best = host_level(features)
+    best = host_level(features, amx_granted)
     if not requested:
         return KernelISA(best, best, cpu, forced=False)
     level = requested.strip().lower()
@@ -79,6 +88,24 @@ def choose(features: dict[str, bool], cpu: str, requested: str | None) -> Kernel
 
 
 _SELECTED: KernelISA | None = None
+_ARCH_REQ_XCOMP_PERM = 0x1023   # linux/arch/x86/include/uapi/asm/prctl.h
+_XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL = 158           # x86_64
+
+
+def request_amx() -> bool:
+    """Ask Linux for the AMX tile state for this process (every thread); True when granted."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
 
 
 def current() -> KernelISA:
@@ -89,7 +116,9 @@ def current() -> KernelISA:
     if _SELECTED is None:
         import llvmlite.binding as ll
 
-        isa = choose(dict(ll.get_host_cpu_features()), ll.get_host_cpu_name(), os.environ.get(ENV))
+        features = dict(ll.get_host_cpu_features())
+        granted = all(features.get(f, False) for f in _NEEDS["amx"]) and request_amx()
+        isa = choose(features, ll.get_host_cpu_name(), os.environ.get(ENV), granted)
         if isa.forced:
             import numba
 

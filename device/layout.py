@@ -11,7 +11,8 @@ and a storage format; the card packs it once into panels of NR columns and keeps
     +----+----+----+--           | panel 1       |  (the last panel is zero past column N)
 
 Formats: "float32", "bfloat16" or "float16" (16-bit values stored as uint16 bits; the
-kernels widen them to float32 right after the load). Converting float32 to a 16-bit format
+kernels widen them to float32 right after the load, or multiply bfloat16 pairs natively; a
+bfloat16 panel keeps rows k and k + 1 of a column together, K padded to BF16_KB rows). Converting float32 to a 16-bit format
 rounds to nearest even, as torch's `.to(torch.bfloat16 / torch.float16)` does, so a
 checkpoint stored in that format is placed bit for bit.
 
@@ -41,6 +42,7 @@ from spyre_serve.device.kernels.gemm import (
     NR,
     QB,
     RECORD_BYTES,
+    padded_k,
 )
 from spyre_serve.device.memory import DeviceError, DeviceTensor
 
@@ -86,27 +88,35 @@ def decode(stored: np.ndarray, fmt: int) -> np.ndarray:
     return stored.view(np.float16).astype(np.float32)
 
 
-def packed_shape(k: int, n: int) -> tuple[int, int, int]:
-    """(panels, K, NR) of a packed K x N weight."""
-    return (-(-n // NR), k, NR)
+def packed_shape(k: int, n: int, fmt: int = FMT_F32) -> tuple[int, int, int]:
+    """(panels, rows, NR) of a packed K x N weight (rows: K, a bfloat16 weight's padded)."""
+    return (-(-n // NR), int(padded_k(k, fmt)), NR)
 
 
 def pack(w: np.ndarray, fmt: int) -> np.ndarray:
-    """W[K, N] (float32) -> its panels [ceil(N/NR), K, NR] in format fmt, zero past column N."""
+    """W[K, N] (float32) -> its panels [ceil(N/NR), K, NR] in format fmt, zero past column N;
+    bfloat16: K padded with zero rows, each pair of rows a column's two values together (the
+    array [P, K/2, NR, 2], seen as [P, K, NR])."""
     k, n = w.shape
-    panels = np.zeros(packed_shape(k, n), STORAGE[fmt])
-    full = n // NR
-    stored = encode(w, fmt)                                             # [K, N]
-    panels[:full] = stored[:, :full * NR].reshape(k, full, NR).transpose(1, 0, 2)
-    if n % NR:
-        panels[full, :, :n % NR] = stored[:, full * NR:]
-    return panels
+    p, kp, _ = packed_shape(k, n, fmt)
+    full = np.zeros((kp, p * NR), STORAGE[fmt])
+    full[:k, :n] = encode(w, fmt)
+    if fmt == FMT_BF16:
+        return np.ascontiguousarray(
+            full.reshape(kp // 2, 2, p, NR).transpose(2, 0, 3, 1)).reshape(p, kp, NR)
+    return np.ascontiguousarray(full.reshape(kp, p, NR).transpose(1, 0, 2))
 
 
-def unpack(panels: np.ndarray, n: int, fmt: int) -> np.ndarray:
-    """The float32 K x N matrix the kernels compute with (inverse of pack, widened)."""
-    p, k, nr = panels.shape
-    return decode(panels, fmt).transpose(1, 0, 2).reshape(k, p * nr)[:, :n]
+def unpack(panels: np.ndarray, n: int, fmt: int, k: int | None = None) -> np.ndarray:
+    """The float32 K x N matrix the kernels compute with (inverse of pack, widened); k: the
+    weight's rows (default: every row the panels hold)."""
+    p, kp, nr = panels.shape
+    values = decode(panels, fmt)
+    if fmt == FMT_BF16:
+        full = values.reshape(p, kp // 2, nr, 2).transpose(1, 3, 0, 2).reshape(kp, p * nr)
+    else:
+        full = values.transpose(1, 0, 2).reshape(kp, p * nr)
+    return full[:kp if k is None else k, :n]
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +252,7 @@ class GemmWeight:
         """The float32 K x N matrix as the kernels see it (tests and debugging)."""
         if self.fmt in QUANTIZED:
             return unpack_quantized(self.tensor.numpy(), self.n, self.fmt)
-        return unpack(self.tensor.numpy(), self.n, self.fmt)
+        return unpack(self.tensor.numpy(), self.n, self.fmt, self.k)
 
 
 def place_quantized_weight(card: Card, qw: QuantizedWeight) -> GemmWeight:

@@ -32,7 +32,7 @@ from spyre_serve.device import Card, DeviceTensor, Program, Slot
 from spyre_serve.device.abi import ENTRY_ARGS, f32_at, i32_at, i64_at
 from spyre_serve.device.kernels.activation import swiglu
 from spyre_serve.device.kernels.attention import paged_attention, write_kv
-from spyre_serve.device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
+from spyre_serve.device.kernels.gemm import gather_columns_at, gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
 from spyre_serve.device.kernels.residual import residual_add
 from spyre_serve.device.kernels.rope import rope_inplace
@@ -74,10 +74,9 @@ def op_rmsnorm(f32, i32, i64, u16, t):
 
 @njit(nogil=True, cache=True)
 def op_gemm(f32, i32, i64, u16, t):
-    # out, a, w (packed) | M, K, N, WFMT, CFMT   (a is rounded to CFMT in place first)
+    # out, a, w (packed) | M, K, N, WFMT, CFMT   (the GEMM rounds a's values to CFMT)
     m, k, n, wfmt, cfmt = t[3], t[4], t[5], t[6], t[7]
     a = f32_at(f32, t[1], m * k).reshape(m, k)
-    round_to_format(a, cfmt)
     gemm_at(f32_at(f32, t[0], m * n).reshape(m, n), a, f32, u16, t[2], k, n, wfmt, cfmt)
 
 

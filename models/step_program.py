@@ -41,7 +41,7 @@ from numba import njit
 from spyre_serve.device.abi import f32_at, i32_at, i64_at
 from spyre_serve.device.kernels.activation import swiglu
 from spyre_serve.device.kernels.attention import paged_attention, write_kv
-from spyre_serve.device.kernels.gemm import gather_columns_at, gemm_at, round_to_format
+from spyre_serve.device.kernels.gemm import gather_columns_at, gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
 from spyre_serve.device.kernels.residual import residual_add
 from spyre_serve.device.kernels.rope import rope_inplace
@@ -308,7 +308,7 @@ def step_entry(f32, i32, i64, u16, table):
 
     inv_freq = f32_at(f32, table[Slot.inv_freq], D // 2)
     layers = i64_at(i64, table[Slot.layers], L * LAYER_FIELDS).reshape(L, LAYER_FIELDS)
-    cfmt = table[Slot.CFMT]                     # GEMM inputs: rounded to 16 bits, or int8 (quantized weights)
+    cfmt = table[Slot.CFMT]      # GEMM inputs: rounded to 16 bits by the GEMM, or int8 (quantized weights)
     timers = i64_at(i64, table[Slot.timers], table[Slot.timers + 1])
     t = lap(timers, -1, 0)
 
@@ -322,7 +322,6 @@ def step_entry(f32, i32, i64, u16, table):
         v_cache = f32_at(f32, layers[layer, COL_V_CACHE], NBT * BS * KD).reshape(NBT, BS, HKV, D)
 
         rmsnorm(hbuf, x, in_norm, eps)
-        round_to_format(hbuf, cfmt)
         t = lap(timers, K_RMSNORM, t)
         gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV,
                 layers[layer, COL_QKV_FMT], cfmt)
@@ -335,7 +334,6 @@ def step_entry(f32, i32, i64, u16, table):
         t = lap(timers, K_WRITE_KV, t)
         paged_attention(a3, q3, k_cache, v_cache, block_tables, query_start, context_lens,
                         attn_scale)
-        round_to_format(attn, cfmt)
         t = lap(timers, K_ATTENTION, t)
         gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H,
                 layers[layer, COL_O_FMT], cfmt)
@@ -343,13 +341,11 @@ def step_entry(f32, i32, i64, u16, table):
         residual_add(x, y, res_mult)
         t = lap(timers, K_RESIDUAL, t)
         rmsnorm(hbuf, x, post_norm, eps)
-        round_to_format(hbuf, cfmt)
         t = lap(timers, K_RMSNORM, t)
         gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER,
                 layers[layer, COL_GATE_UP_FMT], cfmt)
         t = lap(timers, K_GATE_UP, t)
         swiglu(act, gu)
-        round_to_format(act, cfmt)
         t = lap(timers, K_SWIGLU, t)
         gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H,
                 layers[layer, COL_DOWN_FMT], cfmt)
@@ -361,7 +357,6 @@ def step_entry(f32, i32, i64, u16, table):
     norm = f32_at(f32, table[Slot.norm], H)
     _gather_rows(hsel, x, logit_rows)
     rmsnorm(hn, hsel, norm, eps)
-    round_to_format(hn, cfmt)
     gemm_at(logits, hn, f32, u16, table[Slot.lm_head], H, V, table[Slot.LM_HEAD_FMT], cfmt)
     lf = logits.reshape(R * V)
     for i in range(R * V):

@@ -6,28 +6,36 @@ values (device/layout.py packs it; see device/README.md for a picture):
     packed[p, k, j] = W[k, p * NR + j]        p < ceil(N / NR), zero past column N
 
 so the kernel streams every panel with unit stride and never repacks. Storage is float32,
-or uint16 holding bfloat16 or float16 bits (`fmt`), widened to float32 right after the load
-(bf16: a 16-bit shift; fp16: F16C's conversion), or uint8 in one of GGML's block-quantized
-formats (Q8_0, Q4_0, Q4_1: blocks of QB = 32 rows with a float16 scale per column), each
-panel then K / QB records of QB rows (device/kernels/microkernel.py has their bytes), the
-weights widened in registers to the values GGML's dequantizer gives. Activations and
-accumulation stay fp32.
+or uint16 holding float16 bits, or bfloat16 bits in pairs of rows (packed[p, k // 2, j,
+k % 2], K padded with zero rows to a multiple of BF16_KB: the layout of vdpbf16ps and of
+AMX's B tiles), or uint8 in one of GGML's block-quantized formats (Q8_0, Q4_0, Q4_1: blocks
+of QB = 32 rows with a float16 scale per column), each panel then K / QB records of QB rows
+(device/kernels/microkernel.py has their bytes).
 
     out[M, N] = a[M, K] @ W                    gemm_packed(out, a, w, K, N, fmt, act)
 
+The inputs' format `act` picks the tile family (device/kernels/):
+    float32 (ACT_F32)         microkernel.py: weights widened in registers (16-bit by a shift
+                              or F16C, quantized to exactly GGML's dequantized values), FMAs
+    bfloat16 / float16        rounded to that format once per GEMM; on a bfloat16 weight where
+                              the level has AVX512_BF16, multiplied in pairs (dot_tile.py,
+                              vdpbf16ps), else the float32 tiles on the rounded values
+    int8 (ACT_INT8)           a quantized weight's: quantized per row in blocks of QB
+                              (quantize_rows), integer dot products (int8_tile.py)
+The vector width and the tile heights are the ISA level's (device/kernels/simd.py).
+
 The loops follow BLIS: the panels are split across the card's cores (`prange` over chunks
 of panels); a panel's k-block of KC rows (16 KiB in fp32) stays in L1 while every row tile
-of MR rows passes over it, so each weight byte comes from memory once per block of MC rows.
+passes over it, so each weight byte comes from memory once per block of MC rows.
 Up to MC rows (every decode) that is one pass and one parallel region; for more, the rows
 come in blocks of MC and the k-blocks go outside the panels, so that an [MC, KC] block of
-`a` stays in L2 while all the panels stream past it. The innermost loop is a microkernel
-emitted as LLVM vector IR (device/kernels/microkernel.py).
+`a` stays in L2 while all the panels stream past it.
 
-Numerics: every product is a float32 FMA of exactly the stored (dequantized) weight. The
-order of the k sum depends on K and on the height of a row's tile (one row sums k in four
-interleaved partial sums), never on the thread count or the weight's format: a result is
-reproducible for a given batch shape, and a quantized weight gives bit for bit what its
-dequantized float32 copy gives.
+Numerics of the float32 tiles: every product is a float32 FMA of exactly the stored
+(dequantized) weight. The order of the k sum depends on K, on the level and on the height
+of a row's tile (a short tile sums k in interleaved partial sums), never on the thread count
+or the weight's format: a result is reproducible for a given batch shape and level, and a
+quantized or 16-bit weight gives bit for bit what its float32 copy gives.
 """
 
 import numpy as np
@@ -36,33 +44,46 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from spyre_serve.device.abi import f32_at, get_kernel_threads, u16_at
+from spyre_serve.device.kernels.amx import BLOCK_COLS, BLOCK_ROWS, amx_block, amx_release
+from spyre_serve.device.kernels.dot_tile import dtile
 from spyre_serve.device.kernels.int8_tile import itile
-from spyre_serve.device.kernels.microkernel import (  # noqa: F401  (NR, MR, QB, RECORD_BYTES: this module's interface)
+from spyre_serve.device.kernels.microkernel import (  # noqa: F401  (NR, QB, RECORD_BYTES: this module's interface)
+    BF16_KB,
     FMT_BF16,
     FMT_F16,
     FMT_F32,
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q8_0,
-    MR,
-    NR,
-    QB,
     REC_Q4_0,
     REC_Q4_1,
     REC_Q8_0,
     RECORD_BYTES,
     tile,
 )
+from spyre_serve.device.kernels.simd import (
+    NR,
+    QB,
+    has_amx,
+    has_bf16_dot,
+    max_tile_height,
+    tile_height,
+)
 
-ACT_F32, ACT_INT8 = 0, 6   # GEMM inputs of a quantized weight: float32, or int8 per block of QB
+ACT_F32, ACT_INT8 = 0, 6   # GEMM inputs: float32, or int8 per block of QB (quantized weights);
+# FMT_BF16 / FMT_F16 as an input format: rounded to that format once per GEMM (below)
 
-KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, half of L1 (a multiple of QB)
+KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, in L1 (a multiple of QB)
 MC = 192         # rows per block of a: [MC, KC] fp32 is 192 KiB, in L2
 CHUNKS_PER_THREAD = 4   # panel chunks per core: balances the split, keeps each core's range contiguous
+AMX_MIN_ROWS = 3        # bfloat16 GEMMs of at least this many rows go to AMX where the level has it
 
 FORMATS = {"float32": FMT_F32, "bfloat16": FMT_BF16, "float16": FMT_F16,
            "Q8_0": FMT_Q8_0, "Q4_0": FMT_Q4_0, "Q4_1": FMT_Q4_1}
 FORMAT_NAMES = {code: name for name, code in FORMATS.items()}
+
+# how a GEMM's tiles read their inputs (_Inputs.mode)
+MODE_FLOAT, MODE_INT8, MODE_DOT = 0, 1, 2
 
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
@@ -89,12 +110,22 @@ def _record_bytes(fmt):
 
 
 @njit(nogil=True, cache=True, inline="always")
+def padded_k(k, fmt):
+    """Rows of each panel of a packed [K, N] weight: a bfloat16 weight's K padded with zero
+    rows to a multiple of BF16_KB (its rows go in pairs, AMX's tiles in 32s); else K."""
+    if fmt == FMT_BF16:
+        return (k + BF16_KB - 1) // BF16_KB * BF16_KB
+    return k
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _slab_offset(p, kb, k, fmt):
-    """First element of panel p's rows kb.. (kb a multiple of QB for a quantized format)."""
+    """First element of panel p's rows kb.. (kb a multiple of QB for a quantized format, even
+    for bfloat16)."""
     if is_quantized(fmt):
         rec = _record_bytes(fmt)
         return p * (k // QB) * rec + (kb // QB) * rec
-    return p * k * NR + kb * NR
+    return p * padded_k(k, fmt) * NR + kb * NR
 
 
 @njit(nogil=True, cache=True)
@@ -103,32 +134,33 @@ def packed_len(k, n, fmt):
     panels = (n + NR - 1) // NR
     if is_quantized(fmt):
         return panels * (k // QB) * _record_bytes(fmt)
-    return panels * k * NR
+    return panels * padded_k(k, fmt) * NR
 
 
 @njit(nogil=True, cache=True)
 def packed_size(k, n):
-    """Elements of a packed [K, N] float or 16-bit weight: ceil(N / NR) panels of K x NR."""
+    """Elements of a packed [K, N] float32 or float16 weight: ceil(N / NR) panels of K x NR."""
     return ((n + NR - 1) // NR) * k * NR
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _tile_at(mr, af, a_off, k, kb, qa, w, w_off, c, c_off, ldc, kc, acc, fmt):
-    """One tile: float activations (af), or int8 ones (qa: quantize_rows's three arrays)."""
-    aq, ad, asum, use_int = qa
-    if use_int:
+def _tile_at(mr, ins, r0, kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt):
+    """One tile of rows r0.., k rows kb..kb+kc of the inputs `ins` (_inputs)."""
+    af, aq, ad, asum, ab, kab, mode = ins
+    if mode == MODE_INT8:
         nb = k // QB
-        r0 = a_off // k
-        itile(mr, aq, a_off, k, ad, asum, r0 * nb + kb // QB, nb, w, w_off, c, c_off, ldc, kc,
-              acc, fmt)
+        itile(mr, aq, r0 * k + kb, k, ad, asum, r0 * nb + kb // QB, nb, w, w_off, c, c_off, ldc,
+              kc, acc, fmt)
+    elif mode == MODE_DOT:
+        dtile(mr, ab, r0 * kab + kb, kab, w, w_off, c, c_off, ldc, kc, acc)
     else:
-        tile(mr, af, a_off, k, w, w_off, c, c_off, ldc, kc, acc, fmt)
+        tile(mr, af, r0 * k + kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt)
 
 
 @njit(nogil=True, cache=True)
-def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp, qa):
+def _panels(of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp, ins):
     """Rows m0..m0+mc of out, panels p0..p1-1, k rows k0..k0+kc_all (one core's share of one
-    block): per panel, per k-block of KC, every row tile of MR rows."""
+    block): per panel, per k-block of KC, every row tile (the level's heights)."""
     for p in range(p0, p1):
         n0 = p * NR
         cols = min(NR, n - n0)
@@ -136,8 +168,9 @@ def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp, qa):
             kc = min(KC, k0 + kc_all - kb)
             acc = 1 if kb > 0 else 0
             w_off = _slab_offset(p, kb, k, fmt)
-            for r0 in range(m0, m0 + mc, MR):
-                mr = min(MR, m0 + mc - r0)
+            r0 = m0
+            while r0 < m0 + mc:
+                mr = tile_height(m0 + mc - r0)
                 # the last panel may be partial: then the whole tile goes to tmp, and its
                 # columns are copied in and out (one call site: the tiles are emitted once)
                 dst, d_off, ldd = of, r0 * n + n0, n
@@ -146,11 +179,12 @@ def _panels(af, of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp, qa):
                         for j in range(cols):
                             tmp[i * NR + j] = of[(r0 + i) * n + n0 + j]
                     dst, d_off, ldd = tmp, 0, NR
-                _tile_at(mr, af, r0 * k + kb, k, kb, qa, w, w_off, dst, d_off, ldd, kc, acc, fmt)
+                _tile_at(mr, ins, r0, kb, k, w, w_off, dst, d_off, ldd, kc, acc, fmt)
                 if cols < NR:
                     for i in range(mr):
                         for j in range(cols):
                             of[(r0 + i) * n + n0 + j] = tmp[i * NR + j]
+                r0 += mr
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -178,13 +212,66 @@ def quantize_rows(af, m, k, aq, ad, asum):
             asum[r * nb + b] = np.float32(total)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _bf16_bits(u):
+    """float32 bits -> the nearest bfloat16's bits (round to nearest even), as uint32."""
+    return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@njit(nogil=True, cache=True)
+def _to_bf16_rows(af, m, k, kp, ab, r0, r1):
+    """Rows r0..r1-1 of a[M, K] (flat float32) as bfloat16 bits into ab [M, kp], zero past K."""
+    bits = af.view(np.uint32)
+    for r in range(r0, r1):
+        for t in range(k):
+            ab[r * kp + t] = np.uint16(_bf16_bits(bits[r * k + t]))
+        for t in range(k, kp):
+            ab[r * kp + t] = 0
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _to_bf16_parallel(af, m, k, kp, ab):
+    chunks = min(m, 4 * get_kernel_threads())
+    for c in prange(chunks):
+        _to_bf16_rows(af, m, k, kp, ab, c * m // chunks, (c + 1) * m // chunks)
+
+
+@njit(nogil=True, cache=True)
+def _inputs(af, m, k, fmt, act):
+    """The tiles' inputs: (float32 a, int8 a with its scales and sums, bfloat16 a, its row
+    stride, mode). int8 for a quantized weight with int8 inputs; bfloat16 pairs for a
+    bfloat16 weight with bfloat16 inputs on a level with the dot product (each value rounded
+    to nearest even once); else float32, rounded first to a 16-bit input format (act) so that
+    the widening tiles multiply 16-bit values exactly."""
+    use_int = act == ACT_INT8 and is_quantized(fmt)
+    nq = m * k if use_int else 0
+    aq, ad, asum = np.empty(nq, np.int8), np.empty(nq // QB, np.float32), np.empty(nq // QB, np.float32)
+    if use_int:
+        quantize_rows(af, m, k, aq, ad, asum)
+        return af, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_INT8
+    if fmt == FMT_BF16 and act == FMT_BF16 and has_bf16_dot():
+        kp = padded_k(k, fmt)
+        ab = np.empty(m * kp, np.uint16)
+        if m * k >= 65536:
+            _to_bf16_parallel(af, m, k, kp, ab)
+        else:
+            _to_bf16_rows(af, m, k, kp, ab, 0, m)
+        return af, aq, ad, asum, ab, kp, MODE_DOT
+    if act == FMT_BF16 or act == FMT_F16:
+        rounded = af.copy()
+        round_to_format(rounded, act)
+        return rounded, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_FLOAT
+    return af, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_FLOAT
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def gemm_packed(out, a, w, k, n, fmt, act):
-    """out[M, N] = a[M, K] @ W[K, N], W packed in panels (float32, or uint16 bf16/fp16 bits).
+    """out[M, N] = a[M, K] @ W[K, N], W packed in panels.
 
     out, a: C-contiguous float32 2-D; w: the packed 1-D array of packed_len(K, N, fmt)
     elements; fmt: FMT_F32 for float32 w, FMT_BF16 or FMT_F16 for uint16 w, FMT_Q8_0,
-    FMT_Q4_0 or FMT_Q4_1 for uint8 w (K a multiple of QB)."""
+    FMT_Q4_0 or FMT_Q4_1 for uint8 w (K a multiple of QB); act, the inputs' format: ACT_F32,
+    FMT_BF16 / FMT_F16 (rounded to it), or ACT_INT8 (a quantized weight's: int8 per block)."""
     m = a.shape[0]
     if a.shape[1] != k or out.shape[0] != m or out.shape[1] != n:
         raise ValueError("gemm_packed: want a [M, K] and out [M, N]; (M, K, N) are", m, k, n)
@@ -201,31 +288,61 @@ def gemm_packed(out, a, w, k, n, fmt, act):
         return
     af = a.reshape(m * k)
     of = out.reshape(m * n)
-    use_int = act == ACT_INT8 and is_quantized(fmt)
-    nq = m * k if use_int else 0
-    qa = (np.empty(nq, np.int8), np.empty(nq // QB, np.float32), np.empty(nq // QB, np.float32),
-          use_int)
-    if use_int:
-        quantize_rows(af, m, k, qa[0], qa[1], qa[2])
+    ins = _inputs(af, m, k, fmt, act)
+    kk = ins[5] if ins[6] == MODE_DOT else k        # rows the tiles run over (the dot's padded)
     n_panels = (n + NR - 1) // NR
+    if ins[6] == MODE_DOT and m >= AMX_MIN_ROWS and has_amx():
+        _gemm_amx(of, ins[4], m, ins[5], w, k, n, n_panels)
+        return
     chunks = min(n_panels, CHUNKS_PER_THREAD * get_kernel_threads())
+    th = max_tile_height()
     if m <= MC:
         # decode-sized: all of a fits in L2; one parallel region over the panels
         for c in prange(chunks):
-            tmp = np.empty(MR * NR, np.float32)
-            _panels(af, of, w, k, n, 0, m, 0, k, c * n_panels // chunks,
-                    (c + 1) * n_panels // chunks, fmt, tmp, qa)
+            tmp = np.empty(th * NR, np.float32)
+            _panels(of, w, k, n, 0, m, 0, kk, c * n_panels // chunks,
+                    (c + 1) * n_panels // chunks, fmt, tmp, ins)
         return
     # prefill-sized: a block of MC rows x KC columns of a stays in L2 while every panel's
     # [KC, NR] slab passes (BLIS's order: k-blocks outside the panels)
     for m0 in range(0, m, MC):
         mc = min(MC, m - m0)
-        for k0 in range(0, k, KC):
-            kc = min(KC, k - k0)
+        for k0 in range(0, kk, KC):
+            kc = min(KC, kk - k0)
             for c in prange(chunks):
-                tmp = np.empty(MR * NR, np.float32)
-                _panels(af, of, w, k, n, m0, mc, k0, kc, c * n_panels // chunks,
-                        (c + 1) * n_panels // chunks, fmt, tmp, qa)
+                tmp = np.empty(th * NR, np.float32)
+                _panels(of, w, k, n, m0, mc, k0, kc, c * n_panels // chunks,
+                        (c + 1) * n_panels // chunks, fmt, tmp, ins)
+
+
+@njit(nogil=True, cache=True)
+def _amx_panels(of, ab, m, kp, w, k, n, n_panels, q0, q1, tmp):
+    """Panel pairs q0..q1-1 of out, every block of BLOCK_ROWS rows: AMX blocks, copied out."""
+    for q in range(q0, q1):
+        p0 = 2 * q
+        p1 = p0 + 1 if p0 + 1 < n_panels else p0          # an odd last panel: computed twice
+        off0 = 2 * _slab_offset(p0, 0, k, FMT_BF16)         # bytes
+        off1 = 2 * _slab_offset(p1, 0, k, FMT_BF16)
+        cols = min(BLOCK_COLS, n - p0 * NR)
+        for r0 in range(0, m, BLOCK_ROWS):
+            rows = min(BLOCK_ROWS, m - r0)
+            amx_block(ab, 2 * r0 * kp, 2 * kp, rows, w, off0, off1, kp, tmp)
+            for i in range(rows):
+                for j in range(cols):
+                    of[(r0 + i) * n + p0 * NR + j] = tmp[i * BLOCK_COLS + j]
+    amx_release()
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemm_amx(of, ab, m, kp, w, k, n, n_panels):
+    """out = ab @ W with AMX blocks of BLOCK_ROWS x 2 panels, panel pairs split across the
+    cores (each block's whole k at once: its B slabs stay in L2 while the row blocks pass)."""
+    pairs = (n_panels + 1) // 2
+    chunks = min(pairs, CHUNKS_PER_THREAD * get_kernel_threads())
+    for c in prange(chunks):
+        tmp = np.empty(BLOCK_ROWS * BLOCK_COLS, np.float32)
+        _amx_panels(of, ab, m, kp, w, k, n, n_panels, c * pairs // chunks,
+                    (c + 1) * pairs // chunks, tmp)
 
 
 @intrinsic
@@ -295,6 +412,10 @@ def gather_columns(out, w, cols, scale, k, n, fmt):
         if is_quantized(fmt):
             for kk in range(k):
                 out[t, kk] = _quantized_value(w, c, kk, k, fmt) * s
+        elif fmt == FMT_BF16:       # rows in pairs: row kk at (kk // 2) * 2 NR + 2 j + kk % 2
+            base = (c // NR) * padded_k(k, fmt) * NR + 2 * (c % NR)
+            for kk in range(k):
+                out[t, kk] = _widen(w[base + (kk >> 1) * 2 * NR + (kk & 1)], fmt) * s
         else:
             base = (c // NR) * k * NR + c % NR
             for kk in range(k):

@@ -1,13 +1,17 @@
-"""The GEMM's innermost loop, emitted as LLVM vector IR: one MR x NR tile of `out` in registers.
+"""The GEMM's innermost loop, emitted as LLVM vector IR: one mr x NR tile of `out` in registers,
+float32 FMAs on float32 activations.
 
-    tile(a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, fmt)
+    tile(mr, a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, fmt)
         c[mr, NR] (+)= a[mr, kc] @ slab[kc, NR]
 
 a and c are 1-D float32 arrays addressed by element offsets and row strides; w is a packed
 weight (device/kernels/gemm.py describes the layouts) and w_off the first element of the slab:
 
-- float32 (FMT_F32) or uint16 holding bfloat16 / float16 bits (FMT_BF16 / FMT_F16): the slab
-  is kc rows of NR values, widened to float32 right after the load;
+- float32 (FMT_F32) or uint16 holding float16 bits (FMT_F16): the slab is kc rows of NR
+  values, widened to float32 right after the load;
+- uint16 holding bfloat16 bits (FMT_BF16): the slab is kc / 2 pairs of rows, each pair NR
+  columns of 2 values (column j's rows k and k + 1 together, the layout vdpbf16ps and AMX
+  read; device/kernels/dot_tile.py); widened by a shift (row k) and a mask (row k + 1);
 - uint8 block-quantized (FMT_Q8_0 / FMT_Q4_0 / FMT_Q4_1, GGML's formats in panels): the slab
   is kc / QB records of QB rows, each record the NR float16 scales `d` (Q4_1: then the NR
   float16 minimums `m`), then the quants in groups of 4 rows, each group NR columns of 4
@@ -20,259 +24,222 @@ weight (device/kernels/gemm.py describes the layouts) and w_off the first elemen
   so the products are those of the float32 GEMM on the dequantized weights.
 
 For each k the tile loads the NR weights of that row, broadcasts one value of `a` per row
-and does MR x NR fused multiply-adds. With NR = 16 and 8-wide vectors (AVX2: 16 registers)
-MR = 6 uses 12 accumulators, 2 weight vectors and a broadcast. One row (a decode GEMV)
-unrolls k by 4 into independent accumulators so that the FMA latency never limits the
-stream of weights.
+and does mr x NR fused multiply-adds. The vector width and the heights are the ISA level's
+(device/kernels/simd.py): AVX2 keeps 6 x 2 ymm accumulators, AVX-512 16 x 1 zmm. A short
+tile sums k in several interleaved accumulator sets (row k in set k % sets, the rows after
+the last whole round in set 0), so that the FMA latency never limits the stream of weights;
+the sets depend on the height only, so every format of the same values sums alike.
 """
 
 from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
+from numba import types
 from numba.extending import intrinsic
 
-NR = 16          # columns per panel
-VW = 8           # float32 lanes per LLVM vector (a ymm register on AVX2)
-MR = 6           # rows per microkernel tile
-QB = 32          # rows per quantization block (GGML's QK8_0 / QK4_0 / QK4_1)
+from spyre_serve.device.kernels.simd import (
+    NR,
+    QB,
+    accumulators,
+    array_ptr,
+    by_height,
+    choose,
+    const,
+    counted,
+    fma_fn,
+    geometry,
+    load_at_byte,
+    load_vec,
+    reduce_sets,
+    splat,
+    store_tile,
+)
 
 FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
 # bytes of one record (QB rows of one panel) of each block-quantized format
-_SCALES = 2 * NR                                  # NR float16 values
+SCALE_BYTES = 2 * NR                              # NR float16 values
 GROUP_BYTES = 4 * NR                              # 4 rows of a panel, a column's 4 bytes together
-RECORD_BYTES = {FMT_Q8_0: _SCALES + QB * NR, FMT_Q4_0: _SCALES + QB * NR // 2,
-                FMT_Q4_1: 2 * _SCALES + QB * NR // 2}
+RECORD_BYTES = {FMT_Q8_0: SCALE_BYTES + QB * NR, FMT_Q4_0: SCALE_BYTES + QB * NR // 2,
+                FMT_Q4_1: 2 * SCALE_BYTES + QB * NR // 2}
 REC_Q8_0, REC_Q4_0, REC_Q4_1 = (RECORD_BYTES[f] for f in (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1))
-
-_F32 = ir.FloatType()
-_I8 = ir.IntType(8)
-_I16 = ir.IntType(16)
-_I32 = ir.IntType(32)
-_I64 = ir.IntType(64)
-_VEC = ir.VectorType(_F32, VW)
+BF16_KB = 32     # a bfloat16 weight's K is padded with zero rows to a multiple of this (AMX's tile)
 
 
-def _const(n: int) -> ir.Constant:
-    return ir.Constant(_I64, n)
-
-
-def _splat(builder, value):
-    undef = ir.Constant(_VEC, ir.Undefined)
-    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, VW), [0] * VW))
-
-
-def _load_vec(builder, ptr, index, elem, align):
-    """<VW x elem> at element `index` of ptr (an elem*-like pointer of any type)."""
-    p = builder.gep(ptr, [index])
-    return builder.load(builder.bitcast(p, ir.VectorType(elem, VW).as_pointer()), align=align)
-
-
-def _load_weights(builder, w_ptr, index, kind):
-    """<VW x float> of weights at element `index` of the packed array, widened if 16-bit."""
-    if kind == "f32":
-        return _load_vec(builder, w_ptr, index, _F32, 4)
-    if kind == "f16":
-        return builder.fpext(_load_vec(builder, w_ptr, index, ir.HalfType(), 2), _VEC)
-    raw = _load_vec(builder, w_ptr, index, _I16, 2)                     # bf16
-    wide = builder.shl(builder.zext(raw, ir.VectorType(_I32, VW)),
-                       ir.Constant(ir.VectorType(_I32, VW), [16] * VW))
-    return builder.bitcast(wide, _VEC)
-
-
-def _accumulators(builder, mr, nv, sets):
-    zero = ir.Constant(_VEC, [0.0] * VW)
-    return [[[cgutils.alloca_once_value(builder, zero) for _ in range(nv)] for _ in range(mr)]
-            for _ in range(sets)]
-
-
-def _fma_row(builder, fma, a_ptr, a_off, lda, k, wv, accs):
+def _fma_row(builder, g, fma, a_ptr, a_off, lda, k, wv, accs):
     """accs[i][j] += a[i, k] * wv[j] for every row i of the tile."""
     for i, row in enumerate(accs):
-        ai = builder.add(builder.add(a_off, builder.mul(_const(i), lda)), k)
-        av = _splat(builder, builder.load(builder.gep(a_ptr, [ai])))
+        ai = builder.add(builder.add(a_off, builder.mul(const(i), lda)), k)
+        av = splat(builder, builder.load(builder.gep(a_ptr, [ai])), g.vec)
         for j, acc in enumerate(row):
             builder.store(builder.call(fma, [av, wv[j], builder.load(acc)]), acc)
 
 
-def _reduce_sets(builder, sets):
-    """Sum every accumulator set into the first; returns it."""
-    for other in sets[1:]:
-        for row0, row in zip(sets[0], other, strict=True):
-            for acc0, acc in zip(row0, row, strict=True):
-                builder.store(builder.fadd(builder.load(acc0), builder.load(acc)), acc0)
-    return sets[0]
+def _row_weights(builder, g, w_ptr, index, kind):
+    """The NR weights of one row (f32 / f16 storage) at element `index`, as float32 vectors."""
+    out = []
+    for j in range(g.nv):
+        at = builder.add(index, const(j * g.vw))
+        if kind == "f32":
+            out.append(load_vec(builder, w_ptr, at, g.vec, 4))
+        else:
+            half = load_vec(builder, w_ptr, at, ir.VectorType(ir.HalfType(), g.vw), 2)
+            out.append(builder.fpext(half, g.vec))
+    return out
 
 
-def _emit_float_loop(builder, fma, kind, mr, unroll, a_ptr, a_off, lda, w_ptr, w_off, kc):
+def _pair_weights(builder, g, w_ptr, index):
+    """Rows k and k + 1 of a bfloat16 slab, their pair row at uint16 element `index`:
+    (row k's vectors, row k + 1's), widened exactly (a bfloat16 is a float32's top half)."""
+    even, odd = [], []
+    high = ir.Constant(g.ivec, [-65536] * g.vw)               # 0xFFFF0000
+    for j in range(g.nv):
+        raw = load_vec(builder, w_ptr, builder.add(index, const(2 * j * g.vw)), g.ivec, 2)
+        even.append(builder.bitcast(builder.shl(raw, ir.Constant(g.ivec, [16] * g.vw)), g.vec))
+        odd.append(builder.bitcast(builder.and_(raw, high), g.vec))
+    return even, odd
+
+
+def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, kc):
     """The tile over kc rows of a float / 16-bit slab; returns the accumulators."""
-    nv = NR // VW
-    sets = _accumulators(builder, mr, nv, unroll)
+    unroll = g.unroll(mr)
+    sets = accumulators(builder, g, mr, unroll)
+    args = (a_ptr, a_off, lda)
+    if kind != "bf16":
+        def step(k, accs):
+            wv = _row_weights(builder, g, w_ptr, builder.add(w_off, builder.mul(k, const(NR))), kind)
+            _fma_row(builder, g, fma, *args, k, wv, accs)
 
-    def step(k, accs):
-        base = builder.add(w_off, builder.mul(k, _const(NR)))
-        wv = [_load_weights(builder, w_ptr, builder.add(base, _const(j * VW)), kind)
-              for j in range(nv)]
-        _fma_row(builder, fma, a_ptr, a_off, lda, k, wv, accs)
+        kmain = builder.mul(builder.sdiv(kc, const(unroll)), const(unroll))
+        with counted(builder, const(0), kmain, unroll) as k0:
+            for u in range(unroll):
+                step(builder.add(k0, const(u)), sets[u])
+        with counted(builder, kmain, kc, 1) as k1:
+            step(k1, sets[0])
+        return reduce_sets(builder, sets)
 
-    kmain = builder.mul(builder.sdiv(kc, _const(unroll)), _const(unroll))
-    with cgutils.for_range_slice(builder, _const(0), kmain, _const(unroll)) as (k0, _):
-        for u in range(unroll):
-            step(builder.add(k0, _const(u)), sets[u])
-    with cgutils.for_range_slice(builder, kmain, kc, _const(1)) as (k1, _):
-        step(k1, sets[0])
-    return _reduce_sets(builder, sets)
+    # bfloat16 pairs: rows k, k + 1 go to the sets the row-by-row loop above gives them
+    def pair(k, s0, s1):
+        even, odd = _pair_weights(builder, g, w_ptr, builder.add(w_off, builder.mul(k, const(NR))))
+        _fma_row(builder, g, fma, *args, k, even, s0)
+        _fma_row(builder, g, fma, *args, builder.add(k, const(1)), odd, s1)
+
+    step = max(unroll, 2)
+    kmain = builder.mul(builder.sdiv(kc, const(step)), const(step))
+    with counted(builder, const(0), kmain, step) as k0:
+        for u in range(0, step, 2):
+            pair(builder.add(k0, const(u)), sets[u % unroll], sets[(u + 1) % unroll])
+    last = builder.sub(kc, const(1))
+    with counted(builder, kmain, last, 2) as k1:             # the rest in set 0, in order
+        pair(k1, sets[0], sets[0])
+    with builder.if_then(builder.icmp_signed("!=", builder.and_(kc, const(1)), const(0))):
+        even, _ = _pair_weights(builder, g, w_ptr, builder.add(w_off, builder.mul(last, const(NR))))
+        _fma_row(builder, g, fma, *args, last, even, sets[0])
+    return reduce_sets(builder, sets)
 
 
-def _emit_quant_loop(builder, fma, kind, mr, unroll, a_ptr, a_off, lda, w_ptr, w_off, kc):
+def quant_record(kind):
+    """(record bytes, offset of the quants in a record) of a quantized kind."""
+    rec = {"q8_0": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1}[kind]
+    return rec, 2 * SCALE_BYTES if kind == "q4_1" else SCALE_BYTES
+
+
+def quant_scales(builder, g, w_ptr, r0, kind):
+    """(d, m) of a record at byte r0 as float32 vectors (Q4_0's m = -8 d; Q8_0: m None)."""
+    half = ir.VectorType(ir.HalfType(), g.vw)
+    d = [builder.fpext(load_at_byte(builder, w_ptr, builder.add(r0, const(2 * j * g.vw)), half),
+                       g.vec) for j in range(g.nv)]
+    m = None
+    if kind == "q4_1":
+        m = [builder.fpext(load_at_byte(builder, w_ptr, builder.add(
+            r0, const(SCALE_BYTES + 2 * j * g.vw)), half), g.vec) for j in range(g.nv)]
+    elif kind == "q4_0":
+        m = [builder.fmul(dj, ir.Constant(g.vec, [-8.0] * g.vw)) for dj in d]
+    return d, m
+
+
+def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, kc):
     """The tile over kc rows (kc / QB records) of a block-quantized slab (w_ptr: i8*, w_off in
     bytes); returns the accumulators. Rows are taken in order and row k goes to accumulator
-    set k % unroll, as in the float loop, so the sums round alike."""
-    nv = NR // VW
-    half = ir.HalfType()
-    vi32 = ir.VectorType(_I32, VW)
-    sets = _accumulators(builder, mr, nv, unroll)
-    rec = {"q8_0": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1}[kind]
-    q_start = 2 * _SCALES if kind == "q4_1" else _SCALES
-    nblocks = builder.sdiv(kc, _const(QB))
+    set k % sets, as in the float loop, so the sums round alike."""
+    unroll = g.unroll(mr)
+    sets = accumulators(builder, g, mr, unroll)
+    rec, q_start = quant_record(kind)
 
     def splat32(n):
-        return ir.Constant(vi32, [n] * VW)
+        return ir.Constant(g.ivec, [n] * g.vw)
 
-    with cgutils.for_range(builder, nblocks) as loop:
-        b = loop.index
-        r0 = builder.add(w_off, builder.mul(b, _const(rec)))            # the record's first byte
-        kb = builder.mul(b, _const(QB))                                 # its first row of a
-        d = [builder.fpext(_load_vec(builder, w_ptr, builder.add(r0, _const(2 * j * VW)), half, 1),
-                           _VEC) for j in range(nv)]
-        if kind == "q4_1":
-            m = [builder.fpext(_load_vec(builder, w_ptr, builder.add(r0, _const(_SCALES + 2 * j * VW)),
-                                         half, 1), _VEC) for j in range(nv)]
-        elif kind == "q4_0":
-            m = [builder.fmul(dj, ir.Constant(_VEC, [-8.0] * VW)) for dj in d]
-        q0 = builder.add(r0, _const(q_start))
+    with counted(builder, const(0), builder.sdiv(kc, const(QB)), 1) as b:
+        r0 = builder.add(w_off, builder.mul(b, const(rec)))            # the record's first byte
+        kb = builder.mul(b, const(QB))                                 # its first row of a
+        d, m = quant_scales(builder, g, w_ptr, r0, kind)
+        q0 = builder.add(r0, const(q_start))
 
-        def group(g, high):
-            """Rows 4g..4g+3 of the block (Q4: of its low or high nibbles): each <VW x i32>
-            lane holds a column's 4 rows, one a byte."""
-            at = builder.add(q0, builder.mul(g, _const(GROUP_BYTES)))
-            raw = [_load_vec(builder, w_ptr, builder.add(at, _const(4 * j * VW)), _I32, 1)
-                   for j in range(nv)]
+        def group(gi, high, u):
+            """Rows 4g..4g+3 of the block (Q4: of its low or high nibbles), g = gi + u: each
+            32-bit lane holds a column's 4 rows, one a byte."""
+            gi = builder.add(gi, const(u))
+            at = builder.add(q0, builder.mul(gi, const(GROUP_BYTES)))
+            raw = [load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)), g.ivec)
+                   for j in range(g.nv)]
             for t in range(4):
                 if kind == "q8_0":
                     wv = [builder.fmul(d[j], builder.sitofp(builder.ashr(
-                        builder.shl(x, splat32(24 - 8 * t)), splat32(24)), _VEC))
+                        builder.shl(x, splat32(24 - 8 * t)), splat32(24)), g.vec))
                         for j, x in enumerate(raw)]
                 else:
                     shift = 8 * t + (4 if high else 0)
                     wv = [builder.call(fma, [d[j], builder.uitofp(builder.and_(
-                        builder.lshr(x, splat32(shift)), splat32(15)), _VEC), m[j]])
+                        builder.lshr(x, splat32(shift)), splat32(15)), g.vec), m[j]])
                         for j, x in enumerate(raw)]
-                r = builder.add(builder.mul(g, _const(4)), _const(t + (QB // 2 if high else 0)))
-                _fma_row(builder, fma, a_ptr, a_off, lda, builder.add(kb, r), wv, sets[t % unroll])
+                r = builder.add(builder.mul(gi, const(4)), const(t + (QB // 2 if high else 0)))
+                _fma_row(builder, g, fma, a_ptr, a_off, lda, builder.add(kb, r), wv,
+                         sets[(4 * u + t) % unroll])
 
-        if kind == "q8_0":
-            with cgutils.for_range(builder, _const(QB // 4)) as gl:
-                group(gl.index, False)
-        else:
-            for high in (False, True):             # rows 0..15 (low nibbles), then 16..31
-                with cgutils.for_range(builder, _const(QB // 8)) as gl:
-                    group(gl.index, high)
-    return _reduce_sets(builder, sets)
-
-
-def store_tile(builder, accs, c_ptr, c_off, ldc, accumulate):
-    """c[i, :NR] = accs[i] (accumulate != 0: += ) for every row i of the tile."""
-    add = builder.icmp_signed("!=", accumulate, _const(0))
-    for i, row_accs in enumerate(accs):
-        row = builder.add(c_off, builder.mul(_const(i), ldc))
-        for j, acc in enumerate(row_accs):
-            p = builder.bitcast(builder.gep(c_ptr, [builder.add(row, _const(j * VW))]),
-                                _VEC.as_pointer())
-            val = builder.load(acc)
-            val = builder.select(add, builder.fadd(val, builder.load(p, align=4)), val)
-            builder.store(val, p, align=4)
+        per = max(1, unroll // 4)                  # groups an iteration: row r in set r % unroll
+        for high in ((False,) if kind == "q8_0" else (False, True)):   # Q4: rows 0..15, 16..31
+            with counted(builder, const(0), const(QB // 4 if kind == "q8_0" else QB // 8),
+                         per) as gl:
+                for u in range(per):
+                    group(gl, high, u)
+    return reduce_sets(builder, sets)
 
 
-def _microkernel(mr: int):
-    """The tile intrinsic for tiles of mr rows (see the module docstring)."""
-    nv = NR // VW
-    unroll = 4 if mr == 1 else 2 if mr == 2 else 1
+@intrinsic
+def tile(typingctx, mr, a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, fmt):
+    """The tile of mr rows (a height of this level: simd.tile_height); see the module
+    docstring."""
+    if w.dtype not in (types.float32, types.uint16, types.uint8):
+        return None
+    i64 = types.int64
+    sig = types.void(i64, a, i64, i64, w, i64, c, i64, i64, i64, i64, i64)
 
-    def branches(builder, fmt_v, kinds, emit):
-        """Emit one loop per (fmt code, kind), chosen at run time by fmt; the accumulators."""
-        result = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(mr)]
+    def codegen(context, builder, signature, args):
+        g = geometry()
+        mr_v, a_v, a_off, lda, w_v, w_off, c_v, c_off, ldc, kc, accf, fmt_v = args
+        a_ptr = array_ptr(context, builder, signature.args[1], a_v)
+        w_ptr = array_ptr(context, builder, signature.args[4], w_v)
+        c_ptr = array_ptr(context, builder, signature.args[6], c_v)
+        fma = fma_fn(builder, g.vec)
+        wdt = signature.args[4].dtype
 
-        def emit_into(kind):
-            got = emit(kind)
-            for i in range(mr):
-                for j in range(nv):
-                    builder.store(builder.load(got[i][j]), result[i][j])
+        def height(mr):
+            result = [[builder.alloca(g.vec) for _ in range(g.nv)] for _ in range(mr)]
 
-        def choose(rest):
-            code, kind = rest[0]
-            if len(rest) == 1:
-                emit_into(kind)
-                return
-            with builder.if_else(builder.icmp_signed("==", fmt_v, _const(code))) as (then, other):
-                with then:
-                    emit_into(kind)
-                with other:
-                    choose(rest[1:])
+            def emit(kind):
+                loop = _emit_quant_loop if kind.startswith("q") else _emit_float_loop
+                got = loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, kc)
+                for i in range(mr):
+                    for j in range(g.nv):
+                        builder.store(builder.load(got[i][j]), result[i][j])
 
-        choose(kinds)
-        return result
-
-    @intrinsic
-    def tile(typingctx, a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, fmt):
-        if w.dtype not in (types.float32, types.uint16, types.uint8):
-            return None
-        i64 = types.int64
-        sig = types.void(a, i64, i64, w, i64, c, i64, i64, i64, i64, i64)
-
-        def codegen(context, builder, signature, args):
-            a_v, a_off, lda, w_v, w_off, c_v, c_off, ldc, kc, accf, fmt_v = args
-            a_ptr = context.make_array(signature.args[0])(context, builder, a_v).data
-            w_ptr = context.make_array(signature.args[3])(context, builder, w_v).data
-            c_ptr = context.make_array(signature.args[5])(context, builder, c_v).data
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), f"llvm.fma.v{VW}f32")
-            wdt = signature.args[3].dtype
             if wdt == types.float32:
-                accs = _emit_float_loop(builder, fma, "f32", mr, unroll, a_ptr, a_off, lda,
-                                        w_ptr, w_off, kc)
+                emit("f32")
             elif wdt == types.uint16:
-                accs = branches(builder, fmt_v, [(FMT_F16, "f16"), (FMT_BF16, "bf16")],
-                                lambda kind: _emit_float_loop(builder, fma, kind, mr, unroll, a_ptr,
-                                                              a_off, lda, w_ptr, w_off, kc))
+                choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_BF16, "bf16")], emit)
             else:
-                accs = branches(builder, fmt_v,
-                                [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"), (FMT_Q4_1, "q4_1")],
-                                lambda kind: _emit_quant_loop(builder, fma, kind, mr, unroll, a_ptr,
-                                                              a_off, lda, w_ptr, w_off, kc))
-            store_tile(builder, accs, c_ptr, c_off, ldc, accf)
-            return context.get_dummy_value()
+                choose(builder, fmt_v, [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"),
+                                        (FMT_Q4_1, "q4_1")], emit)
+            store_tile(builder, g, result, c_ptr, c_off, ldc, accf)
 
-        return sig, codegen
+        by_height(builder, mr_v, g.heights, height)
+        return context.get_dummy_value()
 
-    return tile
-
-
-_tile1, _tile2, _tile3, _tile4, _tile5, _tile6 = (_microkernel(m) for m in range(1, MR + 1))
-
-
-@njit(nogil=True, cache=True, inline="always")
-def tile(mr, a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt):
-    """The tile of mr (1..MR) rows: the intrinsic of that height."""
-    if mr == 6:
-        _tile6(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    elif mr == 5:
-        _tile5(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    elif mr == 4:
-        _tile4(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    elif mr == 3:
-        _tile3(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    elif mr == 2:
-        _tile2(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
-    else:
-        _tile1(a, a_off, lda, w, w_off, c, c_off, ldc, kc, acc, fmt)
+    return sig, codegen

@@ -15,6 +15,7 @@ ZEN4 = {f: True for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512d
                           "avx512vnni", "avx512bf16")}
 ZEN3 = {"avx2": True, "fma": True, "f16c": True, "avx512f": False}
 ICELAKE = {**ZEN4, "avx512bf16": False}
+SAPPHIRE = {**ZEN4, "amx-tile": True, "amx-bf16": True}
 
 
 def test_the_host_level_is_the_highest_whose_features_are_all_there():
@@ -22,6 +23,8 @@ def test_the_host_level_is_the_highest_whose_features_are_all_there():
     assert host_level(ICELAKE) == "avx512_vnni"
     assert host_level(ZEN3) == "avx2"
     assert host_level({**ZEN4, "avx512vnni": False}) == "avx512"   # bf16 above a missing level
+    assert host_level(SAPPHIRE) == "amx"
+    assert host_level(SAPPHIRE, amx_granted=False) == "avx512_bf16"  # Linux kept the tile state
     with pytest.raises(ISAError, match="lacks fma"):
         host_level({"avx2": True, "f16c": True})
 
@@ -52,31 +55,22 @@ def test_this_process_runs_a_level_the_host_has_and_caches_by_it(tmp_path, monke
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_every_level_the_host_runs_computes_the_same_gemm(level):
-    """Each level at or below the host's, in a fresh process (the level is chosen before Numba
-    compiles): the quantized and float GEMMs give the numpy reference's values."""
-    if LEVELS.index(level) > LEVELS.index(current().host_level):
-        pytest.skip(f"this CPU runs at most {current().host_level}, not {level}")
-    code = """
-import numpy as np
-from spyre_serve.device.process import configure
-isa = configure()
-from spyre_serve.device.kernels.gemm import ACT_F32, FMT_F32, FMT_Q4_1, gemm_packed
-from spyre_serve.device.layout import QuantizedWeight, pack, pack_quantized
-rng = np.random.default_rng(0)
-q = rng.integers(0, 16, (33, 64)).astype(np.int8)
-d = (rng.standard_normal((33, 2)) * .01).astype(np.float16)
-qw = QuantizedWeight(FMT_Q4_1, q, d, d)
-a = rng.standard_normal((3, 64), dtype=np.float32)
-out, ref = np.empty((3, 33), np.float32), np.empty((3, 33), np.float32)
-gemm_packed(out, a, pack_quantized(qw).reshape(-1), 64, 33, FMT_Q4_1, ACT_F32)
-gemm_packed(ref, a, pack(np.ascontiguousarray(qw.dequantize().T), FMT_F32).reshape(-1), 64, 33, FMT_F32, ACT_F32)
-assert np.array_equal(out, ref)
-np.testing.assert_allclose(out, a.astype(np.float64) @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
-print(isa.level)
-"""
+def test_every_level_below_the_hosts_passes_the_gemm_tests(level):
+    """Each level below the host's, in a fresh process (the level is chosen before Numba
+    compiles, and its code cached apart): the GEMM tests of every tile family (float32,
+    16-bit widened or by the level's dot products, 8- and 4-bit with float or int8 inputs)
+    against their numpy references. The host's own level is the rest of the suite's."""
+    host = current().host_level
+    if LEVELS.index(level) > LEVELS.index(host):
+        pytest.skip(f"this CPU runs at most {host}, not {level}")
+    if level == host:
+        pytest.skip(f"{level} is the host's level: the suite itself runs it")
+    here = os.path.dirname(__file__)
+    files = [os.path.join(here, f) for f in ("test_kernels_gemm_packed.py",
+                                             "test_kernels_gemm_quantized.py")]
     env = {**os.environ, "SPYRE_KERNEL_ISA": level}   # its own cache directory: keyed by the level
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == level
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *files], env=env, capture_output=True, text=True, timeout=1200,
+                         cwd=os.path.dirname(os.path.dirname(here)))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout.splitlines()[-1], out.stdout[-500:]

@@ -1,9 +1,12 @@
-"""gemm_packed against numpy on the same (widened) weights; round_to_format against torch."""
+"""gemm_packed against numpy on the same (widened) weights, with float32 inputs and with inputs
+rounded to 16 bits (on this host's level: bfloat16 pairs by vdpbf16ps or AMX where it has
+them); round_to_format against torch. tests/device/test_isa.py runs the lower levels."""
 
 import numpy as np
 import pytest
 import torch
 
+from spyre_serve.device.isa import current
 from spyre_serve.device.kernels.gemm import (
     ACT_F32,
     FMT_BF16,
@@ -18,7 +21,8 @@ from spyre_serve.device.layout import pack, unpack
 
 FMTS = [FMT_F32, FMT_BF16, FMT_F16]
 # rows: one (GEMV), two, a partial tile, more than a block of k, the largest bucket
-SHAPES = [(1, 64, 32), (2, 65, 33), (7, 129, 300), (33, 257, 1), (33, 300, 257), (512, 96, 80)]
+SHAPES = [(1, 64, 32), (2, 65, 33), (7, 129, 300), (33, 257, 1), (33, 300, 257), (512, 96, 80),
+          (3, 45, 47), (16, 33, 31), (40, 577, 17), (512, 97, 81)]
 
 
 def _case(m, k, n, seed=0):
@@ -31,10 +35,43 @@ def _case(m, k, n, seed=0):
 def test_gemm_packed_matches_numpy_on_the_stored_weights(m, k, n, fmt):
     a, w = _case(m, k, n)
     panels = pack(w, fmt)
-    want = a.astype(np.float64) @ unpack(panels, n, fmt).astype(np.float64)
+    want = a.astype(np.float64) @ unpack(panels, n, fmt, k).astype(np.float64)
     out = np.full((m, n), np.nan, np.float32)
     gemm_packed(out, a, panels.reshape(-1), k, n, fmt, ACT_F32)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 65, 33), (7, 129, 301), (33, 257, 17)])
+def test_16_bit_weights_widened_are_the_float32_gemm_of_their_values(m, k, n, fmt):
+    """With float32 inputs a 16-bit weight (bfloat16 in pairs of rows) sums the same products
+    in the same order as the float32 GEMM of its values: bit for bit."""
+    a, w = _case(m, k, n, seed=3)
+    panels = pack(w, fmt)
+    out, ref = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+    gemm_packed(out, a, panels.reshape(-1), k, n, fmt, ACT_F32)
+    values = np.ascontiguousarray(unpack(panels, n, fmt, k))
+    gemm_packed(ref, a, pack(values, FMT_F32).reshape(-1), k, n, FMT_F32, ACT_F32)
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("fmt,torch_dtype", [(FMT_BF16, torch.bfloat16), (FMT_F16, torch.float16)])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_16_bit_inputs_are_rounded_once_and_multiplied_exactly(m, k, n, fmt, torch_dtype):
+    """Inputs rounded to the weight's format (as torch rounds), every product of two 16-bit
+    values exact, the sums float32: numpy's float64 product of the rounded values within
+    float32 summation error. Rows of 3 and more of a bfloat16 weight go through AMX on a level
+    that has it, fewer through vdpbf16ps (avx512_bf16 and up)."""
+    a, w = _case(m, k, n, seed=4)
+    panels = pack(w, fmt)
+    a16 = torch.from_numpy(a).to(torch_dtype).double().numpy()
+    want = a16 @ unpack(panels, n, fmt, k).astype(np.float64)
+    out = np.full((m, n), np.nan, np.float32)
+    a_in = a.copy()
+    gemm_packed(out, a_in, panels.reshape(-1), k, n, fmt, fmt)
+    np.testing.assert_array_equal(a_in, a)                  # the inputs themselves untouched
+    scale = np.abs(a16) @ np.abs(unpack(panels, n, fmt, k).astype(np.float64))
+    assert np.all(np.abs(out - want) <= 4 * k * 2.0 ** -24 * scale + 1e-30), current().level
 
 
 def test_gemm_packed_k_past_one_block_accumulates_every_block():
@@ -74,7 +111,7 @@ def test_gather_columns_reads_table_rows_from_the_panels(fmt):
     ids = np.array([0, 36, 17, 17, 5], np.int32)
     out = np.empty((5, 10), np.float32)
     gather_columns(out, panels.reshape(-1), ids, 12.0, 10, 37, fmt)
-    np.testing.assert_array_equal(out, unpack(panels, 37, fmt).T[ids] * np.float32(12.0))
+    np.testing.assert_array_equal(out, unpack(panels, 37, fmt, 10).T[ids] * np.float32(12.0))
 
 
 def test_gather_columns_refuses_an_id_outside_the_table():

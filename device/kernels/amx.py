@@ -1,0 +1,144 @@
+"""The GEMM block of bfloat16 weights on bfloat16 activations with AMX (Intel's Advanced Matrix
+Extensions, Sapphire Rapids and later): tile registers of 16 rows x 64 bytes and a matrix
+unit that multiplies them (tdpbf16ps), as oneDNN's avx512_core_amx kernels do.
+
+    amx_block(ab, a_off, lda, rows, w, w_off0, w_off1, kp, c)
+        c[rows, 32] = ab[rows, kp] @ [slab0 | slab1]      (rows 1..32; byte offsets and strides)
+
+ab holds the activations as bfloat16 bits, row-major, lda bytes a row (device/kernels/gemm.py
+rounds them once per GEMM; kp a multiple of 32, zero-padded); w a bfloat16 weight in pairs of
+rows (device/kernels/microkernel.py), w_off0 and w_off1 the byte offsets of two panels' first
+rows (a B tile is 16 pairs of rows of a panel: 1 KiB, contiguous, 64 bytes a row: AMX's own
+layout for B); c float32 [32, 32] (128 bytes a row), written whole for the rows computed.
+
+Eight tile registers: C00 C01 C10 C11 (rows 0-15 / 16-31, panel 0 / 1), A0 A1 (the two row
+blocks' next 32 values of k), B0 B1 (the two panels' next 32 rows). Per 32 values of k: two
+A loads, two B loads, four tdpbf16ps (16 x 16 x 32 products each). Up to 16 rows, only the
+first row block's tiles are configured and used.
+
+Numerics (Intel's definition): each product of two bfloat16 values is exact in float32; a
+C element adds the pair's two products to itself one after the other, rounding to nearest
+even, denormals flushed to zero; k is summed in order, 2 at a time.
+
+The tile state is the thread's: each call loads its configuration (ldtilecfg) and
+`amx_release` (tilerelease) returns the state once a thread is done. Linux hands the state
+to the process only when asked (device/isa.py asks when it selects the amx level).
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from spyre_serve.device.kernels.simd import I8, I16, I64, array_ptr, byte_ptr, const, geometry
+
+BLOCK_ROWS = 32      # rows of one block: two tiles of 16
+BLOCK_COLS = 32      # columns: two panels of NR
+TILE_K = 32          # bfloat16 values of k per tile (64 bytes a row)
+
+_VOID = ir.VoidType()
+_P8 = I8.as_pointer()
+C00, C01, C10, C11, A0, A1, B0, B1 = range(8)
+
+
+def _fns(module):
+    fn = cgutils.get_or_insert_function
+    return {
+        "cfg": fn(module, ir.FunctionType(_VOID, [_P8]), "llvm.x86.ldtilecfg"),
+        "load": fn(module, ir.FunctionType(_VOID, [I8, _P8, I64]), "llvm.x86.tileloadd64"),
+        "zero": fn(module, ir.FunctionType(_VOID, [I8]), "llvm.x86.tilezero"),
+        "dot": fn(module, ir.FunctionType(_VOID, [I8, I8, I8]), "llvm.x86.tdpbf16ps"),
+        "store": fn(module, ir.FunctionType(_VOID, [I8, _P8, I64]), "llvm.x86.tilestored64"),
+    }
+
+
+def _t(n):
+    return ir.Constant(I8, n)
+
+
+def _configure(builder, fns, top_rows, bottom_rows):
+    """ldtilecfg: palette 1; every tile 64 bytes a row; C and A tiles of each row block as many
+    rows as it has (bottom_rows 0: its tiles unconfigured), B tiles 16 (i8 values)."""
+    cfg = cgutils.alloca_once(builder, ir.ArrayType(I8, 64))
+    base = builder.bitcast(cfg, _P8)
+    words = builder.bitcast(cfg, I64.as_pointer())
+    for i in range(8):
+        builder.store(const(0), builder.gep(words, [const(i)]))
+    builder.store(_t(1), base)                                          # palette 1
+    rows = {C00: top_rows, C01: top_rows, A0: top_rows, C10: bottom_rows, C11: bottom_rows,
+            A1: bottom_rows, B0: _t(16), B1: _t(16)}
+    for tile, r in rows.items():
+        colsb = builder.select(builder.icmp_unsigned("!=", r, _t(0)), ir.Constant(I16, 64),
+                               ir.Constant(I16, 0))
+        builder.store(colsb, builder.bitcast(builder.gep(base, [const(16 + 2 * tile)]),
+                                             I16.as_pointer()))
+        builder.store(r, builder.gep(base, [const(48 + tile)]))
+    builder.call(fns["cfg"], [base])
+
+
+def _emit_block(builder, fns, two_blocks, ab, a_off, lda, w, w_off0, w_off1, kp, c):
+    cs = (C00, C01, C10, C11) if two_blocks else (C00, C01)
+    for t in cs:
+        builder.call(fns["zero"], [_t(t)])
+    b_stride = const(64)
+    with cgutils.for_range_slice(builder, const(0), kp, const(TILE_K)) as (k, _):
+        a_at = builder.add(a_off, builder.mul(k, const(2)))            # k bfloat16 values in
+        builder.call(fns["load"], [_t(A0), byte_ptr(builder, ab, a_at), lda])
+        if two_blocks:
+            a1 = builder.add(a_at, builder.mul(lda, const(16)))
+            builder.call(fns["load"], [_t(A1), byte_ptr(builder, ab, a1), lda])
+        b_at = builder.mul(k, const(2 * 16))                           # k / 2 pair rows of 64 B
+        builder.call(fns["load"], [_t(B0), byte_ptr(builder, w, builder.add(w_off0, b_at)), b_stride])
+        builder.call(fns["load"], [_t(B1), byte_ptr(builder, w, builder.add(w_off1, b_at)), b_stride])
+        builder.call(fns["dot"], [_t(C00), _t(A0), _t(B0)])
+        builder.call(fns["dot"], [_t(C01), _t(A0), _t(B1)])
+        if two_blocks:
+            builder.call(fns["dot"], [_t(C10), _t(A1), _t(B0)])
+            builder.call(fns["dot"], [_t(C11), _t(A1), _t(B1)])
+    c_stride = const(4 * BLOCK_COLS)
+    for t, r0, col in ((C00, 0, 0), (C01, 0, 16), (C10, 16, 0), (C11, 16, 16)):
+        if t in cs:
+            at = const(4 * (r0 * BLOCK_COLS + col))
+            builder.call(fns["store"], [_t(t), byte_ptr(builder, c, at), c_stride])
+
+
+@intrinsic
+def amx_block(typingctx, ab, a_off, lda, rows, w, w_off0, w_off1, kp, c):
+    """See the module docstring (offsets, strides in bytes; kp in bfloat16 values)."""
+    if ab.dtype != types.uint16 or c.dtype != types.float32:
+        return None
+    i64 = types.int64
+    sig = types.void(ab, i64, i64, i64, w, i64, i64, i64, c)
+
+    def codegen(context, builder, signature, args):
+        if not geometry().amx or signature.args[4].dtype != types.uint16:
+            return context.get_dummy_value()    # not this level's, or not a bfloat16 weight
+        ab_v, a_off, lda, rows, w_v, w_off0, w_off1, kp, c_v = args
+        ab_p, w_p, c_p = (array_ptr(context, builder, signature.args[n], v)
+                          for n, v in ((0, ab_v), (4, w_v), (8, c_v)))
+        fns = _fns(builder.module)
+        top = builder.trunc(builder.select(builder.icmp_signed(">", rows, const(16)), const(16),
+                                           rows), I8)
+        bottom = builder.trunc(builder.select(builder.icmp_signed(">", rows, const(16)),
+                                              builder.sub(rows, const(16)), const(0)), I8)
+        _configure(builder, fns, top, bottom)
+        block = (ab_p, a_off, lda, w_p, w_off0, w_off1, kp, c_p)
+        with builder.if_else(builder.icmp_signed(">", rows, const(16))) as (two, one):
+            with two:
+                _emit_block(builder, fns, True, *block)
+            with one:
+                _emit_block(builder, fns, False, *block)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def amx_release(typingctx):
+    """tilerelease: this thread's tile state back to its initial (unused) state."""
+    def codegen(context, builder, signature, args):
+        if geometry().amx:
+            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VOID, []),
+                                                        "llvm.x86.tilerelease"), [])
+        return context.get_dummy_value()
+    return types.void(), codegen
