@@ -57,6 +57,7 @@ class SamplingParams:
     top_k: int = 0                # 0 -> off
     top_p: float = 1.0
     min_p: float = 0.0
+    top_n_sigma: float = -1.0     # llama.cpp's: keep logits >= max - n * std; <= 0 -> off
     seed: int | None = None       # None -> the runner derives one for the request
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -79,6 +80,7 @@ class SamplingParams:
         if not np.float32(self.top_p) > 0.0:     # 5e-324 is > 0, but 0 on the card
             raise ParamError("top_p", f"top_p must be in (0, 1] as a float32, got {self.top_p!r}")
         _real("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
+        _real("top_n_sigma", self.top_n_sigma, -FLOAT32_MAX, FLOAT32_MAX, "float32's range")
         if self.seed is not None:
             _integer("seed", self.seed, INT64_MIN, INT64_MAX)
         _real("presence_penalty", self.presence_penalty, -FLOAT32_MAX, FLOAT32_MAX, "float32's range")

@@ -76,6 +76,7 @@ SAMPLE_ROW = Record("sample_row", [
     RowField("temperature", F32, 0.0, lambda w, c: greedy_or(w.sampling.temperature)),
     RowField("top_p", F32, 1.0, lambda w, c: w.sampling.top_p),
     RowField("min_p", F32, 0.0, lambda w, c: w.sampling.min_p),
+    RowField("top_n_sigma", F32, -1.0, lambda w, c: w.sampling.top_n_sigma),
     RowField("presence", F32, 0.0, lambda w, c: w.sampling.presence_penalty),
     RowField("frequency", F32, 0.0, lambda w, c: w.sampling.frequency_penalty),
     RowField("repetition", F32, 1.0, lambda w, c: w.sampling.repetition_penalty),

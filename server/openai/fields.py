@@ -18,6 +18,7 @@ RANGES = {
     "temperature": (0.0, 2.0, True),
     "top_p": (0.0, 1.0, False),
     "min_p": (0.0, 1.0, True),
+    "top_n_sigma": (-1.0, 1000.0, True),    # llama.cpp's; <= 0 (its default -1) is off
     "presence_penalty": (-2.0, 2.0, True),
     "frequency_penalty": (-2.0, 2.0, True),
     "repetition_penalty": (0.0, 2.0, False),

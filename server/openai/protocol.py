@@ -65,6 +65,7 @@ class SamplingRequest(StrictModel):
     top_p: Annotated[float | None, range_schema("top_p")] = None
     top_k: Annotated[Integer | None, schema(minimum=-1)] = None
     min_p: Annotated[float | None, range_schema("min_p")] = None
+    top_n_sigma: Annotated[float, range_schema("top_n_sigma")] = -1.0
     seed: Annotated[Integer | None, schema(minimum=INT64[0], maximum=INT64[1])] = None
     stop: Annotated[str, schema(minLength=1, **served(maxLength="max_stop_length"))] \
         | Annotated[list[Annotated[str, schema(minLength=1, **served(maxLength="max_stop_length"))]],

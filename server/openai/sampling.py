@@ -81,6 +81,7 @@ def generation_params(req: SamplingRequest, max_tokens: int, logprobs: int | Non
             top_k=top_k,
             top_p=value("top_p"),
             min_p=value("min_p"),
+            top_n_sigma=req.top_n_sigma,
             seed=None if req.seed is None else seed_of_choice(req.seed, i),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,

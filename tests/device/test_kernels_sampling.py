@@ -9,6 +9,7 @@ from spyre_serve.device.kernels.sampling import (
     count_tokens,
     penalize_row,
     sample_rows,
+    top_n_sigma,
     uniform,
 )
 from spyre_serve.models.step_program import SAMPLE_ROW
@@ -32,7 +33,7 @@ def _offsets(lists):
 
 
 def _call(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, counter=None, k=0,
-          presence=0.0, frequency=0.0, repetition=1.0, penalties=None, bans=None):
+          presence=0.0, frequency=0.0, repetition=1.0, penalties=None, bans=None, n_sigma=-1.0):
     """Run `sample_rows` with per-row parameters given as scalars or lists.
 
     penalties: per row a dict {token_id: output_count} (count 0 = prompt only), put in the
@@ -43,7 +44,7 @@ def _call(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, counte
         for t, c in pen.items():
             prompt[i, t], counts[i, t] = 1, c
     rows = rows_of(s, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                   seed=seed, counter=np.arange(s) if counter is None else counter,
+                   top_n_sigma=n_sigma, seed=seed, counter=np.arange(s) if counter is None else counter,
                    presence=presence, frequency=frequency, repetition=repetition,
                    pen_slot=np.arange(s))
     ids = np.full(s, -5, np.int32)
@@ -181,6 +182,38 @@ def test_min_p_draws_stay_in_and_cover_support(min_p):
     support = _support_min_p(row, min_p, temperature=0.8)
     assert 1 < len(support) < 40
     assert _draws(row, min_p=min_p, temperature=0.8) == support
+
+
+def _support_n_sigma(row, n):
+    """llama.cpp's top-n-sigma (llama_sampler_top_n_sigma_apply): logits below the max minus n
+    population standard deviations (over the logits not already -inf) go."""
+    kept = row[row > BANNED].astype(np.float64)
+    return set(np.nonzero(row >= kept.max() - n * kept.std())[0].tolist())
+
+
+@pytest.mark.parametrize("n", [0.5, 1.0, 2.0])
+def test_top_n_sigma_bans_what_llama_cpp_cuts(n):
+    row = _logits(1, seed=11)[0]
+    row[[3, 500]] = BANNED                              # banned before: outside the statistics
+    z = row.copy()
+    top_n_sigma(z, np.float32(n))
+    assert set(np.nonzero(z > BANNED)[0].tolist()) == _support_n_sigma(row, n)
+    kept = z > BANNED
+    np.testing.assert_array_equal(z[kept], row[kept])  # the rest untouched
+
+
+@pytest.mark.parametrize("n", [0.0, -1.0])
+def test_top_n_sigma_at_or_below_zero_is_off(n):
+    row = _logits(1, seed=12)[0]
+    z = row.copy()
+    top_n_sigma(z, np.float32(n))
+    np.testing.assert_array_equal(z, row)
+
+
+@pytest.mark.parametrize("n", [0.3, 1.5])
+def test_top_n_sigma_draws_stay_in_and_cover_its_support(n):
+    row = _logits(1, seed=13, spread=1.0)[0]
+    assert _draws(row, n_sigma=n, temperature=1.3) == _support_n_sigma(row, n)
 
 
 def test_top_p_applies_after_top_k():

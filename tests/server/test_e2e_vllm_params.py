@@ -51,6 +51,20 @@ def a_stop_string(text: str) -> tuple[str, int]:
     raise AssertionError(f"no stop string in {text!r}")
 
 
+# ---- top_n_sigma (llama.cpp's sampler) -------------------------------------------------------
+
+def test_top_n_sigma_near_zero_keeps_only_the_top_token_at_any_temperature(client):
+    """llama.cpp's top-n-sigma: logits below max - n std are cut, so n -> 0 leaves the top
+    token alone; at temperature 2 with a seed the text is the greedy one, which without the
+    cut it is not."""
+    body = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    greedy = post(client, "/v1/completions", **body, temperature=0)["choices"][0]["text"]
+    hot = {**body, "temperature": 2.0, "seed": 5}
+    assert post(client, "/v1/completions", **hot, top_n_sigma=1e-6)["choices"][0]["text"] == greedy
+    assert post(client, "/v1/completions", **hot)["choices"][0]["text"] != greedy
+    assert post(client, "/v1/completions", **hot, top_n_sigma=-1)["choices"][0]["text"] != greedy
+
+
 # ---- include_stop_str_in_output ------------------------------------------------------------
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -1,5 +1,5 @@
-"""Tokens a row may not sample: bans (min_tokens), grammar masks (llguidance's bitmask), and
-OpenAI's logit_bias.
+"""Tokens a row may not sample: bans (min_tokens), grammar masks (llguidance's bitmask),
+llama.cpp's top-n-sigma cut, and OpenAI's logit_bias.
 
 A banned logit becomes BANNED, the lowest finite float32 rather than -inf, because the top-k
 prefilter takes chunk maxima with fastmath (which assumes no infinities); it acts as -inf:
@@ -86,3 +86,33 @@ def ban_and_mask(z, ban, words, marks):
         if left > 0:
             ban_tokens(z, ban, marks)
     apply_token_mask(z, words)
+
+
+@njit(nogil=True, cache=True)
+def top_n_sigma(z, n):
+    """llama.cpp's top-n-sigma (Tang et al., 2024, "Top-nσ: Not All Logits Are You Need"): ban
+    every logit of z (float32[V]) below max - n * std, the max, mean and population std taken
+    over the logits not banned already (in float64). n <= 0: off. The largest logit always
+    stays, so greedy is unchanged; the cut scales with the logits, so it commutes with
+    temperature."""
+    if not n > 0.0:
+        return
+    top = -np.inf
+    total = 0.0
+    count = 0
+    for t in range(z.shape[0]):
+        if z[t] > BANNED:
+            top = max(top, np.float64(z[t]))
+            total += z[t]
+            count += 1
+    if count < 2:
+        return
+    mean = total / count
+    acc = 0.0
+    for t in range(z.shape[0]):
+        if z[t] > BANNED:
+            acc += (z[t] - mean) ** 2
+    cut = top - n * np.sqrt(acc / count)
+    for t in range(z.shape[0]):
+        if z[t] < cut:
+            z[t] = BANNED

@@ -10,6 +10,7 @@
     top_k        int32    0 -> off; 1 -> greedy
     top_p        float32  in (0, 1]; 1 -> off
     min_p        float32  in [0, 1]; 0 -> off (drop tokens below min_p times the top one)
+    top_n_sigma  float32  <= 0 -> off (drop logits below max - n * std: llama.cpp's)
     seed         int64    per-request seed;  counter int64: tokens generated so far
     presence, frequency, repetition  float32  penalties (penalties.py); repetition 1 -> off
     pen_slot     int32    the row's slot of output_counts / prompt_mask, -1: no penalties
@@ -25,14 +26,15 @@ ban_ids[o[s]:o[s+1]]); mask_words int32[NM, ceil(V/32)] (masks.py); bias_offsets
 bias_ids int32[B], bias_values float32[B] (logit_bias, unique ids per row).
 
 Order per row, vLLM v1's: the logit bias, the penalties, the ban, the grammar mask,
-temperature, min_p, top_k, top_p, one draw (select.py) with u = uniform(seed, counter).
+(top-n-sigma, llama.cpp's, after its penalties), temperature, min_p, top_k, top_p, one draw
+(select.py) with u = uniform(seed, counter).
 Scratch: four [V] arrays per row, allocated in the kernel.
 """
 
 import numpy as np
 from numba import njit, prange
 
-from spyre_serve.device.kernels.sampling.masks import add_logit_bias, ban_and_mask
+from spyre_serve.device.kernels.sampling.masks import add_logit_bias, ban_and_mask, top_n_sigma
 from spyre_serve.device.kernels.sampling.penalties import penalize_row
 from spyre_serve.device.kernels.sampling.select import draw, log_sum_exp, top_raw
 
@@ -61,6 +63,9 @@ def _check_rows(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, ro
             raise ValueError("sample_rows: top_p must be in (0, 1] (row, value)", s, r.top_p)
         if not (r.min_p >= 0.0 and r.min_p <= 1.0):
             raise ValueError("sample_rows: min_p must be in [0, 1] (row, value)", s, r.min_p)
+        if not np.isfinite(r.top_n_sigma):
+            raise ValueError("sample_rows: top_n_sigma must be finite (row, value)", s,
+                             r.top_n_sigma)
         if r.top_k < 0:
             raise ValueError("sample_rows: top_k must be >= 0 (row, value)", s, r.top_k)
         if not r.repetition > 0.0:
@@ -134,6 +139,7 @@ def _sample_rows(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, r
         lse = log_sum_exp(row, w, bits)
         top_raw(out_top_ids[s], out_top_logprobs[s], row, lse)
         ban_and_mask(z, ban_ids[ban_offsets[s]:ban_offsets[s + 1]], words, bits)
+        top_n_sigma(z, r.top_n_sigma)
         tok = draw(z, r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.counter, w, idx, bits)
         out_ids[s] = tok
         out_logprobs[s] = row[tok] - lse

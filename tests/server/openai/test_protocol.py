@@ -25,6 +25,7 @@ def message(model, **body) -> str:
     ("presence_penalty", -2.5, "presence_penalty must be in [-2, 2], got -2.5"),
     ("frequency_penalty", 2.5, "frequency_penalty must be in [-2, 2], got 2.5"),
     ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 2], got 0.0"),
+    ("top_n_sigma", -2.0, "top_n_sigma must be in [-1, 1000], got -2.0"),
 ])
 def test_a_value_outside_its_range_is_refused_naming_the_range(field, value, words):
     assert message(CompletionRequest, prompt="x", **{field: value}) == f"Value error, {words}"

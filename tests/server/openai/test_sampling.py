@@ -37,9 +37,9 @@ def test_top_k_minus_one_means_off():
 def test_the_requests_values_are_kept():
     p = params(temperature=0.5, top_k=4, top_p=0.9, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
                repetition_penalty=1.2, stop="!", stop_token_ids=[3], ignore_eos=True, logprobs=2,
-               prompt_logprobs=True)[0]
+               prompt_logprobs=True, top_n_sigma=1.5)[0]
     s = p.sampling
-    assert (s.temperature, s.top_k, s.top_p, s.min_p) == (0.5, 4, 0.9, 0.1)
+    assert (s.temperature, s.top_k, s.top_p, s.min_p, s.top_n_sigma) == (0.5, 4, 0.9, 0.1, 1.5)
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logprobs) == (0.5, -0.5, 1.2, 2)
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs, p.prompt_logprobs) == (["!"], [3], True, 2, True)
 
