@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spyre_serve.device.card import Card
-from spyre_serve.device.kernels.gemm import (
+from spyre_serve.device.kernels.formats import (
     FMT_BF16,
     FMT_F16,
     FMT_F32,
@@ -39,11 +39,10 @@ from spyre_serve.device.kernels.gemm import (
     FMT_Q8_0,
     FORMAT_NAMES,
     FORMATS,
-    NR,
-    QB,
     RECORD_BYTES,
     padded_k,
 )
+from spyre_serve.device.kernels.simd import NR, QB
 from spyre_serve.device.memory import DeviceError, DeviceTensor
 
 STORAGE = {FMT_F32: np.float32, FMT_BF16: np.uint16, FMT_F16: np.uint16}

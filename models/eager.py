@@ -32,7 +32,8 @@ from spyre_serve.device import Card, DeviceTensor, Program, Slot
 from spyre_serve.device.abi import ENTRY_ARGS, f32_at, i32_at, i64_at
 from spyre_serve.device.kernels.activation import swiglu
 from spyre_serve.device.kernels.attention import paged_attention, write_kv
-from spyre_serve.device.kernels.gemm import gather_columns_at, gemm_at
+from spyre_serve.device.kernels.gather import gather_columns_at
+from spyre_serve.device.kernels.gemm import gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
 from spyre_serve.device.kernels.residual import residual_add
 from spyre_serve.device.kernels.rope import rope_inplace

@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
 from gguf.quants import dequantize
 
-from spyre_serve.device.kernels.gemm import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
+from spyre_serve.device.kernels.formats import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
 from spyre_serve.device.layout import QuantizedWeight
 from spyre_serve.models.checkpoint import CheckpointError
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from spyre_serve.device.kernels.gemm import FMT_Q8_0, QB
+from spyre_serve.device.kernels.formats import FMT_Q8_0
+from spyre_serve.device.kernels.simd import QB
 from spyre_serve.device.layout import QuantizedWeight
 
 QUANTIZATIONS = ("int8",)

@@ -41,7 +41,8 @@ from numba import njit
 from spyre_serve.device.abi import f32_at, i32_at, i64_at
 from spyre_serve.device.kernels.activation import swiglu
 from spyre_serve.device.kernels.attention import paged_attention, write_kv
-from spyre_serve.device.kernels.gemm import gather_columns_at, gemm_at
+from spyre_serve.device.kernels.gather import gather_columns_at
+from spyre_serve.device.kernels.gemm import gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
 from spyre_serve.device.kernels.residual import residual_add
 from spyre_serve.device.kernels.rope import rope_inplace
@@ -53,7 +54,7 @@ from spyre_serve.models.step_inputs import greedy_or
 from spyre_serve.models.step_io import KMAX  # noqa: F401  (the top-logprobs width: this module's interface)
 
 # Columns of the per-layer table int64[L, LAYER_FIELDS] (models/weights.py builds it): byte
-# addresses, then each projection's number format (device.kernels.gemm.FMT_*).
+# addresses, then each projection's number format (device.kernels.formats.FMT_*).
 COL_IN_NORM, COL_QKV, COL_O, COL_POST_NORM, COL_GATE_UP, COL_DOWN, COL_K_CACHE, COL_V_CACHE = range(8)
 COL_QKV_FMT, COL_O_FMT, COL_GATE_UP_FMT, COL_DOWN_FMT = range(8, 12)
 LAYER_FIELDS = 12
@@ -156,7 +157,7 @@ SLOTS = [
     # model shapes
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
     ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
-    # number formats (device.kernels.gemm.FMT_*): the embedding's and the LM head's (a layer's
+    # number formats (device.kernels.formats.FMT_*): the embedding's and the LM head's (a layer's
     # projections: its table row), and the GEMM inputs' (CFMT)
     ("EMBED_FMT", "dim"), ("LM_HEAD_FMT", "dim"), ("CFMT", "dim"),
     # model

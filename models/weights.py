@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spyre_serve.device import Card, DeviceTensor
-from spyre_serve.device.kernels.gemm import ACT_INT8
+from spyre_serve.device.kernels.gemm_inputs import ACT_INT8
 from spyre_serve.device.layout import (
     QUANTIZED,
     GemmWeight,

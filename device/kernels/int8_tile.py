@@ -30,14 +30,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from spyre_serve.device.kernels.microkernel import (
-    FMT_Q4_0,
-    FMT_Q4_1,
-    FMT_Q8_0,
-    GROUP_BYTES,
-    quant_record,
-    quant_scales,
-)
+from spyre_serve.device.kernels.formats import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0, GROUP_BYTES
+from spyre_serve.device.kernels.microkernel import quant_record, quant_scales
 from spyre_serve.device.kernels.simd import (
     I8,
     I16,

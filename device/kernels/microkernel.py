@@ -35,6 +35,18 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from spyre_serve.device.kernels.formats import (
+    FMT_BF16,
+    FMT_F16,
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q8_0,
+    GROUP_BYTES,
+    REC_Q4_0,
+    REC_Q4_1,
+    REC_Q8_0,
+    SCALE_BYTES,
+)
 from spyre_serve.device.kernels.simd import (
     NR,
     QB,
@@ -52,15 +64,6 @@ from spyre_serve.device.kernels.simd import (
     splat,
     store_tile,
 )
-
-FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
-# bytes of one record (QB rows of one panel) of each block-quantized format
-SCALE_BYTES = 2 * NR                              # NR float16 values
-GROUP_BYTES = 4 * NR                              # 4 rows of a panel, a column's 4 bytes together
-RECORD_BYTES = {FMT_Q8_0: SCALE_BYTES + QB * NR, FMT_Q4_0: SCALE_BYTES + QB * NR // 2,
-                FMT_Q4_1: 2 * SCALE_BYTES + QB * NR // 2}
-REC_Q8_0, REC_Q4_0, REC_Q4_1 = (RECORD_BYTES[f] for f in (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1))
-BF16_KB = 32     # a bfloat16 weight's K is padded with zero rows to a multiple of this (AMX's tile)
 
 
 def _fma_row(builder, g, fma, a_ptr, a_off, lda, k, wv, accs):

@@ -7,16 +7,10 @@ import pytest
 import torch
 
 from spyre_serve.device.isa import current
-from spyre_serve.device.kernels.gemm import (
-    ACT_F32,
-    FMT_BF16,
-    FMT_F16,
-    FMT_F32,
-    gather_columns,
-    gemm_packed,
-    packed_size,
-    round_to_format,
-)
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16, FMT_F32, packed_size
+from spyre_serve.device.kernels.gather import gather_columns
+from spyre_serve.device.kernels.gemm import gemm_packed
+from spyre_serve.device.kernels.gemm_inputs import ACT_F32, round_to_format
 from spyre_serve.device.layout import pack, unpack
 
 FMTS = [FMT_F32, FMT_BF16, FMT_F16]

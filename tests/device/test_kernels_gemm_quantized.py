@@ -6,21 +6,11 @@ import numpy as np
 import pytest
 
 from spyre_serve.device import Card, DeviceError
-from spyre_serve.device.kernels.gemm import (
-    ACT_F32,
-    ACT_INT8,
-    FMT_F32,
-    FMT_Q4_0,
-    FMT_Q4_1,
-    FMT_Q8_0,
-    QB,
-    gather_columns,
-    gather_columns_at,
-    gemm_at,
-    gemm_packed,
-    packed_len,
-    quantize_rows,
-)
+from spyre_serve.device.kernels.formats import FMT_F32, FMT_Q4_0, FMT_Q4_1, FMT_Q8_0, packed_len
+from spyre_serve.device.kernels.gather import gather_columns, gather_columns_at
+from spyre_serve.device.kernels.gemm import gemm_at, gemm_packed
+from spyre_serve.device.kernels.gemm_inputs import ACT_F32, ACT_INT8, quantize_rows
+from spyre_serve.device.kernels.simd import QB
 from spyre_serve.device.layout import (
     QuantizedWeight,
     pack,

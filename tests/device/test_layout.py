@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from spyre_serve.device import Card, DeviceError
-from spyre_serve.device.kernels.gemm import FMT_BF16, FMT_F16, FMT_F32, NR
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16, FMT_F32
+from spyre_serve.device.kernels.simd import NR
 from spyre_serve.device.layout import (
     decode,
     encode,

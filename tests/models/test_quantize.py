@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from spyre_serve.device.kernels.gemm import FMT_Q8_0, QB
+from spyre_serve.device.kernels.formats import FMT_Q8_0
+from spyre_serve.device.kernels.simd import QB
 from spyre_serve.models.quantize import quantize_int8_per_channel, quantize_matrices
 
 

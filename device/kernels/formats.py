@@ -1,0 +1,73 @@
+"""The weights' number formats on the card and the arithmetic of their packed layout: how many
+rows a panel holds, where a panel's rows start, how many elements a packed weight takes.
+device/kernels/gemm.py describes the layouts; device/layout.py packs them.
+
+    FMT_F32, FMT_BF16, FMT_F16        float32, bfloat16 (rows in pairs), float16
+    FMT_Q8_0, FMT_Q4_0, FMT_Q4_1      GGML's block-quantized formats, in records of QB rows
+"""
+
+from numba import njit
+
+from spyre_serve.device.kernels.simd import NR, QB
+
+FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
+# bytes of one record (QB rows of one panel) of each block-quantized format
+SCALE_BYTES = 2 * NR                              # NR float16 values
+GROUP_BYTES = 4 * NR                              # 4 rows of a panel, a column's 4 bytes together
+RECORD_BYTES = {FMT_Q8_0: SCALE_BYTES + QB * NR, FMT_Q4_0: SCALE_BYTES + QB * NR // 2,
+                FMT_Q4_1: 2 * SCALE_BYTES + QB * NR // 2}
+REC_Q8_0, REC_Q4_0, REC_Q4_1 = (RECORD_BYTES[f] for f in (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1))
+BF16_KB = 32     # a bfloat16 weight's K is padded with zero rows to a multiple of this (AMX's tile)
+
+FORMATS = {"float32": FMT_F32, "bfloat16": FMT_BF16, "float16": FMT_F16,
+           "Q8_0": FMT_Q8_0, "Q4_0": FMT_Q4_0, "Q4_1": FMT_Q4_1}
+FORMAT_NAMES = {code: name for name, code in FORMATS.items()}
+
+
+@njit(nogil=True, cache=True, inline="always")
+def is_quantized(fmt):
+    """A block-quantized format (uint8 storage: records of QB rows per panel)."""
+    return fmt >= FMT_Q8_0
+
+
+@njit(nogil=True, cache=True, inline="always")
+def record_bytes(fmt):
+    if fmt == FMT_Q8_0:
+        return REC_Q8_0
+    if fmt == FMT_Q4_0:
+        return REC_Q4_0
+    return REC_Q4_1
+
+
+@njit(nogil=True, cache=True, inline="always")
+def padded_k(k, fmt):
+    """Rows of each panel of a packed [K, N] weight: a bfloat16 weight's K padded with zero
+    rows to a multiple of BF16_KB (its rows go in pairs, AMX's tiles in 32s); else K."""
+    if fmt == FMT_BF16:
+        return (k + BF16_KB - 1) // BF16_KB * BF16_KB
+    return k
+
+
+@njit(nogil=True, cache=True, inline="always")
+def slab_offset(p, kb, k, fmt):
+    """First element of panel p's rows kb.. (kb a multiple of QB for a quantized format, even
+    for bfloat16)."""
+    if is_quantized(fmt):
+        rec = record_bytes(fmt)
+        return p * (k // QB) * rec + (kb // QB) * rec
+    return p * padded_k(k, fmt) * NR + kb * NR
+
+
+@njit(nogil=True, cache=True)
+def packed_len(k, n, fmt):
+    """Elements (bytes for a quantized format) of a packed [K, N] weight in format fmt."""
+    panels = (n + NR - 1) // NR
+    if is_quantized(fmt):
+        return panels * (k // QB) * record_bytes(fmt)
+    return panels * padded_k(k, fmt) * NR
+
+
+@njit(nogil=True, cache=True)
+def packed_size(k, n):
+    """Elements of a packed [K, N] float32 or float16 weight: ceil(N / NR) panels of K x NR."""
+    return ((n + NR - 1) // NR) * k * NR

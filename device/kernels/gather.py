@@ -1,0 +1,121 @@
+"""The embedding lookup of a table kept as the LM head's packed weight: a column of W[K, N]
+in any format, widened to float32 exactly as the GEMM widens it, so a tied model keeps one
+copy of its embedding, in the GEMM's layout and width.
+
+    gather_columns(out, w, cols, scale, K, N, fmt)      out[T, K] = W[:, cols].T * scale
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from spyre_serve.device.abi import f32_at, u16_at
+from spyre_serve.device.kernels.formats import (
+    FMT_BF16,
+    FMT_F16,
+    FMT_F32,
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q8_0,
+    is_quantized,
+    packed_len,
+    padded_k,
+    record_bytes,
+)
+from spyre_serve.device.kernels.simd import F32, I32, NR, QB, const
+
+
+@intrinsic
+def _widen(typingctx, bits, fmt):
+    """One stored value -> float32, exactly: a float32 as it is, a uint16 of bf16 or fp16
+    bits (fmt) widened (a uint8, a quantized weight's byte, as its integer value: gather_columns
+    types that branch for uint8 weights too, and never takes it)."""
+    if bits not in (types.uint16, types.float32, types.uint8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        raw, fmt_v = args
+        if signature.args[0] == types.float32:
+            return raw
+        if signature.args[0] == types.uint8:
+            return builder.uitofp(raw, F32)
+        half = builder.fpext(builder.bitcast(raw, ir.HalfType()), F32)
+        brain = builder.bitcast(builder.shl(builder.zext(raw, I32), ir.Constant(I32, 16)), F32)
+        return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
+    return types.float32(bits, types.int64), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _half_at(w, i):
+    """The float16 whose two little-endian bytes are w[i], w[i + 1], as float32."""
+    lo, hi = np.uint16(np.uint8(w[i])), np.uint16(np.uint8(w[i + 1]))
+    return _widen(np.uint16(lo | (hi << np.uint16(8))), FMT_F16)
+
+
+@njit(nogil=True, cache=True)
+def _quantized_value(w, c, kk, k, fmt):
+    """W[kk, c] of a block-quantized packed weight (uint8), as GGML's dequantizer gives it.
+    (Typed for every weight dtype gather_columns takes; only uint8 ever reaches it.)"""
+    j = c % NR
+    r = kk % QB
+    rec = record_bytes(fmt)
+    r0 = (c // NR) * (k // QB) * rec + (kk // QB) * rec
+    d = _half_at(w, r0 + 2 * j)
+    q0 = r0 + (4 * NR if fmt == FMT_Q4_1 else 2 * NR)
+    if fmt == FMT_Q8_0:            # group r // 4, byte r % 4 of column j
+        return d * np.float32(np.int8(np.uint8(w[q0 + (r // 4) * 4 * NR + 4 * j + r % 4])))
+    rr = r % (QB // 2)
+    byte = np.uint8(w[q0 + (rr // 4) * 4 * NR + 4 * j + rr % 4])
+    q = np.float32((byte & 15) if r < QB // 2 else (byte >> 4))
+    if fmt == FMT_Q4_0:
+        return d * (q - np.float32(8.0))
+    return d * q + _half_at(w, r0 + 2 * NR + 2 * j)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def gather_columns(out, w, cols, scale, k, n, fmt):
+    """out[T, K] = W[:, cols].T * scale for W[K, N] packed in panels: the embedding lookup of
+    a table stored as the K x N weight of the LM head (E.T, K = H, N = V), so a tied model
+    keeps one copy of its embedding, in the GEMM's layout and width."""
+    t_n = cols.shape[0]
+    if out.shape[0] != t_n or out.shape[1] != k:
+        raise ValueError("gather_columns: out must be [T, K]; T, K are", t_n, k)
+    if w.shape[0] < packed_len(k, n, fmt):
+        raise ValueError("gather_columns: packed weight too short (have, need)", w.shape[0],
+                         packed_len(k, n, fmt))
+    for t in range(t_n):
+        if cols[t] < 0 or cols[t] >= n:
+            raise IndexError("gather_columns: column out of range (column, N)", cols[t], n)
+    s = np.float32(scale)
+    for t in prange(t_n):
+        c = cols[t]
+        if is_quantized(fmt):
+            for kk in range(k):
+                out[t, kk] = _quantized_value(w, c, kk, k, fmt) * s
+        elif fmt == FMT_BF16:       # rows in pairs: row kk at (kk // 2) * 2 NR + 2 j + kk % 2
+            base = (c // NR) * padded_k(k, fmt) * NR + 2 * (c % NR)
+            for kk in range(k):
+                out[t, kk] = _widen(w[base + (kk >> 1) * 2 * NR + (kk & 1)], fmt) * s
+        else:
+            base = (c // NR) * k * NR + c % NR
+            for kk in range(k):
+                out[t, kk] = _widen(w[base + kk * NR], fmt) * s
+
+
+@njit(nogil=True, cache=True)
+def u8_at(u16, address, nbytes):
+    """uint8[nbytes] at byte `address` (2-byte aligned, as every allocation is) of the arena."""
+    return u16_at(u16, address, (nbytes + 1) // 2).view(np.uint8)[:nbytes]
+
+
+@njit(nogil=True, cache=True)
+def gather_columns_at(out, f32, u16, address, cols, scale, k, n, fmt):
+    """gather_columns with the weight at byte `address` of the arena."""
+    size = packed_len(k, n, fmt)
+    if fmt == FMT_F32:
+        gather_columns(out, f32_at(f32, address, size), cols, scale, k, n, fmt)
+    elif is_quantized(fmt):
+        gather_columns(out, u8_at(u16, address, size), cols, scale, k, n, fmt)
+    else:
+        gather_columns(out, u16_at(u16, address, size), cols, scale, k, n, fmt)
