@@ -168,7 +168,21 @@ def start_llamacpp(gguf_path: str | os.PathLike, parallel: int = 32, threads: in
         cmd += ["--no-cache-prompt", "--cache-ram", "0"]
     cmd += [str(a) for a in extra_args]
     srv = PeerServer(name, cmd, port, _log_path(log_dir, name), gguf.stem)
-    return _start(srv, _env(), "/health", timeout)
+    try:
+        return _start(srv, _env(), "/health", timeout)
+    except RuntimeError as e:
+        # Seen on a Sapphire Rapids VM (AMX): ggml's AMX backend segfaults in
+        # ggml_backend_amx_mul_mat at the first decode of a Q4_1 or Q8_0 file (the F32 file has
+        # no AMX path). --no-repack turns off ggml's extra buffer types (AMX, repacked
+        # layouts): the same server on its AVX-512/VNNI kernels. Said in the log and on stderr.
+        if "exited with -11" not in str(e) or "--no-repack" in cmd:
+            raise
+        print(f"  {name}: segfaulted at start ({srv.log_path}); again with --no-repack",
+              file=sys.stderr)
+        retry = PeerServer(name, [*cmd, "--no-repack"], free_port(),
+                           srv.log_path.with_name(f"{name}-no-repack.log"), gguf.stem)
+        retry.cmd[retry.cmd.index("--port") + 1] = str(retry.port)
+        return _start(retry, _env(), "/health", timeout)
 
 
 def start_vllm(hf_dir: str | os.PathLike, dtype: str = "float32", threads_bind: str = "0-1",

@@ -8,18 +8,20 @@ at offset p % BS.
 import numpy as np
 from numba import njit, prange
 
+from spyre_serve.device.abi import get_kernel_threads
+from spyre_serve.device.kernels.formats import FMT_F32
+from spyre_serve.device.kernels.microkernel import tile
 from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
+from spyre_serve.device.kernels.simd import NR, tile_height
 
-# Start value of running maxima. Finite, because fastmath assumes no infinities.
-# Work items are (up to this many query vectors of one sequence, one KV head).
-_QV_MAX = 128
-# OpenBLAS multiplies an m x n x k GEMM with m*n*k <= 4 * 65536 on the calling thread
-# (interface/gemm.c, GEMM_MULTITHREAD_THRESHOLD 4): the micro-GEMMs of a work item stay under
-# it, so each worker of the parallel loop multiplies on its own core, never in BLAS's pool.
-_BLAS_SERIAL_MNK = 262144
-# Work items of fewer query vectors (decode rows) use the dot-product loops: a BLAS call's
-# packing costs more than it saves on a few rows.
-_BLAS_MIN_QV = 16
+# Work items are (a tile of query rows of one sequence, one KV head): up to this many query
+# vectors (rows x the query heads of the KV head), so that a tile's scores and running sum stay
+# in L1/L2 while the sequence's K and V blocks pass.
+_QV_MAX = 96
+# Items of fewer query vectors (decode rows) use dot-product loops; more (prefill) multiply
+# with the GEMM's register tiles, on K and V blocks packed into panels once per item.
+_TILES_MIN_QV = 16
+_CHUNKS_PER_THREAD = 8     # items go to chunks round-robin; a chunk's scratch is allocated once
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -84,6 +86,104 @@ def _check_attention(out, q, k_cache, v_cache, block_tables, query_start, contex
                                  s, b, block_tables[s, b], nb)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _pack_k(kp, k_cache, blk, kvh, cnt, d):
+    """kp [ceil(bs/NR), d, NR]: the block's keys as the panels of K^T (key j of panel p at
+    column j), keys past cnt zero: scores = q @ K^T with the GEMM's tiles."""
+    kp[:] = 0.0
+    for o in range(cnt):
+        p, j = o // NR, o % NR
+        for i in range(d):
+            kp[p, i, j] = k_cache[blk, o, kvh, i]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _pack_v(vp, v_cache, blk, kvh, cnt, d):
+    """vp [ceil(d/NR), bsp, NR]: the block's values as the panels of V (dims 16p.. of key o at
+    row o), keys past cnt and dims past d zero."""
+    vp[:] = 0.0
+    for o in range(cnt):
+        for i in range(d):
+            vp[i // NR, o, i % NR] = v_cache[blk, o, kvh, i]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tiled_gemm(c, ldc, a, lda, nrows, w, panels, kc, accumulate):
+    """c[:nrows, :panels * NR] (+)= a[:nrows, :kc] @ W, W packed as panels of kc x NR rows
+    (all flat float32; row strides ldc, lda)."""
+    for p in range(panels):
+        r0 = 0
+        while r0 < nrows:
+            mr = tile_height(nrows - r0)
+            tile(mr, a, r0 * lda, lda, w, p * kc * NR, c, r0 * ldc + p * NR, ldc, kc,
+                 accumulate, FMT_F32)
+            r0 += mr
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _attend_item(out, q, k_cache, v_cache, block_tables, s, r0, nr, pos0, kvh, group, sc,
+                 qt, sbuf, acc, m, denom, bits, kp, vp):
+    """One work item: rows r0..r0+nr-1 of sequence s (the first at position pos0), the query
+    heads of KV head kvh. Scratch: qt [QV, d], sbuf [QV * bsp], acc [QV, dp] (dp, bsp: d and
+    bs rounded up to NR), m, denom [QV], bits [QV * (bsp + 3)], kp, vp (the panels)."""
+    nb, bs, hkv, d = k_cache.shape
+    bsp = kp.shape[0] * NR
+    dp = vp.shape[0] * NR
+    nqv = nr * group          # query vectors: (row - r0) * group + g
+    h0 = kvh * group
+    n_keys = pos0 + nr        # keys the last row sees
+    tiled = nqv >= _TILES_MIN_QV
+    for j in range(nr):
+        for g in range(group):
+            for i in range(d):
+                qt[j * group + g, i] = q[r0 + j, h0 + g, i] * sc
+    af = qt.reshape(qt.size)
+    accv = acc[:nqv]
+    accv[:] = 0.0
+    m[:nqv] = NEG_BIG
+    denom[:nqv] = 0.0
+    for b in range((n_keys + bs - 1) // bs):
+        blk = block_tables[s, b]
+        cnt = min(bs, n_keys - b * bs)
+        width = bsp if tiled else cnt
+        scores = sbuf[:nqv * width].reshape(nqv, width)
+        if tiled:
+            _pack_k(kp, k_cache, blk, kvh, cnt, d)
+            _tiled_gemm(sbuf, bsp, af, d, nqv, kp.reshape(kp.size), kp.shape[0], d, 0)
+        else:
+            for o in range(cnt):
+                kv = k_cache[blk, o, kvh]
+                for qi in range(nqv):
+                    dot = np.float32(0.0)
+                    for i in range(d):
+                        dot += qt[qi, i] * kv[i]
+                    scores[qi, o] = dot
+        # masked: keys past cnt, and key b*bs+o for row r unless <= pos0 + r (causal)
+        for qi in range(nqv):
+            first_hidden = min(cnt, max(0, pos0 + qi // group + 1 - b * bs))
+            for o in range(first_hidden, width):
+                scores[qi, o] = NEG_BIG
+        online_softmax_block(scores, m[:nqv], denom[:nqv], accv, bits)
+        if tiled:
+            _pack_v(vp, v_cache, blk, kvh, cnt, d)
+            _tiled_gemm(acc.reshape(acc.size), dp, sbuf, bsp, nqv, vp.reshape(vp.size),
+                        vp.shape[0], bsp, 1)
+        else:
+            for o in range(cnt):
+                vv = v_cache[blk, o, kvh]
+                for qi in range(nqv):
+                    w = scores[qi, o]
+                    if w == 0.0:
+                        continue
+                    for i in range(d):
+                        acc[qi, i] += w * vv[i]
+    for j in range(nr):
+        for g in range(group):
+            inv = np.float32(1.0) / denom[j * group + g]
+            for i in range(d):
+                out[r0 + j, h0 + g, i] = acc[j * group + g, i] * inv
+
+
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
 def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context_lens, scale):
     """Causal attention of a ragged batch over a paged KV cache.
@@ -100,9 +200,10 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
     and the query heads sharing that KV head are processed together, so each K/V row is read
     once per tile. Online softmax over one cache block at a time, float32 accumulation,
     exponentials by `exp_nonpos` (vectorized, 3e-7 relative). A tile of prefill rows computes
-    its scores and its weighted sum of V as two single-threaded BLAS micro-GEMMs per block
-    (the block's K and V rows copied contiguous first); a tile of a few decode rows uses
-    dot-product loops.
+    its scores and its weighted sum of V with the GEMM's register tiles (the block's K and V
+    packed into panels first); a tile of a few decode rows uses dot-product loops. Items are
+    dealt round-robin to chunks (a causal prefill's late tiles cost more than its early ones),
+    each chunk's scratch allocated once.
     Rows past query_start[S] (bucket padding) are left untouched.
     """
     _check_attention(out, q, k_cache, v_cache, block_tables, query_start, context_lens)
@@ -110,8 +211,8 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
     hq = q.shape[1]
     group = hq // hkv
     s_n = context_lens.shape[0]
-    qv_max = max(group, min(_QV_MAX, _BLAS_SERIAL_MNK // (bs * d)))
-    row_tile = max(1, qv_max // group)
+    row_tile = max(1, _QV_MAX // group)
+    qv = row_tile * group
     n_tiles = 0
     for s in range(s_n):
         n_tiles += (query_start[s + 1] - query_start[s] + row_tile - 1) // row_tile
@@ -124,72 +225,25 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
             tile_row0[n_tiles] = r0
             n_tiles += 1
     sc = np.float32(scale)
-    for item in prange(n_tiles * hkv):
-        tile = item // hkv
-        kvh = item % hkv
-        h0 = kvh * group
-        s = tile_seq[tile]
-        r0 = tile_row0[tile]
-        nr = min(row_tile, query_start[s + 1] - r0)
-        nqv = nr * group  # query vectors of the item: (row - r0) * group + g
-        pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
-        n_keys = pos0 + nr  # keys the last row sees
-        use_blas = nqv >= _BLAS_MIN_QV
-        sbuf = np.empty(nqv * bs, np.float32)
-        acc = np.zeros((nqv, d), np.float32)
-        pv = np.empty((nqv, d), np.float32)
-        kb = np.empty((bs, d), np.float32)
-        vb = np.empty((bs, d), np.float32)
-        m = np.full(nqv, NEG_BIG, np.float32)
-        denom = np.zeros(nqv, np.float32)
-        bits = np.empty(bs, np.int32)
-        qt = np.empty((nqv, d), np.float32)  # the tile's query vectors, contiguous, scaled
-        for j in range(nr):
-            for g in range(group):
-                for i in range(d):
-                    qt[j * group + g, i] = q[r0 + j, h0 + g, i] * sc
-        for b in range((n_keys + bs - 1) // bs):
-            blk = block_tables[s, b]
-            cnt = min(bs, n_keys - b * bs)
-            scores = sbuf[:nqv * cnt].reshape(nqv, cnt)
-            if use_blas:
-                for o in range(cnt):
-                    for i in range(d):
-                        kb[o, i] = k_cache[blk, o, kvh, i]
-                        vb[o, i] = v_cache[blk, o, kvh, i]
-                np.dot(qt, kb[:cnt].T, scores)
-            else:
-                for o in range(cnt):
-                    kv = k_cache[blk, o, kvh]
-                    for qi in range(nqv):
-                        dot = np.float32(0.0)
-                        for i in range(d):
-                            dot += qt[qi, i] * kv[i]
-                        scores[qi, o] = dot
-            # causal mask: key position b*bs+o is visible to row r iff <= pos0 + r
-            last = b * bs + cnt - 1
-            if last > pos0:
-                for qi in range(nqv):
-                    first_hidden = pos0 + qi // group + 1 - b * bs
-                    for o in range(max(0, first_hidden), cnt):
-                        scores[qi, o] = NEG_BIG
-            online_softmax_block(scores, m, denom, acc, bits)
-            if use_blas:
-                np.dot(scores, vb[:cnt], pv)
-                for qi in range(nqv):
-                    for i in range(d):
-                        acc[qi, i] += pv[qi, i]
-            else:
-                for o in range(cnt):
-                    vv = v_cache[blk, o, kvh]
-                    for qi in range(nqv):
-                        w = scores[qi, o]
-                        if w == 0.0:
-                            continue
-                        for i in range(d):
-                            acc[qi, i] += w * vv[i]
-        for j in range(nr):
-            for g in range(group):
-                inv = np.float32(1.0) / denom[j * group + g]
-                for i in range(d):
-                    out[r0 + j, h0 + g, i] = acc[j * group + g, i] * inv
+    items = n_tiles * hkv
+    chunks = min(items, _CHUNKS_PER_THREAD * get_kernel_threads())
+    bsp = (bs + NR - 1) // NR * NR
+    dp = (d + NR - 1) // NR * NR
+    for c in prange(chunks):
+        qt = np.empty((qv, d), np.float32)
+        sbuf = np.empty(qv * bsp, np.float32)
+        acc = np.empty((qv, dp), np.float32)
+        m = np.empty(qv, np.float32)
+        denom = np.empty(qv, np.float32)
+        bits = np.empty(qv * (bsp + 3), np.int32)
+        kp = np.empty((bsp // NR, d, NR), np.float32)
+        vp = np.empty((dp // NR, bsp, NR), np.float32)
+        for item in range(c, items, chunks):
+            tile_i = item // hkv
+            kvh = item % hkv
+            s = tile_seq[tile_i]
+            r0 = tile_row0[tile_i]
+            nr = min(row_tile, query_start[s + 1] - r0)
+            pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
+            _attend_item(out, q, k_cache, v_cache, block_tables, s, r0, nr, pos0, kvh, group,
+                         sc, qt, sbuf, acc, m, denom, bits, kp, vp)
