@@ -55,7 +55,8 @@ class StepMemory:
     """The runner's planned device memory (see the module docstring); `free()` gives it back."""
 
     def __init__(self, card: Card, cfg: GraniteConfig, weights: ModelWeights, cap: Capacity,
-                 block_size: int, num_kv_blocks: int | None, kv_cache_fraction: float):
+                 block_size: int, num_kv_blocks: int | None, kv_cache_fraction: float,
+                 kv_cache_dtype: str = "float32"):
         self.card = card
         self.inputs_layout: Layout = INPUTS
         self.outputs_layout: Layout = OUTPUTS
@@ -66,7 +67,8 @@ class StepMemory:
             self.inputs = self._alloc(INPUTS.place(cap.input_dims()).nbytes)
             out_bytes = OUTPUTS.place({"S": cap.smax, "K": KMAX}).nbytes
             self.outputs = [self._alloc(out_bytes, zero=True) for _ in range(2)]
-            self.kv = KVCache(card, cfg, block_size, num_kv_blocks, kv_cache_fraction)
+            self.kv = KVCache(card, cfg, block_size, num_kv_blocks, kv_cache_fraction,
+                              kv_cache_dtype)
             self.layer_table = build_layer_table(card, weights, self.kv.k, self.kv.v)
             self._allocated.append(self.layer_table)
         except BaseException:

@@ -27,6 +27,7 @@ import numpy as np
 from spyre_serve.device import Card, DeviceTensor, LaunchHandle
 from spyre_serve.device.profile import ticks_per_second
 from spyre_serve.models.buffer_layout import Placement, length_slot
+from spyre_serve.models.kv_cache import resolve_dtype as resolve_kv_dtype
 from spyre_serve.models.memory_plan import Capacity, StepMemory
 from spyre_serve.models.penalty_slots import PenaltySlots
 from spyre_serve.models.programs import StepPrograms, bucket, buckets
@@ -80,9 +81,11 @@ class ModelRunner:
     def __init__(self, model, card: Card, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  block_size: int = 64, num_kv_blocks: int | None = None,
                  kv_cache_fraction: float = 0.9, max_model_len: int | None = None,
-                 seed: int | None = None, compute_dtype: str = "auto"):
+                 seed: int | None = None, compute_dtype: str = "auto",
+                 kv_cache_dtype: str = "auto"):
         cfg = model.config
         self.compute_dtype = resolve_compute_dtype(compute_dtype, model.weights)
+        self.kv_cache_dtype = resolve_kv_dtype(kv_cache_dtype, self.compute_dtype)
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be positive")
@@ -104,7 +107,7 @@ class ModelRunner:
                        nban_max=smax * cfg.vocab_size,
                        nmw_max=smax * mask_words(cfg.vocab_size), nbias_max=smax * cfg.vocab_size)
         self.memory = StepMemory(card, cfg, self.weights, cap, block_size, num_kv_blocks,
-                                 kv_cache_fraction)
+                                 kv_cache_fraction, self.kv_cache_dtype)
         self.kv = self.memory.kv
         self.num_kv_blocks = self.kv.num_blocks
         self.max_model_len = min(want_len, self.kv.num_tokens)
@@ -137,7 +140,7 @@ class ModelRunner:
             "D": cfg.head_dim, "I": cfg.intermediate_size, "V": cfg.vocab_size,
             "L": cfg.num_hidden_layers, "NBT": self.kv.num_blocks + 1, "BS": self.block_size,
             "EMBED_FMT": w.embed.fmt, "LM_HEAD_FMT": w.lm_head.fmt,
-            "CFMT": compute_code(self.compute_dtype),
+            "CFMT": compute_code(self.compute_dtype), "KV_FMT": self.kv.fmt,
             "embed": w.embed.tensor, "norm": w.norm, "lm_head": w.lm_head.tensor,
             "inv_freq": w.inv_freq, "consts": w.consts, "layers": self.memory.layer_table,
             "timers": 0, length_slot("timers"): 0,            # timing off (see `profile`)

@@ -38,9 +38,10 @@ from enum import IntEnum
 import numpy as np
 from numba import njit
 
-from spyre_serve.device.abi import f32_at, i32_at, i64_at
+from spyre_serve.device.abi import f32_at, i32_at, i64_at, u16_at
 from spyre_serve.device.kernels.activation import swiglu
 from spyre_serve.device.kernels.attention import paged_attention, write_kv
+from spyre_serve.device.kernels.formats import FMT_F32
 from spyre_serve.device.kernels.gather import gather_columns_at
 from spyre_serve.device.kernels.gemm import gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
@@ -158,8 +159,8 @@ SLOTS = [
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
     ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
     # number formats (device.kernels.formats.FMT_*): the embedding's and the LM head's (a layer's
-    # projections: its table row), and the GEMM inputs' (CFMT)
-    ("EMBED_FMT", "dim"), ("LM_HEAD_FMT", "dim"), ("CFMT", "dim"),
+    # projections: its table row), the GEMM inputs' (CFMT) and the KV cache's (KV_FMT)
+    ("EMBED_FMT", "dim"), ("LM_HEAD_FMT", "dim"), ("CFMT", "dim"), ("KV_FMT", "dim"),
     # model
     ("embed", "address"), ("norm", "address"), ("lm_head", "address"), ("inv_freq", "address"),
     ("consts", "address"), ("layers", "address"),
@@ -222,6 +223,29 @@ def _gather_rows(out, x, rows):
         src = rows[r]
         for j in range(x.shape[1]):
             out[r, j] = x[src, j]
+
+
+@njit(nogil=True, cache=True)
+def _attention(f32, u16, k_addr, v_addr, kv_fmt, shape, k3, v3, slot_mapping, a3, q3,
+               block_tables, query_start, context_lens, attn_scale, timers, t):
+    """write_kv, then paged attention, over the layer's cache (float32, or 16-bit: kv_fmt);
+    returns the kernel timers' running tick, as `lap` does."""
+    n = shape[0] * shape[1] * shape[2] * shape[3]
+    if kv_fmt == FMT_F32:
+        kc = f32_at(f32, k_addr, n).reshape(shape)
+        vc = f32_at(f32, v_addr, n).reshape(shape)
+        write_kv(kc, vc, k3, v3, slot_mapping, kv_fmt)
+        t = lap(timers, K_WRITE_KV, t)
+        paged_attention(a3, q3, kc, vc, block_tables, query_start, context_lens, attn_scale,
+                        kv_fmt)
+    else:
+        kc16 = u16_at(u16, k_addr, n).reshape(shape)
+        vc16 = u16_at(u16, v_addr, n).reshape(shape)
+        write_kv(kc16, vc16, k3, v3, slot_mapping, kv_fmt)
+        t = lap(timers, K_WRITE_KV, t)
+        paged_attention(a3, q3, kc16, vc16, block_tables, query_start, context_lens,
+                        attn_scale, kv_fmt)
+    return lap(timers, K_ATTENTION, t)
 
 
 @njit(nogil=True, cache=True)
@@ -320,8 +344,6 @@ def step_entry(f32, i32, i64, u16, table):
     for layer in range(L):
         in_norm = f32_at(f32, layers[layer, COL_IN_NORM], H)
         post_norm = f32_at(f32, layers[layer, COL_POST_NORM], H)
-        k_cache = f32_at(f32, layers[layer, COL_K_CACHE], NBT * BS * KD).reshape(NBT, BS, HKV, D)
-        v_cache = f32_at(f32, layers[layer, COL_V_CACHE], NBT * BS * KD).reshape(NBT, BS, HKV, D)
 
         rmsnorm(hbuf, x, in_norm, eps)
         t = lap(timers, K_RMSNORM, t)
@@ -332,11 +354,9 @@ def step_entry(f32, i32, i64, u16, table):
         rope_inplace(q3, positions, inv_freq)
         rope_inplace(k3, positions, inv_freq)
         t = lap(timers, K_ROPE, t)
-        write_kv(k_cache, v_cache, k3, v3, slot_mapping)
-        t = lap(timers, K_WRITE_KV, t)
-        paged_attention(a3, q3, k_cache, v_cache, block_tables, query_start, context_lens,
-                        attn_scale)
-        t = lap(timers, K_ATTENTION, t)
+        t = _attention(f32, u16, layers[layer, COL_K_CACHE], layers[layer, COL_V_CACHE],
+                       table[Slot.KV_FMT], (NBT, BS, HKV, D), k3, v3, slot_mapping, a3, q3,
+                       block_tables, query_start, context_lens, attn_scale, timers, t)
         gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H,
                 layers[layer, COL_O_FMT], cfmt)
         t = lap(timers, K_O_PROJ, t)

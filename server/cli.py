@@ -122,8 +122,9 @@ def build(s: Settings, progress: bool = True) -> Built:
              model.name, model.path, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
              cfg.num_key_value_heads, cfg.vocab_size, model.stored_dtype)
     runner = _runner(s, model, card)
-    log.info("weights on the card: %s (float tensors %s), GEMM inputs in %s",
-             ", ".join(sorted(model.weights.formats)), model.weights.dtype, runner.compute_dtype)
+    log.info("weights on the card: %s (float tensors %s), GEMM inputs in %s, KV cache in %s",
+             ", ".join(sorted(model.weights.formats)), model.weights.dtype, runner.compute_dtype,
+             runner.kv_cache_dtype)
     log.info("%s", memory_plan_text(card, model, runner))
     if s.warmup:
         shapes = runner.bucket_shapes()
@@ -152,7 +153,7 @@ def _runner(s: Settings, model, card):
 
     return ModelRunner(model, card, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                        block_size=s.block_size, num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len,
-                       compute_dtype=s.compute_dtype)
+                       compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype)
 
 
 def memory_plan_text(card, model, runner) -> str:

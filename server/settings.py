@@ -43,6 +43,17 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPUTE_DTYPES = (*DTYPES, "int8")
 
 
+KV_CACHE_DTYPES = DTYPES   # models/kv_cache.py
+
+
+def parse_kv_cache_dtype(text: str) -> str:
+    """vLLM's --kv-cache-dtype: auto, or a float width of the cache."""
+    value = text.strip().lower()
+    if value not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return value
+
+
 def parse_compute_dtype(text: str) -> str:
     """--compute-dtype: a width of DTYPES, or int8 (activations of quantized weights)."""
     value = text.strip().lower()
@@ -127,6 +138,10 @@ class Settings:
                                      "output channel; served by the card's 8-bit GEMM); a GGUF file's "
                                      "Q8_0/Q4_0/Q4_1 matrices are served at their width without it",
                                      parse_quantization, sizing=True)
+    kv_cache_dtype: str = _flag("auto", "storage of the KV cache: auto (float32 with float32 compute, "
+                                "else 16 bits: the compute's width, bfloat16 beside int8), float32, "
+                                "bfloat16 or float16 (half the bytes a token: more blocks, and half "
+                                "the memory traffic of attention)", parse_kv_cache_dtype, sizing=True)
     block_size: int = _flag(64, "tokens per KV cache block", int, sizing=True)
     num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: what fits in 90%% of the free "
                                       "device memory)", int, sizing=True)

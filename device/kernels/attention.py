@@ -2,21 +2,24 @@
 
 Cache layout: k_cache, v_cache [NB, BS, Hkv, D]; token slot = block*BS + offset.
 A sequence's cache positions 0..L-1 live in blocks block_tables[s, p // BS]
-at offset p % BS.
+at offset p % BS. The cache is float32, or uint16 holding bfloat16 or float16 values (`fmt`,
+FMT_BF16 / FMT_F16: `--kv-cache-dtype`): written rounded to nearest even, read widened
+exactly; the attention itself computes in float32.
 """
 
 import numpy as np
 from numba import njit, prange
 
 from spyre_serve.device.abi import get_kernel_threads
-from spyre_serve.device.kernels.formats import FMT_F32
+from spyre_serve.device.kernels.formats import FMT_F32, narrow, widen
 from spyre_serve.device.kernels.microkernel import tile
 from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
 from spyre_serve.device.kernels.simd import NR, tile_height
 
 # Work items are (a tile of query rows of one sequence, one KV head): up to this many query
-# vectors (rows x the query heads of the KV head), so that a tile's scores and running sum stay
-# in L1/L2 while the sequence's K and V blocks pass.
+# vectors (rows x the query heads of the KV head). Each item packs every K and V block it sees;
+# taller tiles pack less per row but spill L2 and balance worse over the cores (SmolLM2's
+# 512-token prefill, one layer: 96 -> 2.85 ms, 384 -> 3.34 ms).
 _QV_MAX = 96
 # Items of fewer query vectors (decode rows) use dot-product loops; more (prefill) multiply
 # with the GEMM's register tiles, on K and V blocks packed into panels once per item.
@@ -25,11 +28,11 @@ _CHUNKS_PER_THREAD = 8     # items go to chunks round-robin; a chunk's scratch i
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def write_kv(k_cache, v_cache, k, v, slot_mapping):
+def write_kv(k_cache, v_cache, k, v, slot_mapping, fmt=FMT_F32):
     """k_cache[slot] = k[t], v_cache[slot] = v[t] for slot = slot_mapping[t] (int32[T]).
 
-    k_cache, v_cache: [NB, BS, Hkv, D]; k, v: [T, Hkv, D]. A negative slot
-    skips the row (padding tokens of a bucket).
+    k_cache, v_cache: [NB, BS, Hkv, D] (float32, or uint16 of format fmt); k, v: [T, Hkv, D]
+    float32. A negative slot skips the row (padding tokens of a bucket).
     """
     nb, bs, hkv, d = k_cache.shape
     t_n = k.shape[0]
@@ -50,8 +53,8 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
         off = slot % bs
         for h in range(hkv):
             for i in range(d):
-                k_cache[blk, off, h, i] = k[t, h, i]
-                v_cache[blk, off, h, i] = v[t, h, i]
+                k_cache[blk, off, h, i] = narrow(k[t, h, i], k_cache, fmt)
+                v_cache[blk, off, h, i] = narrow(v[t, h, i], v_cache, fmt)
 
 
 @njit(nogil=True, cache=True)
@@ -87,24 +90,24 @@ def _check_attention(out, q, k_cache, v_cache, block_tables, query_start, contex
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _pack_k(kp, k_cache, blk, kvh, cnt, d):
+def _pack_k(kp, k_cache, blk, kvh, cnt, d, fmt):
     """kp [ceil(bs/NR), d, NR]: the block's keys as the panels of K^T (key j of panel p at
     column j), keys past cnt zero: scores = q @ K^T with the GEMM's tiles."""
     kp[:] = 0.0
     for o in range(cnt):
         p, j = o // NR, o % NR
         for i in range(d):
-            kp[p, i, j] = k_cache[blk, o, kvh, i]
+            kp[p, i, j] = widen(k_cache[blk, o, kvh, i], fmt)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _pack_v(vp, v_cache, blk, kvh, cnt, d):
+def _pack_v(vp, v_cache, blk, kvh, cnt, d, fmt):
     """vp [ceil(d/NR), bsp, NR]: the block's values as the panels of V (dims 16p.. of key o at
     row o), keys past cnt and dims past d zero."""
     vp[:] = 0.0
     for o in range(cnt):
         for i in range(d):
-            vp[i // NR, o, i % NR] = v_cache[blk, o, kvh, i]
+            vp[i // NR, o, i % NR] = widen(v_cache[blk, o, kvh, i], fmt)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -122,7 +125,7 @@ def _tiled_gemm(c, ldc, a, lda, nrows, w, panels, kc, accumulate):
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _attend_item(out, q, k_cache, v_cache, block_tables, s, r0, nr, pos0, kvh, group, sc,
-                 qt, sbuf, acc, m, denom, bits, kp, vp):
+                 qt, sbuf, acc, m, denom, bits, kp, vp, fmt):
     """One work item: rows r0..r0+nr-1 of sequence s (the first at position pos0), the query
     heads of KV head kvh. Scratch: qt [QV, d], sbuf [QV * bsp], acc [QV, dp] (dp, bsp: d and
     bs rounded up to NR), m, denom [QV], bits [QV * (bsp + 3)], kp, vp (the panels)."""
@@ -148,7 +151,7 @@ def _attend_item(out, q, k_cache, v_cache, block_tables, s, r0, nr, pos0, kvh, g
         width = bsp if tiled else cnt
         scores = sbuf[:nqv * width].reshape(nqv, width)
         if tiled:
-            _pack_k(kp, k_cache, blk, kvh, cnt, d)
+            _pack_k(kp, k_cache, blk, kvh, cnt, d, fmt)
             _tiled_gemm(sbuf, bsp, af, d, nqv, kp.reshape(kp.size), kp.shape[0], d, 0)
         else:
             for o in range(cnt):
@@ -156,7 +159,7 @@ def _attend_item(out, q, k_cache, v_cache, block_tables, s, r0, nr, pos0, kvh, g
                 for qi in range(nqv):
                     dot = np.float32(0.0)
                     for i in range(d):
-                        dot += qt[qi, i] * kv[i]
+                        dot += qt[qi, i] * widen(kv[i], fmt)
                     scores[qi, o] = dot
         # masked: keys past cnt, and key b*bs+o for row r unless <= pos0 + r (causal)
         for qi in range(nqv):
@@ -165,7 +168,7 @@ def _attend_item(out, q, k_cache, v_cache, block_tables, s, r0, nr, pos0, kvh, g
                 scores[qi, o] = NEG_BIG
         online_softmax_block(scores, m[:nqv], denom[:nqv], accv, bits)
         if tiled:
-            _pack_v(vp, v_cache, blk, kvh, cnt, d)
+            _pack_v(vp, v_cache, blk, kvh, cnt, d, fmt)
             _tiled_gemm(acc.reshape(acc.size), dp, sbuf, bsp, nqv, vp.reshape(vp.size),
                         vp.shape[0], bsp, 1)
         else:
@@ -176,7 +179,7 @@ def _attend_item(out, q, k_cache, v_cache, block_tables, s, r0, nr, pos0, kvh, g
                     if w == 0.0:
                         continue
                     for i in range(d):
-                        acc[qi, i] += w * vv[i]
+                        acc[qi, i] += w * widen(vv[i], fmt)
     for j in range(nr):
         for g in range(group):
             inv = np.float32(1.0) / denom[j * group + g]
@@ -185,11 +188,13 @@ def _attend_item(out, q, k_cache, v_cache, block_tables, s, r0, nr, pos0, kvh, g
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
-def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context_lens, scale):
+def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context_lens, scale,
+                    fmt=FMT_F32):
     """Causal attention of a ragged batch over a paged KV cache.
 
     out, q:        [T, Hq, D] float32 (rows of sequence s are query_start[s]:query_start[s+1])
-    k_cache, v_cache: [NB, BS, Hkv, D] float32, this step's K/V already written
+    k_cache, v_cache: [NB, BS, Hkv, D] float32 (or uint16 of format fmt), this step's K/V
+                   already written
     block_tables:  int32[S, max_blocks]
     query_start:   int32[S+1]
     context_lens:  int32[S], tokens in cache for s including this step's
@@ -212,7 +217,6 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
     group = hq // hkv
     s_n = context_lens.shape[0]
     row_tile = max(1, _QV_MAX // group)
-    qv = row_tile * group
     n_tiles = 0
     for s in range(s_n):
         n_tiles += (query_start[s + 1] - query_start[s] + row_tile - 1) // row_tile
@@ -230,6 +234,10 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
     bsp = (bs + NR - 1) // NR * NR
     dp = (d + NR - 1) // NR * NR
     for c in prange(chunks):
+        qv = group               # the chunk's tallest item: its scratch's height
+        for item in range(c, items, chunks):
+            s = tile_seq[item // hkv]
+            qv = max(qv, min(row_tile, query_start[s + 1] - tile_row0[item // hkv]) * group)
         qt = np.empty((qv, d), np.float32)
         sbuf = np.empty(qv * bsp, np.float32)
         acc = np.empty((qv, dp), np.float32)
@@ -246,4 +254,4 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
             nr = min(row_tile, query_start[s + 1] - r0)
             pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
             _attend_item(out, q, k_cache, v_cache, block_tables, s, r0, nr, pos0, kvh, group,
-                         sc, qt, sbuf, acc, m, denom, bits, kp, vp)
+                         sc, qt, sbuf, acc, m, denom, bits, kp, vp, fmt)

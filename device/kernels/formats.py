@@ -4,11 +4,16 @@ device/kernels/gemm.py describes the layouts; device/layout.py packs them.
 
     FMT_F32, FMT_BF16, FMT_F16        float32, bfloat16 (rows in pairs), float16
     FMT_Q8_0, FMT_Q4_0, FMT_Q4_1      GGML's block-quantized formats, in records of QB rows
+
+`widen` and `narrow` convert one value between float32 and a 16-bit format's storage (uint16
+bits): a weight read outside the GEMM's tiles, the KV cache written and read.
 """
 
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
-from spyre_serve.device.kernels.simd import NR, QB
+from spyre_serve.device.kernels.simd import F32, I32, NR, QB, const
 
 FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
 # bytes of one record (QB rows of one panel) of each block-quantized format
@@ -71,3 +76,44 @@ def packed_len(k, n, fmt):
 def packed_size(k, n):
     """Elements of a packed [K, N] float32 or float16 weight: ceil(N / NR) panels of K x NR."""
     return ((n + NR - 1) // NR) * k * NR
+
+
+@intrinsic
+def widen(typingctx, bits, fmt):
+    """One stored value -> float32, exactly: a float32 as it is, a uint16 of bf16 or fp16
+    bits (fmt) widened (a uint8, a quantized weight's byte, as its integer value: gather_columns
+    types that branch for uint8 weights too, and never takes it)."""
+    if bits not in (types.uint16, types.float32, types.uint8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        raw, fmt_v = args
+        if signature.args[0] == types.float32:
+            return raw
+        if signature.args[0] == types.uint8:
+            return builder.uitofp(raw, F32)
+        half = builder.fpext(builder.bitcast(raw, ir.HalfType()), F32)
+        brain = builder.bitcast(builder.shl(builder.zext(raw, I32), ir.Constant(I32, 16)), F32)
+        return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
+    return types.float32(bits, types.int64), codegen
+
+
+@intrinsic
+def narrow(typingctx, x, store, fmt):
+    """float32 x as a value of the array `store`'s type: itself for a float32 array, the bits
+    of the nearest bfloat16 or float16 (fmt; round to nearest even) for a uint16 one."""
+    if x != types.float32 or store.dtype not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v, _, fmt_v = args
+        if signature.args[1].dtype == types.float32:
+            return v
+        i16 = ir.IntType(16)
+        half = builder.bitcast(builder.fptrunc(v, ir.HalfType()), i16)
+        u = builder.bitcast(v, I32)
+        rounded = builder.add(builder.add(u, ir.Constant(I32, 0x7FFF)),
+                              builder.and_(builder.lshr(u, ir.Constant(I32, 16)), ir.Constant(I32, 1)))
+        brain = builder.trunc(builder.lshr(rounded, ir.Constant(I32, 16)), i16)
+        return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
+    return store.dtype(x, store, types.int64), codegen

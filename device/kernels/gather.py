@@ -6,9 +6,7 @@ copy of its embedding, in the GEMM's layout and width.
 """
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from spyre_serve.device.abi import f32_at, u16_at
 from spyre_serve.device.kernels.formats import (
@@ -22,35 +20,16 @@ from spyre_serve.device.kernels.formats import (
     packed_len,
     padded_k,
     record_bytes,
+    widen,
 )
-from spyre_serve.device.kernels.simd import F32, I32, NR, QB, const
-
-
-@intrinsic
-def _widen(typingctx, bits, fmt):
-    """One stored value -> float32, exactly: a float32 as it is, a uint16 of bf16 or fp16
-    bits (fmt) widened (a uint8, a quantized weight's byte, as its integer value: gather_columns
-    types that branch for uint8 weights too, and never takes it)."""
-    if bits not in (types.uint16, types.float32, types.uint8):
-        return None
-
-    def codegen(context, builder, signature, args):
-        raw, fmt_v = args
-        if signature.args[0] == types.float32:
-            return raw
-        if signature.args[0] == types.uint8:
-            return builder.uitofp(raw, F32)
-        half = builder.fpext(builder.bitcast(raw, ir.HalfType()), F32)
-        brain = builder.bitcast(builder.shl(builder.zext(raw, I32), ir.Constant(I32, 16)), F32)
-        return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
-    return types.float32(bits, types.int64), codegen
+from spyre_serve.device.kernels.simd import NR, QB
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _half_at(w, i):
     """The float16 whose two little-endian bytes are w[i], w[i + 1], as float32."""
     lo, hi = np.uint16(np.uint8(w[i])), np.uint16(np.uint8(w[i + 1]))
-    return _widen(np.uint16(lo | (hi << np.uint16(8))), FMT_F16)
+    return widen(np.uint16(lo | (hi << np.uint16(8))), FMT_F16)
 
 
 @njit(nogil=True, cache=True)
@@ -96,11 +75,11 @@ def gather_columns(out, w, cols, scale, k, n, fmt):
         elif fmt == FMT_BF16:       # rows in pairs: row kk at (kk // 2) * 2 NR + 2 j + kk % 2
             base = (c // NR) * padded_k(k, fmt) * NR + 2 * (c % NR)
             for kk in range(k):
-                out[t, kk] = _widen(w[base + (kk >> 1) * 2 * NR + (kk & 1)], fmt) * s
+                out[t, kk] = widen(w[base + (kk >> 1) * 2 * NR + (kk & 1)], fmt) * s
         else:
             base = (c // NR) * k * NR + c % NR
             for kk in range(k):
-                out[t, kk] = _widen(w[base + kk * NR], fmt) * s
+                out[t, kk] = widen(w[base + kk * NR], fmt) * s
 
 
 @njit(nogil=True, cache=True)

@@ -1,7 +1,10 @@
 import numpy as np
 import pytest
+import torch
 
 from spyre_serve.device.kernels.attention import paged_attention, write_kv
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16
+from spyre_serve.device.layout import decode, encode
 
 D = 16
 
@@ -198,3 +201,30 @@ def test_write_kv_and_attention_are_callable_from_njit_code():
     out = np.empty_like(q)
     layer(out, q, k, k, kc, vc, np.array([4, 5, 6], np.int32), bt, qs, cl)
     np.testing.assert_allclose(out, _reference(q, kc, vc, bt, qs, cl, 0.5), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt,torch_dtype", [(FMT_BF16, torch.bfloat16), (FMT_F16, torch.float16)])
+def test_a_16_bit_cache_is_written_rounded_as_torch_rounds(fmt, torch_dtype):
+    rng = np.random.default_rng(8)
+    k = (rng.standard_normal((5, 2, D)) * 30).astype(np.float32)
+    v = (rng.standard_normal((5, 2, D)) * 30).astype(np.float32)
+    kc, vc = np.zeros((3, 4, 2, D), np.uint16), np.zeros((3, 4, 2, D), np.uint16)
+    slots = np.array([0, 5, 11, 2, 7], np.int32)
+    write_kv(kc, vc, k, v, slots, fmt)
+    for cache, x in ((kc, k), (vc, v)):
+        got = decode(cache.reshape(-1, 2, D)[slots], fmt)
+        np.testing.assert_array_equal(got, torch.from_numpy(x).to(torch_dtype).float().numpy())
+
+
+@pytest.mark.parametrize("fmt", [FMT_BF16, FMT_F16])
+@pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 64, 129]), ([37, 1], [100, 20]),
+                                        ([130, 1], [200, 65])])
+def test_attention_over_a_16_bit_cache_is_the_reference_on_its_values(fmt, q_lens, ctx):
+    """Prefill tiles and decode rows read the 16-bit cache widened exactly: the float64
+    reference on the cache's values, within float32 summation."""
+    q, kc, vc, bt, qs, cl = _case(q_lens, ctx, 6, 2, 64, seed=9, d=64)
+    k16, v16 = encode(kc, fmt), encode(vc, fmt)
+    out = np.full_like(q, np.nan)
+    paged_attention(out, q, k16, v16, bt, qs, cl, 0.125, fmt)
+    want = _reference(q, decode(k16, fmt), decode(v16, fmt), bt, qs, cl, 0.125)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from spyre_serve.device import Card, DeviceOutOfMemory
-from spyre_serve.models.kv_cache import KVCache, block_bytes
+from spyre_serve.device.kernels.formats import FMT_BF16
+from spyre_serve.models.kv_cache import KVCache, block_bytes, resolve_dtype
 from tests.models.checkpoints import granite_config
 
 CFG = granite_config(hidden=128, layers=3, heads=4, kv_heads=2)   # D 32, Hkv 2
@@ -40,3 +42,24 @@ def test_free_gives_the_memory_back():
     assert card.allocator.stats().allocated >= kv.nbytes
     kv.free()
     assert card.allocator.stats().allocated == 0
+
+
+def test_a_16_bit_cache_stores_uint16_and_fits_twice_the_blocks():
+    card = Card(32 << 20)
+    kv32 = KVCache(card, CFG, block_size=64, fraction=0.4)
+    n32 = kv32.num_blocks
+    kv32.free()
+    kv = KVCache(card, CFG, block_size=64, fraction=0.4, dtype="bfloat16")
+    assert kv.k[0].dtype == np.uint16 and kv.fmt == FMT_BF16
+    assert block_bytes(CFG, 64, "bfloat16") * 2 == block_bytes(CFG, 64)
+    assert 2 * n32 <= kv.num_blocks + 2
+
+
+def test_auto_keeps_float32_with_float32_compute_and_16_bits_otherwise():
+    assert resolve_dtype("auto", "float32") == "float32"
+    assert resolve_dtype("auto", "bfloat16") == "bfloat16"
+    assert resolve_dtype("auto", "float16") == "float16"
+    assert resolve_dtype("auto", "int8") == "bfloat16"
+    assert resolve_dtype("float16", "float32") == "float16"
+    with pytest.raises(ValueError, match="one of auto, float32"):
+        resolve_dtype("fp8", "float32")

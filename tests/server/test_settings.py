@@ -23,7 +23,8 @@ def test_every_field_has_help_and_a_parser():
 
 def test_warmup_takes_the_flags_that_size_the_programs_and_memory():
     assert SIZING == ("model", "max_num_seqs", "max_num_batched_tokens", "dtype", "compute_dtype", "quantization",
-                      "block_size", "num_kv_blocks", "max_model_len", "device_memory", "log_level")
+                      "kv_cache_dtype", "block_size", "num_kv_blocks", "max_model_len", "device_memory",
+                      "log_level")
 
 
 def test_a_flag_is_parsed_by_its_fields_parser():
