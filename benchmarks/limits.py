@@ -109,7 +109,7 @@ def _fma_loop(out, a, w, reps, mr):
     # again and again, on data that stays in L1
     for c in prange(out.shape[0]):
         for _ in range(reps):
-            tile(mr, a[c], 0, 256, w, 0, out[c], 0, NR, 256, 1, FMT_F32)
+            tile(mr, a[c], 0, 256, w, 0, NR, out[c], 0, NR, 256, 1, FMT_F32)
 
 
 def fma_peak(seconds: float = 0.3) -> float:

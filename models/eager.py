@@ -103,7 +103,7 @@ def op_write_kv(f32, i32, i64, u16, t):
     # k_cache, v_cache, k, v, slots | NB, BS, HKV, D, T
     nb, bs, hkv, d, n = t[5], t[6], t[7], t[8], t[9]
     c = nb * bs * hkv * d
-    write_kv(f32_at(f32, t[0], c).reshape(nb, bs, hkv, d), f32_at(f32, t[1], c).reshape(nb, bs, hkv, d),
+    write_kv(f32_at(f32, t[0], c).reshape(nb, hkv, d, bs), f32_at(f32, t[1], c).reshape(nb, hkv, bs, d),
              f32_at(f32, t[2], n * hkv * d).reshape(n, hkv, d),
              f32_at(f32, t[3], n * hkv * d).reshape(n, hkv, d), i32_at(i32, t[4], n))
 
@@ -116,8 +116,8 @@ def op_attention(f32, i32, i64, u16, t):
     c = nb * bs * hkv * d
     paged_attention(f32_at(f32, t[0], n * hq * d).reshape(n, hq, d),
                     f32_at(f32, t[1], n * hq * d).reshape(n, hq, d),
-                    f32_at(f32, t[2], c).reshape(nb, bs, hkv, d),
-                    f32_at(f32, t[3], c).reshape(nb, bs, hkv, d),
+                    f32_at(f32, t[2], c).reshape(nb, hkv, d, bs),
+                    f32_at(f32, t[3], c).reshape(nb, hkv, bs, d),
                     i32_at(i32, t[4], s * mb).reshape(s, mb), i32_at(i32, t[5], s + 1),
                     i32_at(i32, t[6], s), f32_at(f32, t[7], N_CONSTS)[CONST_ATTN_SCALE])
 

@@ -1,4 +1,5 @@
-"""The paged KV cache on the card: per layer a K and a V tensor [NB + 1, BS, Hkv, D], float32
+"""The paged KV cache on the card: per layer K transposed [NB + 1, Hkv, D, BS] and V
+[NB + 1, Hkv, BS, D] (each block a GEMM tile's weight as it stands: device/kernels/attention.py), float32
 or 16-bit (`dtype`: bfloat16 / float16 values as uint16 bits, half the bytes a token; the
 kernels round on write and widen on read, device/kernels/attention.py).
 
@@ -58,12 +59,16 @@ def blocks_for_budget(card: Card, config: GraniteConfig, block_size: int, fracti
 
 
 class KVCache:
-    """K and V per layer, [NB + 1, BS, Hkv, D] of `dtype`; block NB is the padding trash block."""
+    """K^T and V per layer, [NB + 1, Hkv, D, BS] and [NB + 1, Hkv, BS, D] of `dtype`; block NB is
+    the padding trash block. BS and D are multiples of 16 (the tiles' width)."""
 
     def __init__(self, card: Card, config: GraniteConfig, block_size: int = 64,
                  num_blocks: int | None = None, fraction: float = 0.9, dtype: str = "float32"):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if block_size % 16 or config.head_dim % 16:
+            raise ValueError(f"the KV cache needs the block size and head dim in multiples of 16, "
+                             f"got {block_size} and {config.head_dim}")
         if dtype not in DTYPES:
             raise ValueError(f"KV cache dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
@@ -76,14 +81,14 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = int(num_blocks)                   # NB usable blocks
         self.trash_block = self.num_blocks                  # index of the padding block
-        shape = (self.num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
-        self.k: list[DeviceTensor] = []                     # per layer [NB + 1, BS, Hkv, D]
-        self.v: list[DeviceTensor] = []
+        nbt, hkv, d = self.num_blocks + 1, config.num_key_value_heads, config.head_dim
+        self.k: list[DeviceTensor] = []                     # per layer [NB + 1, Hkv, D, BS]
+        self.v: list[DeviceTensor] = []                     # per layer [NB + 1, Hkv, BS, D]
         try:
             storage = np.float32 if dtype == "float32" else np.uint16
             for _ in range(config.num_hidden_layers):
-                self.k.append(card.empty(shape, storage))
-                self.v.append(card.empty(shape, storage))
+                self.k.append(card.empty((nbt, hkv, d, block_size), storage))
+                self.v.append(card.empty((nbt, hkv, block_size, d), storage))
         except BaseException:
             self.free()
             raise

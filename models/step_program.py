@@ -226,21 +226,22 @@ def _gather_rows(out, x, rows):
 
 
 @njit(nogil=True, cache=True)
-def _attention(f32, u16, k_addr, v_addr, kv_fmt, shape, k3, v3, slot_mapping, a3, q3,
+def _attention(f32, u16, k_addr, v_addr, kv_fmt, nbt, bs, hkv, d, k3, v3, slot_mapping, a3, q3,
                block_tables, query_start, context_lens, attn_scale, timers, t):
-    """write_kv, then paged attention, over the layer's cache (float32, or 16-bit: kv_fmt);
-    returns the kernel timers' running tick, as `lap` does."""
-    n = shape[0] * shape[1] * shape[2] * shape[3]
+    """write_kv, then paged attention, over the layer's cache (K^T [NBT, Hkv, D, BS] and V
+    [NBT, Hkv, BS, D]; float32, or 16-bit: kv_fmt); returns the kernel timers' running tick,
+    as `lap` does."""
+    n = nbt * hkv * d * bs
     if kv_fmt == FMT_F32:
-        kc = f32_at(f32, k_addr, n).reshape(shape)
-        vc = f32_at(f32, v_addr, n).reshape(shape)
+        kc = f32_at(f32, k_addr, n).reshape(nbt, hkv, d, bs)
+        vc = f32_at(f32, v_addr, n).reshape(nbt, hkv, bs, d)
         write_kv(kc, vc, k3, v3, slot_mapping, kv_fmt)
         t = lap(timers, K_WRITE_KV, t)
         paged_attention(a3, q3, kc, vc, block_tables, query_start, context_lens, attn_scale,
                         kv_fmt)
     else:
-        kc16 = u16_at(u16, k_addr, n).reshape(shape)
-        vc16 = u16_at(u16, v_addr, n).reshape(shape)
+        kc16 = u16_at(u16, k_addr, n).reshape(nbt, hkv, d, bs)
+        vc16 = u16_at(u16, v_addr, n).reshape(nbt, hkv, bs, d)
         write_kv(kc16, vc16, k3, v3, slot_mapping, kv_fmt)
         t = lap(timers, K_WRITE_KV, t)
         paged_attention(a3, q3, kc16, vc16, block_tables, query_start, context_lens,
@@ -355,7 +356,7 @@ def step_entry(f32, i32, i64, u16, table):
         rope_inplace(k3, positions, inv_freq)
         t = lap(timers, K_ROPE, t)
         t = _attention(f32, u16, layers[layer, COL_K_CACHE], layers[layer, COL_V_CACHE],
-                       table[Slot.KV_FMT], (NBT, BS, HKV, D), k3, v3, slot_mapping, a3, q3,
+                       table[Slot.KV_FMT], NBT, BS, HKV, D, k3, v3, slot_mapping, a3, q3,
                        block_tables, query_start, context_lens, attn_scale, timers, t)
         gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H,
                 layers[layer, COL_O_FMT], cfmt)

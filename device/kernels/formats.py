@@ -4,6 +4,7 @@ device/kernels/gemm.py describes the layouts; device/layout.py packs them.
 
     FMT_F32, FMT_BF16, FMT_F16        float32, bfloat16 (rows in pairs), float16
     FMT_Q8_0, FMT_Q4_0, FMT_Q4_1      GGML's block-quantized formats, in records of QB rows
+    FMT_BF16R                         bfloat16 in plain rows: a KV cache block read by the tiles
 
 `widen` and `narrow` convert one value between float32 and a 16-bit format's storage (uint16
 bits): a weight read outside the GEMM's tiles, the KV cache written and read.
@@ -16,6 +17,7 @@ from numba.extending import intrinsic
 from spyre_serve.device.kernels.simd import F32, I32, NR, QB, const
 
 FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
+FMT_BF16R = 7    # bfloat16 in plain rows (a KV cache block), not a packed weight's pairs
 # bytes of one record (QB rows of one panel) of each block-quantized format
 SCALE_BYTES = 2 * NR                              # NR float16 values
 GROUP_BYTES = 4 * NR                              # 4 rows of a panel, a column's 4 bytes together
@@ -95,7 +97,7 @@ def widen(typingctx, bits, fmt):
         half = builder.fpext(builder.bitcast(raw, ir.HalfType()), F32)
         brain = builder.bitcast(builder.shl(builder.zext(raw, I32), ir.Constant(I32, 16)), F32)
         return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
-    return types.float32(bits, types.int64), codegen
+    return types.float32(bits, types.int64), codegen   # (any other 16-bit code: bfloat16)
 
 
 @intrinsic

@@ -78,7 +78,7 @@ def _tile_at(mr, ins, r0, kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt):
     elif mode == MODE_DOT:
         dtile(mr, ab, r0 * kab + kb, kab, w, w_off, c, c_off, ldc, kc, acc)
     else:
-        tile(mr, af, r0 * k + kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt)
+        tile(mr, af, r0 * k + kb, k, w, w_off, NR, c, c_off, ldc, kc, acc, fmt)
 
 
 @njit(nogil=True, cache=True)

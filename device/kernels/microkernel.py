@@ -1,14 +1,15 @@
 """The GEMM's innermost loop, emitted as LLVM vector IR: one mr x NR tile of `out` in registers,
 float32 FMAs on float32 activations.
 
-    tile(mr, a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, fmt)
+    tile(mr, a, a_off, lda, w, w_off, ldw, c, c_off, ldc, kc, accumulate, fmt)
         c[mr, NR] (+)= a[mr, kc] @ slab[kc, NR]
 
 a and c are 1-D float32 arrays addressed by element offsets and row strides; w is a packed
 weight (device/kernels/gemm.py describes the layouts) and w_off the first element of the slab:
 
-- float32 (FMT_F32) or uint16 holding float16 bits (FMT_F16): the slab is kc rows of NR
-  values, widened to float32 right after the load;
+- float32 (FMT_F32), or uint16 holding float16 bits (FMT_F16) or bfloat16 bits in plain
+  rows (FMT_BF16R: a KV cache block): the slab is kc rows of NR values, ldw elements apart,
+  widened to float32 right after the load;
 - uint16 holding bfloat16 bits (FMT_BF16): the slab is kc / 2 pairs of rows, each pair NR
   columns of 2 values (column j's rows k and k + 1 together, the layout vdpbf16ps and AMX
   read; device/kernels/dot_tile.py); widened by a shift (row k) and a mask (row k + 1);
@@ -37,6 +38,7 @@ from numba.extending import intrinsic
 
 from spyre_serve.device.kernels.formats import (
     FMT_BF16,
+    FMT_BF16R,
     FMT_F16,
     FMT_Q4_0,
     FMT_Q4_1,
@@ -48,6 +50,7 @@ from spyre_serve.device.kernels.formats import (
     SCALE_BYTES,
 )
 from spyre_serve.device.kernels.simd import (
+    I16,
     NR,
     QB,
     accumulators,
@@ -76,15 +79,19 @@ def _fma_row(builder, g, fma, a_ptr, a_off, lda, k, wv, accs):
 
 
 def _row_weights(builder, g, w_ptr, index, kind):
-    """The NR weights of one row (f32 / f16 storage) at element `index`, as float32 vectors."""
+    """The NR weights of one row (f32, f16 or bf16r storage) at element `index`, as float32
+    vectors."""
     out = []
     for j in range(g.nv):
         at = builder.add(index, const(j * g.vw))
         if kind == "f32":
             out.append(load_vec(builder, w_ptr, at, g.vec, 4))
-        else:
+        elif kind == "f16":
             half = load_vec(builder, w_ptr, at, ir.VectorType(ir.HalfType(), g.vw), 2)
             out.append(builder.fpext(half, g.vec))
+        else:                                      # bfloat16 in plain rows: a 16-bit shift
+            raw = builder.zext(load_vec(builder, w_ptr, at, ir.VectorType(I16, g.vw), 2), g.ivec)
+            out.append(builder.bitcast(builder.shl(raw, ir.Constant(g.ivec, [16] * g.vw)), g.vec))
     return out
 
 
@@ -100,14 +107,15 @@ def _pair_weights(builder, g, w_ptr, index):
     return even, odd
 
 
-def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, kc):
-    """The tile over kc rows of a float / 16-bit slab; returns the accumulators."""
+def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, ldw, kc):
+    """The tile over kc rows of a float / 16-bit slab (rows ldw elements apart: NR in a
+    packed weight; pairs of rows always 2 NR); returns the accumulators."""
     unroll = g.unroll(mr)
     sets = accumulators(builder, g, mr, unroll)
     args = (a_ptr, a_off, lda)
     if kind != "bf16":
         def step(k, accs):
-            wv = _row_weights(builder, g, w_ptr, builder.add(w_off, builder.mul(k, const(NR))), kind)
+            wv = _row_weights(builder, g, w_ptr, builder.add(w_off, builder.mul(k, ldw)), kind)
             _fma_row(builder, g, fma, *args, k, wv, accs)
 
         kmain = builder.mul(builder.sdiv(kc, const(unroll)), const(unroll))
@@ -158,7 +166,7 @@ def quant_scales(builder, g, w_ptr, r0, kind):
     return d, m
 
 
-def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, kc):
+def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, ldw, kc):
     """The tile over kc rows (kc / QB records) of a block-quantized slab (w_ptr: i8*, w_off in
     bytes); returns the accumulators. Rows are taken in order and row k goes to accumulator
     set k % sets, as in the float loop, so the sums round alike."""
@@ -206,20 +214,21 @@ def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
 
 
 @intrinsic
-def tile(typingctx, mr, a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, fmt):
+def tile(typingctx, mr, a, a_off, lda, w, w_off, ldw, c, c_off, ldc, kc, accumulate, fmt):
     """The tile of mr rows (a height of this level: simd.tile_height); see the module
-    docstring."""
+    docstring. ldw: elements between rows of a float32, float16 or bfloat16-rows weight (NR
+    in a packed GEMM weight; a KV cache block's own stride in attention)."""
     if w.dtype not in (types.float32, types.uint16, types.uint8):
         return None
     i64 = types.int64
-    sig = types.void(i64, a, i64, i64, w, i64, c, i64, i64, i64, i64, i64)
+    sig = types.void(i64, a, i64, i64, w, i64, i64, c, i64, i64, i64, i64, i64)
 
     def codegen(context, builder, signature, args):
         g = geometry()
-        mr_v, a_v, a_off, lda, w_v, w_off, c_v, c_off, ldc, kc, accf, fmt_v = args
+        mr_v, a_v, a_off, lda, w_v, w_off, ldw, c_v, c_off, ldc, kc, accf, fmt_v = args
         a_ptr = array_ptr(context, builder, signature.args[1], a_v)
         w_ptr = array_ptr(context, builder, signature.args[4], w_v)
-        c_ptr = array_ptr(context, builder, signature.args[6], c_v)
+        c_ptr = array_ptr(context, builder, signature.args[7], c_v)
         fma = fma_fn(builder, g.vec)
         wdt = signature.args[4].dtype
 
@@ -228,7 +237,7 @@ def tile(typingctx, mr, a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, 
 
             def emit(kind):
                 loop = _emit_quant_loop if kind.startswith("q") else _emit_float_loop
-                got = loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, kc)
+                got = loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, ldw, kc)
                 for i in range(mr):
                     for j in range(g.nv):
                         builder.store(builder.load(got[i][j]), result[i][j])
@@ -236,7 +245,8 @@ def tile(typingctx, mr, a, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate, 
             if wdt == types.float32:
                 emit("f32")
             elif wdt == types.uint16:
-                choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_BF16, "bf16")], emit)
+                choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_BF16R, "bf16r"),
+                                        (FMT_BF16, "bf16")], emit)
             else:
                 choose(builder, fmt_v, [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"),
                                         (FMT_Q4_1, "q4_1")], emit)

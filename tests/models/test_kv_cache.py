@@ -17,7 +17,8 @@ def test_given_block_count_gives_per_layer_k_and_v_with_a_trash_block():
     card = Card(32 << 20)
     kv = KVCache(card, CFG, block_size=16, num_blocks=10)
     assert len(kv.k) == len(kv.v) == 3
-    assert kv.k[0].shape == (11, 16, 2, 32)                         # [NB + 1, BS, Hkv, D]
+    assert kv.k[0].shape == (11, 2, 32, 16)                         # K^T [NB + 1, Hkv, D, BS]
+    assert kv.v[0].shape == (11, 2, 16, 32)                         # V [NB + 1, Hkv, BS, D]
     assert kv.trash_block == 10 and kv.num_tokens == 160
 
 
@@ -63,3 +64,8 @@ def test_auto_keeps_float32_with_float32_compute_and_16_bits_otherwise():
     assert resolve_dtype("float16", "float32") == "float16"
     with pytest.raises(ValueError, match="one of auto, float32"):
         resolve_dtype("fp8", "float32")
+
+
+def test_blocks_and_heads_must_come_in_16s():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        KVCache(Card(32 << 20), CFG, block_size=8, num_blocks=4)

@@ -91,8 +91,8 @@ def test_padding_rows_write_only_the_trash_block(runner):
     for t in runner.kv.k + runner.kv.v:
         t.numpy()[...] = 0
     runner.launch([prefill(0, [1, 2, 3], [5])]).result()          # 3 tokens in bucket 4
-    k0 = runner.kv.k[0].numpy()                                    # [NB + 1, BS, Hkv, D]
-    written = np.flatnonzero(np.abs(k0).reshape(k0.shape[0], k0.shape[1], -1).sum(-1).ravel())
+    v0 = runner.kv.v[0].numpy()                                    # [NB + 1, Hkv, BS, D]
+    written = np.flatnonzero(np.abs(v0).sum(axis=(1, 3)).ravel())  # slot = block * BS + offset
     slots = set(written.tolist())
     assert {5 * BLOCK, 5 * BLOCK + 1, 5 * BLOCK + 2} <= slots
     assert all(s // BLOCK in (5, runner.kv.trash_block) for s in slots)
