@@ -2,8 +2,9 @@
 Extensions, Sapphire Rapids and later): tile registers of 16 rows x 64 bytes and a matrix
 unit that multiplies them (tdpbf16ps), as oneDNN's avx512_core_amx kernels do.
 
-    amx_block(ab, a_off, lda, rows, w, w_off0, w_off1, kp, c)
-        c[rows, 32] = ab[rows, kp] @ [slab0 | slab1]      (rows 1..32; byte offsets and strides)
+    amx_rows(ab, a_off, lda, rows, w, w_off0, w_off1, pair_step, pairs, kp, c, c_off, ldc)
+        c[rows, 32 j: 32 j + 32] = ab[rows, kp] @ [slab0 | slab1] of pair j < pairs
+                                       (rows 1..32; byte offsets and strides)
 
 ab holds the activations as bfloat16 bits, row-major, lda bytes a row (device/kernels/gemm.py
 rounds them once per GEMM; kp a multiple of 32, zero-padded); w a bfloat16 weight in pairs of
@@ -20,8 +21,8 @@ Numerics (Intel's definition): each product of two bfloat16 values is exact in f
 C element adds the pair's two products to itself one after the other, rounding to nearest
 even, denormals flushed to zero; k is summed in order, 2 at a time.
 
-The tile state is the thread's: each call loads its configuration (ldtilecfg) and
-`amx_release` (tilerelease) returns the state once a thread is done. Linux hands the state
+The tile state is the thread's: each call loads its configuration (ldtilecfg, once for all its
+pairs) and `amx_release` (tilerelease) returns the state once a thread is done. Linux hands the state
 to the process only when asked (device/isa.py asks when it selects the amx level).
 """
 
@@ -76,7 +77,9 @@ def _configure(builder, fns, top_rows, bottom_rows):
     builder.call(fns["cfg"], [base])
 
 
-def _emit_block(builder, fns, two_blocks, ab, a_off, lda, w, w_off0, w_off1, kp, c):
+def _emit_pair(builder, fns, two_blocks, ab, a_off, lda, w, w_off0, w_off1, kp, c, c_off, ldc):
+    """C (rows x 2 panels) = A (rows x kp) @ the two panels' slabs, stored at byte c_off of c
+    with row stride ldc bytes."""
     cs = (C00, C01, C10, C11) if two_blocks else (C00, C01)
     for t in cs:
         builder.call(fns["zero"], [_t(t)])
@@ -95,39 +98,49 @@ def _emit_block(builder, fns, two_blocks, ab, a_off, lda, w, w_off0, w_off1, kp,
         if two_blocks:
             builder.call(fns["dot"], [_t(C10), _t(A1), _t(B0)])
             builder.call(fns["dot"], [_t(C11), _t(A1), _t(B1)])
-    c_stride = const(4 * BLOCK_COLS)
     for t, r0, col in ((C00, 0, 0), (C01, 0, 16), (C10, 16, 0), (C11, 16, 16)):
         if t in cs:
-            at = const(4 * (r0 * BLOCK_COLS + col))
-            builder.call(fns["store"], [_t(t), byte_ptr(builder, c, at), c_stride])
+            at = builder.add(c_off, builder.add(builder.mul(const(r0), ldc), const(4 * col)))
+            builder.call(fns["store"], [_t(t), byte_ptr(builder, c, at), ldc])
 
 
 @intrinsic
-def amx_block(typingctx, ab, a_off, lda, rows, w, w_off0, w_off1, kp, c):
-    """See the module docstring (offsets, strides in bytes; kp in bfloat16 values)."""
+def amx_rows(typingctx, ab, a_off, lda, rows, w, w_off0, w_off1, pair_step, pairs, kp, c, c_off,
+             ldc):
+    """c[rows, 32 pairs] = ab[rows, kp] @ `pairs` panel pairs (rows 1..32), the tiles
+    configured once: pair j's panels at bytes w_off0 + j pair_step and w_off1 + j pair_step
+    of w, its 32 columns at byte c_off + 128 j of c (rows ldc bytes apart). Offsets and strides
+    in bytes, kp in bfloat16 values; see the module docstring."""
     if ab.dtype != types.uint16 or c.dtype != types.float32:
         return None
     i64 = types.int64
-    sig = types.void(ab, i64, i64, i64, w, i64, i64, i64, c)
+    sig = types.void(ab, i64, i64, i64, w, i64, i64, i64, i64, i64, c, i64, i64)
 
     def codegen(context, builder, signature, args):
         if not geometry().amx or signature.args[4].dtype != types.uint16:
             return context.get_dummy_value()    # not this level's, or not a bfloat16 weight
-        ab_v, a_off, lda, rows, w_v, w_off0, w_off1, kp, c_v = args
+        ab_v, a_off, lda, rows, w_v, w_off0, w_off1, pair_step, pairs, kp, c_v, c_off, ldc = args
         ab_p, w_p, c_p = (array_ptr(context, builder, signature.args[n], v)
-                          for n, v in ((0, ab_v), (4, w_v), (8, c_v)))
+                          for n, v in ((0, ab_v), (4, w_v), (10, c_v)))
         fns = _fns(builder.module)
         top = builder.trunc(builder.select(builder.icmp_signed(">", rows, const(16)), const(16),
                                            rows), I8)
         bottom = builder.trunc(builder.select(builder.icmp_signed(">", rows, const(16)),
                                               builder.sub(rows, const(16)), const(0)), I8)
         _configure(builder, fns, top, bottom)
-        block = (ab_p, a_off, lda, w_p, w_off0, w_off1, kp, c_p)
+
+        def run(two):
+            with cgutils.for_range(builder, pairs) as loop:
+                step = builder.mul(loop.index, pair_step)
+                _emit_pair(builder, fns, two, ab_p, a_off, lda, w_p, builder.add(w_off0, step),
+                           builder.add(w_off1, step), kp, c_p,
+                           builder.add(c_off, builder.mul(loop.index, const(4 * BLOCK_COLS))), ldc)
+
         with builder.if_else(builder.icmp_signed(">", rows, const(16))) as (two, one):
             with two:
-                _emit_block(builder, fns, True, *block)
+                run(True)
             with one:
-                _emit_block(builder, fns, False, *block)
+                run(False)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -116,7 +116,7 @@ def _attend_item(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, grou
                  qt, sbuf, acc, m, denom, bits, fmt):
     """One work item: rows r0..r0+nr-1 of sequence s (the first at position pos0), the query
     heads of KV head kvh; kf, vf the flat caches of `shape` (NB, Hkv, D, BS). Scratch: qt
-    [QV, D], sbuf [QV * BS], acc [QV, D], m, denom [QV], bits [QV * (BS + 3)]."""
+    [QV, D], sbuf [QV * BS], acc [QV, D], m, denom [QV], bits [2 QV]."""
     nb, hkv, d, bs = shape
     nqv = nr * group          # query vectors: (row - r0) * group + g
     h0 = kvh * group
@@ -206,7 +206,7 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
         acc = np.empty((qv, d), np.float32)
         m = np.empty(qv, np.float32)
         denom = np.empty(qv, np.float32)
-        bits = np.empty(qv * (bs + 3), np.int32)
+        bits = np.empty(2 * qv, np.int32)
         for item in range(c, items, chunks):
             tile_i = item // hkv
             kvh = item % hkv

@@ -42,7 +42,7 @@ import numpy as np
 from numba import njit, prange
 
 from spyre_serve.device.abi import f32_at, get_kernel_threads, u16_at
-from spyre_serve.device.kernels.amx import BLOCK_COLS, BLOCK_ROWS, amx_block, amx_release
+from spyre_serve.device.kernels.amx import BLOCK_COLS, BLOCK_ROWS, amx_release, amx_rows
 from spyre_serve.device.kernels.dot_tile import dtile
 from spyre_serve.device.kernels.formats import (
     FMT_BF16,
@@ -65,6 +65,7 @@ KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, in L1 (a mu
 MC = 192         # rows per block of a: [MC, KC] fp32 is 192 KiB, in L2
 CHUNKS_PER_THREAD = 4   # panel chunks per core: balances the split, keeps each core's range contiguous
 AMX_MIN_ROWS = 3        # bfloat16 GEMMs of at least this many rows go to AMX where the level has it
+AMX_PAIRS = 16          # panel pairs an AMX row block passes before the next row block
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -164,26 +165,35 @@ def gemm_packed(out, a, w, k, n, fmt, act):
 
 @njit(nogil=True, cache=True)
 def _amx_panels(of, ab, m, kp, w, k, n, n_panels, q0, q1, tmp):
-    """Panel pairs q0..q1-1 of out, every block of BLOCK_ROWS rows: AMX blocks, copied out."""
-    for q in range(q0, q1):
-        p0 = 2 * q
-        p1 = p0 + 1 if p0 + 1 < n_panels else p0          # an odd last panel: computed twice
-        off0 = 2 * slab_offset(p0, 0, k, FMT_BF16)         # bytes
-        off1 = 2 * slab_offset(p1, 0, k, FMT_BF16)
-        cols = min(BLOCK_COLS, n - p0 * NR)
+    """Panel pairs q0..q1-1 of out, every block of BLOCK_ROWS rows, by AMX. The pairs go in
+    groups of AMX_PAIRS (their B slabs, 36 KiB a pair at K 576, stay in L2) and each row
+    block's A rows pass every pair of a group; C tiles are stored into out, but for a pair
+    whose columns pass N (through tmp)."""
+    slab = 2 * slab_offset(1, 0, k, FMT_BF16)          # bytes of one panel
+    full = min(q1, n // BLOCK_COLS)                     # pairs whose 32 columns are all in N
+    for g0 in range(q0, q1, AMX_PAIRS):
+        g1 = min(q1, g0 + AMX_PAIRS)
+        direct = max(0, min(g1, full) - g0)
         for r0 in range(0, m, BLOCK_ROWS):
             rows = min(BLOCK_ROWS, m - r0)
-            amx_block(ab, 2 * r0 * kp, 2 * kp, rows, w, off0, off1, kp, tmp)
-            for i in range(rows):
-                for j in range(cols):
-                    of[(r0 + i) * n + p0 * NR + j] = tmp[i * BLOCK_COLS + j]
+            if direct > 0:
+                amx_rows(ab, 2 * r0 * kp, 2 * kp, rows, w, 2 * g0 * slab, (2 * g0 + 1) * slab,
+                         2 * slab, direct, kp, of, 4 * (r0 * n + g0 * BLOCK_COLS), 4 * n)
+            for q in range(g0 + direct, g1):           # the pair past N's last whole pair
+                p1 = 2 * q + 1 if 2 * q + 1 < n_panels else 2 * q    # an odd last panel: twice
+                amx_rows(ab, 2 * r0 * kp, 2 * kp, rows, w, 2 * q * slab, p1 * slab, 0, 1, kp,
+                         tmp, 0, 4 * BLOCK_COLS)
+                cols = n - q * BLOCK_COLS
+                for i in range(rows):
+                    for j in range(cols):
+                        of[(r0 + i) * n + q * BLOCK_COLS + j] = tmp[i * BLOCK_COLS + j]
     amx_release()
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def _gemm_amx(of, ab, m, kp, w, k, n, n_panels):
     """out = ab @ W with AMX blocks of BLOCK_ROWS x 2 panels, panel pairs split across the
-    cores (each block's whole k at once: its B slabs stay in L2 while the row blocks pass)."""
+    cores."""
     pairs = (n_panels + 1) // 2
     chunks = min(pairs, CHUNKS_PER_THREAD * get_kernel_threads())
     for c in prange(chunks):

@@ -19,14 +19,14 @@ def _check(out, x):
 
 
 @njit(nogil=True, cache=True, fastmath=_REORDER)
-def _exp_shifted(e, x, bits):
-    """e[N] = exp(x[N] - max(x)); returns max(x). bits int32[N] scratch."""
+def _exp_shifted(e, x):
+    """e[N] = exp(x[N] - max(x)); returns max(x)."""
     mx = x[0]
     for j in range(1, x.shape[0]):
         mx = max(mx, x[j])
     for j in range(x.shape[0]):
         e[j] = x[j] - mx
-    exp_nonpos(e, bits)
+    exp_nonpos(e)
     return mx
 
 
@@ -37,8 +37,7 @@ def log_softmax(out, x):
     m, n = x.shape
     for i in prange(m):
         e = np.empty(n, np.float32)
-        bits = np.empty(n, np.int32)
-        mx = _exp_shifted(e, x[i], bits)
+        mx = _exp_shifted(e, x[i])
         s = np.float32(0.0)
         for j in range(n):
             s += e[j]

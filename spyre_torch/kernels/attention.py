@@ -116,7 +116,7 @@ def _attention(f32, u16, table):
         sbuf = np.empty(nqv * KB, np.float32)
         m = np.full(nqv, NEG_BIG, np.float32)
         denom = np.zeros(nqv, np.float32)
-        bits = np.empty(nqv * (KB + 3), np.int32)
+        bits = np.empty(2 * nqv, np.int32)
         kbase = k0_ + b * k_bs + g * k_hs
         vbase = v0 + b * v_bs + g * v_hs
         for k0 in range(0, n_keys, KB):

@@ -136,10 +136,10 @@ def _sample_rows(out_ids, out_logprobs, out_top_ids, out_top_logprobs, logits, r
         w = np.empty(v_n, np.float32)
         idx = np.empty(v_n, np.int32)
         bits = np.empty(v_n, np.int32)
-        lse = log_sum_exp(row, w, bits)
+        lse = log_sum_exp(row, w)
         top_raw(out_top_ids[s], out_top_logprobs[s], row, lse)
         ban_and_mask(z, ban_ids[ban_offsets[s]:ban_offsets[s + 1]], words, bits)
         top_n_sigma(z, r.top_n_sigma)
-        tok = draw(z, r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.counter, w, idx, bits)
+        tok = draw(z, r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.counter, w, idx)
         out_ids[s] = tok
         out_logprobs[s] = row[tok] - lse

@@ -37,12 +37,12 @@ def _max(x):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def log_sum_exp(row, w, bits):
-    """log(sum(exp(row))) of float32[V]; w float32[V], bits int32[V] scratch."""
+def log_sum_exp(row, w):
+    """log(sum(exp(row))) of float32[V]; w float32[V] scratch."""
     mx = _max(row)
     for i in range(row.shape[0]):
         w[i] = row[i] - mx
-    exp_nonpos(w, bits)
+    exp_nonpos(w)
     return mx + np.float32(np.log(_sum(w)))
 
 
@@ -158,7 +158,7 @@ def top_raw(out_ids, out_lp, row, lse):
 
 
 @njit(nogil=True, cache=True)
-def draw(z, temperature, top_k, top_p, min_p, seed, counter, w, idx, bits):
+def draw(z, temperature, top_k, top_p, min_p, seed, counter, w, idx):
     """One row: returns the sampled token id. z float32[V]: the logits, penalized and
     banned; w float32[V], idx, bits int32[V] scratch."""
     v_n = z.shape[0]
@@ -197,7 +197,7 @@ def draw(z, temperature, top_k, top_p, min_p, seed, counter, w, idx, bits):
                 w[n] = e
                 idx[n] = i
                 n += 1
-    exp_nonpos(w[:n], bits[:n])
+    exp_nonpos(w[:n])
     if top_p < 1.0:
         total = 0.0
         for j in range(n):
