@@ -77,12 +77,24 @@ def _configure(builder, fns, top_rows, bottom_rows):
     builder.call(fns["cfg"], [base])
 
 
-def _emit_pair(builder, fns, two_blocks, ab, a_off, lda, w, w_off0, w_off1, kp, c, c_off, ldc):
-    """C (rows x 2 panels) = A (rows x kp) @ the two panels' slabs, stored at byte c_off of c
-    with row stride ldc bytes."""
+def _emit_pair(builder, fns, two_blocks, ab, a_off, lda, w, w_off0, w_off1, kp, c, c_off, ldc,
+               accumulate):
+    """C (rows x 2 panels) (+)= A (rows x kp) @ the two panels' slabs, C at byte c_off of c
+    with row stride ldc bytes (accumulate != 0: C loaded from there first)."""
     cs = (C00, C01, C10, C11) if two_blocks else (C00, C01)
-    for t in cs:
-        builder.call(fns["zero"], [_t(t)])
+    corner = {C00: (0, 0), C01: (0, 16), C10: (16, 0), C11: (16, 16)}
+
+    def c_at(t):
+        r0, col = corner[t]
+        return byte_ptr(builder, c, builder.add(c_off, builder.add(builder.mul(const(r0), ldc),
+                                                                  const(4 * col))))
+    with builder.if_else(builder.icmp_signed("!=", accumulate, const(0))) as (load, zero):
+        with load:
+            for t in cs:
+                builder.call(fns["load"], [_t(t), c_at(t), ldc])
+        with zero:
+            for t in cs:
+                builder.call(fns["zero"], [_t(t)])
     b_stride = const(64)
     with cgutils.for_range_slice(builder, const(0), kp, const(TILE_K)) as (k, _):
         a_at = builder.add(a_off, builder.mul(k, const(2)))            # k bfloat16 values in
@@ -98,28 +110,27 @@ def _emit_pair(builder, fns, two_blocks, ab, a_off, lda, w, w_off0, w_off1, kp, 
         if two_blocks:
             builder.call(fns["dot"], [_t(C10), _t(A1), _t(B0)])
             builder.call(fns["dot"], [_t(C11), _t(A1), _t(B1)])
-    for t, r0, col in ((C00, 0, 0), (C01, 0, 16), (C10, 16, 0), (C11, 16, 16)):
-        if t in cs:
-            at = builder.add(c_off, builder.add(builder.mul(const(r0), ldc), const(4 * col)))
-            builder.call(fns["store"], [_t(t), byte_ptr(builder, c, at), ldc])
+    for t in cs:
+        builder.call(fns["store"], [_t(t), c_at(t), ldc])
 
 
 @intrinsic
 def amx_rows(typingctx, ab, a_off, lda, rows, w, w_off0, w_off1, pair_step, pairs, kp, c, c_off,
-             ldc):
-    """c[rows, 32 pairs] = ab[rows, kp] @ `pairs` panel pairs (rows 1..32), the tiles
+             ldc, accumulate):
+    """c[rows, 32 pairs] (+)= ab[rows, kp] @ `pairs` panel pairs (rows 1..32), the tiles
     configured once: pair j's panels at bytes w_off0 + j pair_step and w_off1 + j pair_step
-    of w, its 32 columns at byte c_off + 128 j of c (rows ldc bytes apart). Offsets and strides
-    in bytes, kp in bfloat16 values; see the module docstring."""
+    of w, its 32 columns at byte c_off + 128 j of c (rows ldc bytes apart); accumulate != 0
+    adds to what c holds. Offsets and strides in bytes, kp (a multiple of 32) in bfloat16
+    values; see the module docstring."""
     if ab.dtype != types.uint16 or c.dtype != types.float32:
         return None
     i64 = types.int64
-    sig = types.void(ab, i64, i64, i64, w, i64, i64, i64, i64, i64, c, i64, i64)
+    sig = types.void(ab, i64, i64, i64, w, i64, i64, i64, i64, i64, c, i64, i64, i64)
 
     def codegen(context, builder, signature, args):
         if not geometry().amx or signature.args[4].dtype != types.uint16:
             return context.get_dummy_value()    # not this level's, or not a bfloat16 weight
-        ab_v, a_off, lda, rows, w_v, w_off0, w_off1, pair_step, pairs, kp, c_v, c_off, ldc = args
+        ab_v, a_off, lda, rows, w_v, w_off0, w_off1, pair_step, pairs, kp, c_v, c_off, ldc, acc = args
         ab_p, w_p, c_p = (array_ptr(context, builder, signature.args[n], v)
                           for n, v in ((0, ab_v), (4, w_v), (10, c_v)))
         fns = _fns(builder.module)
@@ -134,7 +145,8 @@ def amx_rows(typingctx, ab, a_off, lda, rows, w, w_off0, w_off1, pair_step, pair
                 step = builder.mul(loop.index, pair_step)
                 _emit_pair(builder, fns, two, ab_p, a_off, lda, w_p, builder.add(w_off0, step),
                            builder.add(w_off1, step), kp, c_p,
-                           builder.add(c_off, builder.mul(loop.index, const(4 * BLOCK_COLS))), ldc)
+                           builder.add(c_off, builder.mul(loop.index, const(4 * BLOCK_COLS))), ldc,
+                           acc)
 
         with builder.if_else(builder.icmp_signed(">", rows, const(16))) as (two, one):
             with two:

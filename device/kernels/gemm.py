@@ -66,6 +66,9 @@ MC = 192         # rows per block of a: [MC, KC] fp32 is 192 KiB, in L2
 CHUNKS_PER_THREAD = 4   # panel chunks per core: balances the split, keeps each core's range contiguous
 AMX_MIN_ROWS = 3        # bfloat16 GEMMs of at least this many rows go to AMX where the level has it
 AMX_PAIRS = 16          # panel pairs an AMX row block passes before the next row block
+AMX_A_BYTES = 256 << 10  # rows of A an AMX pass takes (their bfloat16 bytes): they stay in L2
+AMX_B_BYTES = 1 << 20    # a core's share of B up to this stays in L2 for all the rows
+AMX_KC = 512             # k values of A an AMX block row takes at a time: 32 rows x 1 KiB in L1
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -140,7 +143,7 @@ def gemm_packed(out, a, w, k, n, fmt, act):
     kk = ins[5] if ins[6] == MODE_DOT else k        # rows the tiles run over (the dot's padded)
     n_panels = (n + NR - 1) // NR
     if ins[6] == MODE_DOT and m >= AMX_MIN_ROWS and has_amx():
-        _gemm_amx(of, ins[4], m, ins[5], w, k, n, n_panels)
+        _gemm_amx(of, ins[4], m, ins[5], w, k, n, n_panels, AMX_A_BYTES, AMX_B_BYTES, AMX_PAIRS)
         return
     chunks = min(n_panels, CHUNKS_PER_THREAD * get_kernel_threads())
     th = max_tile_height()
@@ -164,42 +167,56 @@ def gemm_packed(out, a, w, k, n, fmt, act):
 
 
 @njit(nogil=True, cache=True)
-def _amx_panels(of, ab, m, kp, w, k, n, n_panels, q0, q1, tmp):
-    """Panel pairs q0..q1-1 of out, every block of BLOCK_ROWS rows, by AMX. The pairs go in
-    groups of AMX_PAIRS (their B slabs, 36 KiB a pair at K 576, stay in L2) and each row
-    block's A rows pass every pair of a group; C tiles are stored into out, but for a pair
-    whose columns pass N (through tmp)."""
+def _amx_panels(of, ab, m, kp, w, k, n, n_panels, q0, q1, tmp, a_bytes, b_bytes, pairs):
+    """Panel pairs q0..q1-1 of out, every block of BLOCK_ROWS rows, by AMX. When these pairs'
+    B slabs fit in AMX_B_BYTES they stay in L2 and every row block passes all of them; else
+    rows go in passes of AMX_A_BYTES of A and pairs in groups of AMX_PAIRS (36 KiB a pair at
+    K 576), both in L2 while each row block of the pass meets every pair of the group. C
+    tiles are stored into out, but for a pair whose columns pass N (through tmp)."""
     slab = 2 * slab_offset(1, 0, k, FMT_BF16)          # bytes of one panel
     full = min(q1, n // BLOCK_COLS)                     # pairs whose 32 columns are all in N
-    for g0 in range(q0, q1, AMX_PAIRS):
-        g1 = min(q1, g0 + AMX_PAIRS)
-        direct = max(0, min(g1, full) - g0)
-        for r0 in range(0, m, BLOCK_ROWS):
-            rows = min(BLOCK_ROWS, m - r0)
-            if direct > 0:
-                amx_rows(ab, 2 * r0 * kp, 2 * kp, rows, w, 2 * g0 * slab, (2 * g0 + 1) * slab,
-                         2 * slab, direct, kp, of, 4 * (r0 * n + g0 * BLOCK_COLS), 4 * n)
-            for q in range(g0 + direct, g1):           # the pair past N's last whole pair
-                p1 = 2 * q + 1 if 2 * q + 1 < n_panels else 2 * q    # an odd last panel: twice
-                amx_rows(ab, 2 * r0 * kp, 2 * kp, rows, w, 2 * q * slab, p1 * slab, 0, 1, kp,
-                         tmp, 0, 4 * BLOCK_COLS)
-                cols = n - q * BLOCK_COLS
-                for i in range(rows):
-                    for j in range(cols):
-                        of[(r0 + i) * n + q * BLOCK_COLS + j] = tmp[i * BLOCK_COLS + j]
+    mb = max(BLOCK_ROWS, a_bytes // (2 * kp) // BLOCK_ROWS * BLOCK_ROWS)
+    group = pairs
+    if (q1 - q0) * 2 * slab <= b_bytes:             # this core's B fits in L2: keep it
+        mb, group = m, max(1, q1 - q0)                  # there, and stream A past it once
+    for m0 in range(0, m, mb):                          # rows whose A stays in L2
+        for g0 in range(q0, q1, group):
+            g1 = min(q1, g0 + group)
+            direct = max(0, min(g1, full) - g0)
+            for r0 in range(m0, min(m, m0 + mb), BLOCK_ROWS):
+                rows = min(BLOCK_ROWS, m - r0)
+                for k0 in range(0, kp, AMX_KC):           # A's chunk stays in L1 for the group
+                    kc = min(AMX_KC, kp - k0)
+                    acc = 1 if k0 > 0 else 0
+                    a_at, b_at = 2 * (r0 * kp + k0), 32 * k0   # k0 / 2 pair rows of 64 bytes
+                    if direct > 0:
+                        amx_rows(ab, a_at, 2 * kp, rows, w, 2 * g0 * slab + b_at,
+                                 (2 * g0 + 1) * slab + b_at, 2 * slab, direct, kc, of,
+                                 4 * (r0 * n + g0 * BLOCK_COLS), 4 * n, acc)
+                    for q in range(g0 + direct, g1):       # the pair past N's last whole pair
+                        p1 = 2 * q + 1 if 2 * q + 1 < n_panels else 2 * q  # odd last panel: twice
+                        amx_rows(ab, a_at, 2 * kp, rows, w, 2 * q * slab + b_at, p1 * slab + b_at,
+                                 0, 1, kc, tmp[(q - g0 - direct) * BLOCK_ROWS * BLOCK_COLS:], 0,
+                                 4 * BLOCK_COLS, acc)
+                for q in range(g0 + direct, g1):
+                    cols = min(BLOCK_COLS, n - q * BLOCK_COLS)
+                    at = (q - g0 - direct) * BLOCK_ROWS * BLOCK_COLS
+                    for i in range(rows):
+                        for j in range(cols):
+                            of[(r0 + i) * n + q * BLOCK_COLS + j] = tmp[at + i * BLOCK_COLS + j]
     amx_release()
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _gemm_amx(of, ab, m, kp, w, k, n, n_panels):
+def _gemm_amx(of, ab, m, kp, w, k, n, n_panels, a_bytes, b_bytes, group):
     """out = ab @ W with AMX blocks of BLOCK_ROWS x 2 panels, panel pairs split across the
     cores."""
     pairs = (n_panels + 1) // 2
     chunks = min(pairs, CHUNKS_PER_THREAD * get_kernel_threads())
     for c in prange(chunks):
-        tmp = np.empty(BLOCK_ROWS * BLOCK_COLS, np.float32)
+        tmp = np.empty(2 * BLOCK_ROWS * BLOCK_COLS, np.float32)    # the partial pairs' C
         _amx_panels(of, ab, m, kp, w, k, n, n_panels, c * pairs // chunks,
-                    (c + 1) * pairs // chunks, tmp)
+                    (c + 1) * pairs // chunks, tmp, a_bytes, b_bytes, group)
 
 
 # ---- on the arena: a weight by its address, as the card's programs reach it ----------------
