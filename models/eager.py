@@ -49,7 +49,6 @@ from spyre_serve.models.step_program import (
     N_CONSTS,
     SAMPLE_ROW,
     _gather_rows,
-    _split_qkv,
 )
 from spyre_serve.models.threads import use_every_core
 from spyre_serve.models.weights import compute_code, resolve_compute_dtype
@@ -79,6 +78,17 @@ def op_gemm(f32, i32, i64, u16, t):
     m, k, n, wfmt, cfmt = t[3], t[4], t[5], t[6], t[7]
     a = f32_at(f32, t[1], m * k).reshape(m, k)
     gemm_at(f32_at(f32, t[0], m * n).reshape(m, n), a, f32, u16, t[2], k, n, wfmt, cfmt)
+
+
+@njit(nogil=True, cache=True)
+def _split_qkv(q, k, v, qkv, qd, kd):
+    # q [T, QD], k/v [T, KD] <- qkv [T, QD + 2 KD]
+    for t in range(qkv.shape[0]):
+        for j in range(qd):
+            q[t, j] = qkv[t, j]
+        for j in range(kd):
+            k[t, j] = qkv[t, qd + j]
+            v[t, j] = qkv[t, qd + kd + j]
 
 
 @njit(nogil=True, cache=True)

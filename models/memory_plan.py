@@ -48,7 +48,7 @@ def workspace_dims(cap: Capacity, cfg: GraniteConfig) -> dict[str, int]:
     """The dims WORKSPACE is declared in, for this capacity and model."""
     return {"TMAX": cap.tmax, "RMAX": cap.rmax, "SMAX": cap.smax,
             "H": cfg.hidden_size, "QD": cfg.q_size, "KD": cfg.kv_size,
-            "I": cfg.intermediate_size, "V": cfg.vocab_size}
+            "I": cfg.intermediate_size, "V": cfg.vocab_size, "HALF_D": cfg.head_dim // 2}
 
 
 class StepMemory:

@@ -46,7 +46,7 @@ from spyre_serve.device.kernels.gather import gather_columns_at
 from spyre_serve.device.kernels.gemm import gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
 from spyre_serve.device.kernels.residual import residual_add
-from spyre_serve.device.kernels.rope import rope_inplace
+from spyre_serve.device.kernels.rope import rope_tables, split_rope
 from spyre_serve.device.kernels.sampling import count_tokens, sample_rows
 from spyre_serve.device.kernels.softmax import log_softmax
 from spyre_serve.device.profile import lap
@@ -122,7 +122,7 @@ OUTPUTS = Layout("outputs", [
 
 # The step's activations, placed once for the largest bucket and shared by every bucket
 # (a bucket's views are prefixes; the penalty tables are state kept between launches).
-# Dims: TMAX, RMAX, SMAX (the largest T, R, S), H, QD = Hq D, KD = Hkv D, I, V.
+# Dims: TMAX, RMAX, SMAX (the largest T, R, S), H, QD = Hq D, KD = Hkv D, I, V, HALF_D = D / 2.
 WORKSPACE = Layout("workspace", [
     Field("x", F32, ("TMAX", "H")),             # residual stream
     Field("hbuf", F32, ("TMAX", "H")),          # normed input of a block
@@ -134,6 +134,8 @@ WORKSPACE = Layout("workspace", [
     Field("attn", F32, ("TMAX", "QD")),
     Field("gate_up", F32, ("TMAX", "2*I")),
     Field("act", F32, ("TMAX", "I")),
+    Field("rope_cos", F32, ("TMAX", "HALF_D")),    # each row's rotary angles, once a step
+    Field("rope_sin", F32, ("TMAX", "HALF_D")),
     Field("hsel", F32, ("RMAX", "H")),          # rows of x that need logits
     Field("hn", F32, ("RMAX", "H")),
     Field("logits", F32, ("RMAX", "V")),
@@ -203,17 +205,6 @@ def _i32(i32, table, slot, n):
 def _sample_rows(i64, table, n):
     """SAMPLE_ROW[n] view of the sample_rows field."""
     return i64_at(i64, _bounded(table, Slot.sample_rows, n), n * _ROW_WORDS).view(_ROW_DTYPE)
-
-
-@njit(nogil=True, cache=True)
-def _split_qkv(q, k, v, qkv, qd, kd):
-    # q [T, QD], k/v [T, KD] <- qkv [T, QD + 2 KD]
-    for t in range(qkv.shape[0]):
-        for j in range(qd):
-            q[t, j] = qkv[t, j]
-        for j in range(kd):
-            k[t, j] = qkv[t, qd + j]
-            v[t, j] = qkv[t, qd + kd + j]
 
 
 @njit(nogil=True, cache=True)
@@ -320,6 +311,8 @@ def step_entry(f32, i32, i64, u16, table):
     attn = _f32(f32, table, Slot.attn, T * QD).reshape(T, QD)
     gu = _f32(f32, table, Slot.gate_up, T * 2 * INTER).reshape(T, 2 * INTER)
     act = _f32(f32, table, Slot.act, T * INTER).reshape(T, INTER)
+    rope_cos = _f32(f32, table, Slot.rope_cos, T * (D // 2)).reshape(T, D // 2)
+    rope_sin = _f32(f32, table, Slot.rope_sin, T * (D // 2)).reshape(T, D // 2)
     hsel = _f32(f32, table, Slot.hsel, R * H).reshape(R, H)
     hn = _f32(f32, table, Slot.hn, R * H).reshape(R, H)
     logits = _f32(f32, table, Slot.logits, R * V).reshape(R, V)
@@ -338,6 +331,7 @@ def step_entry(f32, i32, i64, u16, table):
     cfmt = table[Slot.CFMT]      # GEMM inputs: rounded to 16 bits by the GEMM, or int8 (quantized weights)
     timers = i64_at(i64, table[Slot.timers], table[Slot.timers + 1])
     t = lap(timers, -1, 0)
+    rope_tables(rope_cos, rope_sin, positions, inv_freq)     # every layer rotates by them
 
     # ---- the model
     gather_columns_at(x, f32, u16, table[Slot.embed], tokens, emb_mult, H, V, table[Slot.EMBED_FMT])
@@ -351,9 +345,7 @@ def step_entry(f32, i32, i64, u16, table):
         gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV,
                 layers[layer, COL_QKV_FMT], cfmt)
         t = lap(timers, K_QKV, t)
-        _split_qkv(qf, kf, vf, qkv, QD, KD)
-        rope_inplace(q3, positions, inv_freq)
-        rope_inplace(k3, positions, inv_freq)
+        split_rope(q3, k3, v3, qkv, rope_cos, rope_sin)
         t = lap(timers, K_ROPE, t)
         t = _attention(f32, u16, layers[layer, COL_K_CACHE], layers[layer, COL_V_CACHE],
                        table[Slot.KV_FMT], NBT, BS, HKV, D, k3, v3, slot_mapping, a3, q3,

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from spyre_serve.device.kernels.rope import rope_inplace
+from spyre_serve.device.kernels.rope import rope_apply, rope_inplace, rope_tables, split_rope
 
 
 def _reference(x, positions, theta):
@@ -40,3 +40,36 @@ def test_rope_rejects_wrong_inv_freq_length():
     x = np.zeros((2, 3, 8), np.float32)
     with pytest.raises(ValueError, match="inv_freq"):
         rope_inplace(x, np.zeros(2, np.int32), np.ones(3, np.float32))
+
+
+def test_tables_once_then_apply_equals_the_one_call_rotation():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 3, 8)).astype(np.float32)
+    positions = np.array([0, 7, 300, 4095, 2], np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(4) / 4)).astype(np.float32)
+    want = x.copy()
+    rope_inplace(want, positions, inv_freq)
+    cos, sin = np.empty((5, 4), np.float32), np.empty((5, 4), np.float32)
+    rope_tables(cos, sin, positions, inv_freq)
+    rope_apply(x, cos, sin)
+    np.testing.assert_array_equal(x, want)
+
+
+def test_split_rope_is_the_split_then_each_rotation():
+    rng = np.random.default_rng(4)
+    t, hq, hkv, d = 6, 4, 2, 8
+    qkv = rng.standard_normal((t, (hq + 2 * hkv) * d)).astype(np.float32)
+    positions = np.array([3, 0, 9, 100, 5, 6], np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(d // 2) / (d // 2))).astype(np.float32)
+    cos, sin = np.empty((t, d // 2), np.float32), np.empty((t, d // 2), np.float32)
+    rope_tables(cos, sin, positions, inv_freq)
+    q, k, v = (np.empty((t, hq, d), np.float32), np.empty((t, hkv, d), np.float32),
+               np.empty((t, hkv, d), np.float32))
+    split_rope(q, k, v, qkv, cos, sin)
+    want_q = np.ascontiguousarray(qkv[:, :hq * d]).reshape(t, hq, d)
+    want_k = np.ascontiguousarray(qkv[:, hq * d:(hq + hkv) * d]).reshape(t, hkv, d)
+    rope_inplace(want_q, positions, inv_freq)
+    rope_inplace(want_k, positions, inv_freq)
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(k, want_k)
+    np.testing.assert_array_equal(v, qkv[:, (hq + hkv) * d:].reshape(t, hkv, d))
