@@ -48,6 +48,22 @@ def view_at(arena, addr, n):
 f32_at = i32_at = i64_at = u16_at = view_at
 
 
+# Work below this many elements runs on the calling thread: a parallel region costs ~5-10 us
+# to open and join (TBB), more than a decode row's rmsnorm or residual takes alone. Kernels
+# split into a serial worker over a range of rows and a driver that either calls it once or
+# spreads chunks of rows over the cores.
+SERIAL_BELOW = 1 << 15
+
+
+@njit(nogil=True, cache=True, inline="always")
+def chunks_for(rows, work):
+    """How many chunks `rows` rows of `work` elements in all go in: 1 (this thread) below
+    SERIAL_BELOW, else up to 4 a kernel thread."""
+    if work < SERIAL_BELOW or rows < 2:
+        return 1
+    return min(rows, 4 * get_kernel_threads())
+
+
 # ---- the calling thread's kernel thread count, from inside an entry -------------------------
 # numba.set_num_threads / get_num_threads work in njit code too, but through ctypes pointers,
 # which make the caller uncachable; these call the threading layer's symbols by name, as

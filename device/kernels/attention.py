@@ -17,7 +17,7 @@ exactly in the tiles; the attention computes in float32.
 import numpy as np
 from numba import njit, prange
 
-from spyre_serve.device.abi import get_kernel_threads
+from spyre_serve.device.abi import chunks_for, get_kernel_threads
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_BF16R, FMT_F32, narrow
 from spyre_serve.device.kernels.microkernel import tile
 from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
@@ -30,7 +30,37 @@ _QV_MAX = 96
 _CHUNKS_PER_THREAD = 8     # items go to chunks round-robin; a chunk's scratch is allocated once
 
 
+@njit(nogil=True, cache=True)
+def _write_rows(k_cache, v_cache, k, v, slot_mapping, fmt, t0, t1):
+    nb, hkv, d, bs = k_cache.shape
+    for t in range(t0, t1):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        blk = slot // bs
+        off = slot % bs
+        for h in range(hkv):
+            for i in range(d):
+                k_cache[blk, h, i, off] = narrow(k[t, h, i], k_cache, fmt)
+                v_cache[blk, h, off, i] = narrow(v[t, h, i], v_cache, fmt)
+
+
 @njit(nogil=True, cache=True, parallel=True)
+def _write_parallel(k_cache, v_cache, k, v, slot_mapping, fmt):
+    nb, hkv, d, bs = k_cache.shape
+    for t in prange(k.shape[0]):        # the rows' loops in the parallel body (see swiglu)
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        blk = slot // bs
+        off = slot % bs
+        for h in range(hkv):
+            for i in range(d):
+                k_cache[blk, h, i, off] = narrow(k[t, h, i], k_cache, fmt)
+                v_cache[blk, h, off, i] = narrow(v[t, h, i], v_cache, fmt)
+
+
+@njit(nogil=True, cache=True)
 def write_kv(k_cache, v_cache, k, v, slot_mapping, fmt=FMT_F32):
     """K^T and V of each row t at slot = slot_mapping[t] (int32[T]): k_cache[blk, h, :, off]
     = k[t, h], v_cache[blk, h, off] = v[t, h] for blk, off = divmod(slot, BS).
@@ -50,16 +80,10 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, fmt=FMT_F32):
     for t in range(t_n):
         if slot_mapping[t] >= nb * bs:
             raise IndexError("write_kv: slot beyond the cache (slot, slots)", slot_mapping[t], nb * bs)
-    for t in prange(t_n):
-        slot = slot_mapping[t]
-        if slot < 0:
-            continue
-        blk = slot // bs
-        off = slot % bs
-        for h in range(hkv):
-            for i in range(d):
-                k_cache[blk, h, i, off] = narrow(k[t, h, i], k_cache, fmt)
-                v_cache[blk, h, off, i] = narrow(v[t, h, i], v_cache, fmt)
+    if chunks_for(t_n, 8 * t_n * hkv * d) == 1:    # K^T's strided stores: ~8 steps a value
+        _write_rows(k_cache, v_cache, k, v, slot_mapping, fmt, 0, t_n)
+    else:
+        _write_parallel(k_cache, v_cache, k, v, slot_mapping, fmt)
 
 
 @njit(nogil=True, cache=True)

@@ -8,7 +8,7 @@ copy of its embedding, in the GEMM's layout and width.
 import numpy as np
 from numba import njit, prange
 
-from spyre_serve.device.abi import f32_at, u16_at
+from spyre_serve.device.abi import chunks_for, f32_at, u16_at
 from spyre_serve.device.kernels.formats import (
     FMT_BF16,
     FMT_F16,
@@ -52,7 +52,31 @@ def _quantized_value(w, c, kk, k, fmt):
     return d * q + _half_at(w, r0 + 2 * NR + 2 * j)
 
 
+@njit(nogil=True, cache=True)
+def _columns(out, w, cols, s, k, n, fmt, t0, t1):
+    for t in range(t0, t1):
+        c = cols[t]
+        if is_quantized(fmt):
+            for kk in range(k):
+                out[t, kk] = _quantized_value(w, c, kk, k, fmt) * s
+        elif fmt == FMT_BF16:       # rows in pairs: row kk at (kk // 2) * 2 NR + 2 j + kk % 2
+            base = (c // NR) * padded_k(k, fmt) * NR + 2 * (c % NR)
+            for kk in range(k):
+                out[t, kk] = widen(w[base + (kk >> 1) * 2 * NR + (kk & 1)], fmt) * s
+        else:
+            base = (c // NR) * k * NR + c % NR
+            for kk in range(k):
+                out[t, kk] = widen(w[base + kk * NR], fmt) * s
+
+
 @njit(nogil=True, cache=True, parallel=True)
+def _parallel(out, w, cols, s, k, n, fmt, chunks):
+    m = cols.shape[0]
+    for c in prange(chunks):
+        _columns(out, w, cols, s, k, n, fmt, c * m // chunks, (c + 1) * m // chunks)
+
+
+@njit(nogil=True, cache=True)
 def gather_columns(out, w, cols, scale, k, n, fmt):
     """out[T, K] = W[:, cols].T * scale for W[K, N] packed in panels: the embedding lookup of
     a table stored as the K x N weight of the LM head (E.T, K = H, N = V), so a tied model
@@ -67,19 +91,11 @@ def gather_columns(out, w, cols, scale, k, n, fmt):
         if cols[t] < 0 or cols[t] >= n:
             raise IndexError("gather_columns: column out of range (column, N)", cols[t], n)
     s = np.float32(scale)
-    for t in prange(t_n):
-        c = cols[t]
-        if is_quantized(fmt):
-            for kk in range(k):
-                out[t, kk] = _quantized_value(w, c, kk, k, fmt) * s
-        elif fmt == FMT_BF16:       # rows in pairs: row kk at (kk // 2) * 2 NR + 2 j + kk % 2
-            base = (c // NR) * padded_k(k, fmt) * NR + 2 * (c % NR)
-            for kk in range(k):
-                out[t, kk] = widen(w[base + (kk >> 1) * 2 * NR + (kk & 1)], fmt) * s
-        else:
-            base = (c // NR) * k * NR + c % NR
-            for kk in range(k):
-                out[t, kk] = widen(w[base + kk * NR], fmt) * s
+    chunks = chunks_for(t_n, 8 * t_n * k)          # strided reads: ~8 element-steps a value
+    if chunks == 1:
+        _columns(out, w, cols, s, k, n, fmt, 0, t_n)
+    else:
+        _parallel(out, w, cols, s, k, n, fmt, chunks)
 
 
 @njit(nogil=True, cache=True)

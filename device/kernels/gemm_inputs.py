@@ -14,7 +14,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from spyre_serve.device.abi import get_kernel_threads
+from spyre_serve.device.abi import chunks_for, get_kernel_threads
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16, is_quantized, padded_k
 from spyre_serve.device.kernels.simd import F32, QB, has_bf16_dot
 
@@ -23,13 +23,10 @@ ACT_F32, ACT_INT8 = 0, 6   # GEMM inputs: float32, or int8 per block of QB (quan
 MODE_FLOAT, MODE_INT8, MODE_DOT = 0, 1, 2    # which of the inputs the tiles read
 
 
-@njit(nogil=True, cache=True, parallel=True)
-def quantize_rows(af, m, k, aq, ad, asum):
-    """Each row of a[M, K] (flat) in blocks of QB, as llama.cpp's q8_0 activations: d = max|x| /
-    127, q = round(x / d) half away from zero, in aq (int8 [M K]); d and the sum of the block's
-    q in ad, asum (float32 [M, K / QB])."""
+@njit(nogil=True, cache=True)
+def _quantize_span(af, k, aq, ad, asum, r0, r1):
     nb = k // QB
-    for r in prange(m):
+    for r in range(r0, r1):
         for b in range(nb):
             base = r * k + b * QB
             amax = np.float32(0.0)
@@ -46,6 +43,24 @@ def quantize_rows(af, m, k, aq, ad, asum):
                 total += q
             ad[r * nb + b] = d
             asum[r * nb + b] = np.float32(total)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _quantize_parallel(af, m, k, aq, ad, asum, chunks):
+    for c in prange(chunks):
+        _quantize_span(af, k, aq, ad, asum, c * m // chunks, (c + 1) * m // chunks)
+
+
+@njit(nogil=True, cache=True)
+def quantize_rows(af, m, k, aq, ad, asum):
+    """Each row of a[M, K] (flat) in blocks of QB, as llama.cpp's q8_0 activations: d = max|x| /
+    127, q = round(x / d) half away from zero, in aq (int8 [M K]); d and the sum of the block's
+    q in ad, asum (float32 [M, K / QB])."""
+    chunks = chunks_for(m, m * k)
+    if chunks == 1:
+        _quantize_span(af, k, aq, ad, asum, 0, m)
+    else:
+        _quantize_parallel(af, m, k, aq, ad, asum, chunks)
 
 
 @njit(nogil=True, cache=True, inline="always")

@@ -13,20 +13,38 @@ and every layer rotates q and k with them (`rope_apply`: multiply-adds only).
 import numpy as np
 from numba import njit, prange
 
+from spyre_serve.device.abi import chunks_for
+
+
+@njit(nogil=True, cache=True)
+def _tables_rows(cos, sin, positions, inv_freq, r0, r1):
+    for t in range(r0, r1):
+        p = np.float32(positions[t])
+        for i in range(cos.shape[1]):
+            ang = p * inv_freq[i]
+            cos[t, i] = np.cos(ang)
+            sin[t, i] = np.sin(ang)
+
 
 @njit(nogil=True, cache=True, parallel=True)
+def _tables_parallel(cos, sin, positions, inv_freq, chunks):
+    m = cos.shape[0]
+    for c in prange(chunks):
+        _tables_rows(cos, sin, positions, inv_freq, c * m // chunks, (c + 1) * m // chunks)
+
+
+@njit(nogil=True, cache=True)
 def rope_tables(cos, sin, positions, inv_freq):
     """cos, sin [T, D/2] of the angles positions[t] * inv_freq[i] (float32)."""
     t_n, half = cos.shape
     if sin.shape != cos.shape or inv_freq.shape[0] != half or positions.shape[0] != t_n:
         raise ValueError("rope_tables: want cos, sin [T, D/2], positions [T], inv_freq [D/2] "
                          "(T, D/2)", t_n, half)
-    for t in prange(t_n):
-        p = np.float32(positions[t])
-        for i in range(half):
-            ang = p * inv_freq[i]
-            cos[t, i] = np.cos(ang)
-            sin[t, i] = np.sin(ang)
+    chunks = chunks_for(t_n, 16 * t_n * half)      # a sine and a cosine: ~16 element-steps
+    if chunks == 1:
+        _tables_rows(cos, sin, positions, inv_freq, 0, t_n)
+    else:
+        _tables_parallel(cos, sin, positions, inv_freq, chunks)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -65,7 +83,47 @@ def rope_inplace(x, positions, inv_freq):
     rope_apply(x, cos, sin)
 
 
+@njit(nogil=True, cache=True)
+def _split_rows(q, k, v, qkv, cos, sin, r0, r1):
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    half = d // 2
+    for t in range(r0, r1):
+        for h in range(hq + hkv):
+            base = h * d
+            out = q[t, h] if h < hq else k[t, h - hq]
+            for i in range(half):
+                x1 = qkv[t, base + i]
+                x2 = qkv[t, base + half + i]
+                out[i] = x1 * cos[t, i] - x2 * sin[t, i]
+                out[half + i] = x2 * cos[t, i] + x1 * sin[t, i]
+        vbase = (hq + hkv) * d
+        for h in range(hkv):
+            for i in range(d):
+                v[t, h, i] = qkv[t, vbase + h * d + i]
+
+
 @njit(nogil=True, cache=True, parallel=True)
+def _split_parallel(q, k, v, qkv, cos, sin):
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    half = d // 2
+    for t in prange(q.shape[0]):        # the rows' loops in the parallel body (see swiglu)
+        for h in range(hq + hkv):
+            base = h * d
+            out = q[t, h] if h < hq else k[t, h - hq]
+            for i in range(half):
+                x1 = qkv[t, base + i]
+                x2 = qkv[t, base + half + i]
+                out[i] = x1 * cos[t, i] - x2 * sin[t, i]
+                out[half + i] = x2 * cos[t, i] + x1 * sin[t, i]
+        vbase = (hq + hkv) * d
+        for h in range(hkv):
+            for i in range(d):
+                v[t, h, i] = qkv[t, vbase + h * d + i]
+
+
+@njit(nogil=True, cache=True)
 def split_rope(q, k, v, qkv, cos, sin):
     """The fused QKV projection's rows split into q [T, Hq, D], k, v [T, Hkv, D], q and k
     rotated by the rows' tables cos, sin [>= T, D/2] on the way: one pass over qkv
@@ -79,16 +137,7 @@ def split_rope(q, k, v, qkv, cos, sin):
                          "[T, (Hq + 2 Hkv) D] (T, Hq, Hkv, D)", t_n, hq, hkv, d)
     if cos.shape[0] < t_n or cos.shape[1] != half or sin.shape != cos.shape:
         raise ValueError("split_rope: want cos, sin [>= T, D/2] (T, D/2)", t_n, half)
-    for t in prange(t_n):
-        for h in range(hq + hkv):
-            base = h * d
-            out = q[t, h] if h < hq else k[t, h - hq]
-            for i in range(half):
-                x1 = qkv[t, base + i]
-                x2 = qkv[t, base + half + i]
-                out[i] = x1 * cos[t, i] - x2 * sin[t, i]
-                out[half + i] = x2 * cos[t, i] + x1 * sin[t, i]
-        vbase = (hq + hkv) * d
-        for h in range(hkv):
-            for i in range(d):
-                v[t, h, i] = qkv[t, vbase + h * d + i]
+    if chunks_for(t_n, qkv.shape[0] * qkv.shape[1]) == 1:
+        _split_rows(q, k, v, qkv, cos, sin, 0, t_n)
+    else:
+        _split_parallel(q, k, v, qkv, cos, sin)
