@@ -27,6 +27,7 @@ from numba.extending import intrinsic
 from spyre_serve.device.kernels.simd import (
     BF16,
     NR,
+    PREFETCH_BYTES,
     accumulators,
     array_ptr,
     by_height,
@@ -34,6 +35,7 @@ from spyre_serve.device.kernels.simd import (
     counted,
     geometry,
     load_vec,
+    prefetch,
     reduce_sets,
     splat,
     store_tile,
@@ -49,8 +51,11 @@ def _emit_dot_loop(builder, g, mr, ab_ptr, a_off, lda, w_ptr, w_off, kc):
     i32p = ir.IntType(32).as_pointer()
 
     def pair(k, accs):
-        wv = [builder.bitcast(load_vec(builder, w_ptr, builder.add(builder.add(w_off, builder.mul(
-            k, const(NR))), const(2 * j * g.vw)), g.ivec, 2), pairs) for j in range(g.nv)]
+        at = builder.add(w_off, builder.mul(k, const(NR)))
+        if mr <= g.prefetch_rows:
+            prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // 2)), const(2)))
+        wv = [builder.bitcast(load_vec(builder, w_ptr, builder.add(at, const(2 * j * g.vw)), g.ivec,
+                                       2), pairs) for j in range(g.nv)]
         for i, row in enumerate(accs):
             at = builder.add(builder.add(a_off, builder.mul(const(i), lda)), k)
             word = builder.load(builder.bitcast(builder.gep(ab_ptr, [at]), i32p), align=2)

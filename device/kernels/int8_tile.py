@@ -36,6 +36,7 @@ from spyre_serve.device.kernels.simd import (
     I8,
     I16,
     I32,
+    PREFETCH_BYTES,
     QB,
     array_ptr,
     by_height,
@@ -45,6 +46,7 @@ from spyre_serve.device.kernels.simd import (
     fma_fn,
     geometry,
     load_at_byte,
+    prefetch,
     splat,
     store_tile,
 )
@@ -130,6 +132,8 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
 
         def group(gi):
             at = builder.add(builder.add(r0, const(q_start)), builder.mul(gi, const(GROUP_BYTES)))
+            if len(rows) <= g.prefetch_rows:
+                prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)))
             raw = [builder.bitcast(load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)),
                                                 g.ivec), dot.bytes) for j in range(g.nv)]
             row = builder.mul(gi, const(4))

@@ -52,6 +52,7 @@ from spyre_serve.device.kernels.formats import (
 from spyre_serve.device.kernels.simd import (
     I16,
     NR,
+    PREFETCH_BYTES,
     QB,
     accumulators,
     array_ptr,
@@ -63,6 +64,7 @@ from spyre_serve.device.kernels.simd import (
     geometry,
     load_at_byte,
     load_vec,
+    prefetch,
     reduce_sets,
     splat,
     store_tile,
@@ -114,8 +116,14 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
     sets = accumulators(builder, g, mr, unroll)
     args = (a_ptr, a_off, lda)
     if kind != "bf16":
+        size = 4 if kind == "f32" else 2
+
         def step(k, accs):
-            wv = _row_weights(builder, g, w_ptr, builder.add(w_off, builder.mul(k, ldw)), kind)
+            at = builder.add(w_off, builder.mul(k, ldw))
+            if mr <= g.prefetch_rows:        # a GEMV streams its weights: ask for them early
+                prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // size)),
+                                                     const(size)))
+            wv = _row_weights(builder, g, w_ptr, at, kind)
             _fma_row(builder, g, fma, *args, k, wv, accs)
 
         kmain = builder.mul(builder.sdiv(kc, const(unroll)), const(unroll))
@@ -128,7 +136,10 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
 
     # bfloat16 pairs: rows k, k + 1 go to the sets the row-by-row loop above gives them
     def pair(k, s0, s1):
-        even, odd = _pair_weights(builder, g, w_ptr, builder.add(w_off, builder.mul(k, const(NR))))
+        at = builder.add(w_off, builder.mul(k, const(NR)))
+        if mr <= g.prefetch_rows:
+            prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // 2)), const(2)))
+        even, odd = _pair_weights(builder, g, w_ptr, at)
         _fma_row(builder, g, fma, *args, k, even, s0)
         _fma_row(builder, g, fma, *args, builder.add(k, const(1)), odd, s1)
 
@@ -188,6 +199,8 @@ def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
             32-bit lane holds a column's 4 rows, one a byte."""
             gi = builder.add(gi, const(u))
             at = builder.add(q0, builder.mul(gi, const(GROUP_BYTES)))
+            if mr <= g.prefetch_rows:
+                prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)))
             raw = [load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)), g.ivec)
                    for j in range(g.nv)]
             for t in range(4):
