@@ -132,8 +132,7 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
 
         def group(gi):
             at = builder.add(builder.add(r0, const(q_start)), builder.mul(gi, const(GROUP_BYTES)))
-            if len(rows) <= g.prefetch_rows:
-                prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)))
+            prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)))
             raw = [builder.bitcast(load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)),
                                                 g.ivec), dot.bytes) for j in range(g.nv)]
             row = builder.mul(gi, const(4))

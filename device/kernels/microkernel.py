@@ -120,9 +120,8 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
 
         def step(k, accs):
             at = builder.add(w_off, builder.mul(k, ldw))
-            if mr <= g.prefetch_rows:        # a GEMV streams its weights: ask for them early
-                prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // size)),
-                                                     const(size)))
+            prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // size)),
+                                                 const(size)))
             wv = _row_weights(builder, g, w_ptr, at, kind)
             _fma_row(builder, g, fma, *args, k, wv, accs)
 
@@ -137,8 +136,7 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
     # bfloat16 pairs: rows k, k + 1 go to the sets the row-by-row loop above gives them
     def pair(k, s0, s1):
         at = builder.add(w_off, builder.mul(k, const(NR)))
-        if mr <= g.prefetch_rows:
-            prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // 2)), const(2)))
+        prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // 2)), const(2)))
         even, odd = _pair_weights(builder, g, w_ptr, at)
         _fma_row(builder, g, fma, *args, k, even, s0)
         _fma_row(builder, g, fma, *args, builder.add(k, const(1)), odd, s1)
@@ -199,8 +197,7 @@ def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
             32-bit lane holds a column's 4 rows, one a byte."""
             gi = builder.add(gi, const(u))
             at = builder.add(q0, builder.mul(gi, const(GROUP_BYTES)))
-            if mr <= g.prefetch_rows:
-                prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)))
+            prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)))
             raw = [load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)), g.ivec)
                    for j in range(g.nv)]
             for t in range(4):
