@@ -21,7 +21,7 @@ from spyre_serve.device.abi import chunks_for, get_kernel_threads
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_BF16R, FMT_F32, narrow
 from spyre_serve.device.kernels.microkernel import tile
 from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
-from spyre_serve.device.kernels.simd import NR, tile_height
+from spyre_serve.device.kernels.simd import NR, prefetch_span, tile_height
 
 # Work items are (a tile of query rows of one sequence, one KV head): up to this many query
 # vectors (rows x the query heads of the KV head), so that a tile's scores and running sum stay
@@ -156,9 +156,14 @@ def _attend_item(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, grou
     accv[:] = 0.0
     m[:nqv] = NEG_BIG
     denom[:nqv] = 0.0
-    for b in range((n_keys + bs - 1) // bs):
+    n_blocks = (n_keys + bs - 1) // bs
+    for b in range(n_blocks):
         base = (block_tables[s, b] * hkv + kvh) * d * bs       # this block's K^T, and its V
         cnt = min(bs, n_keys - b * bs)
+        if b + 1 < n_blocks:                 # the next block lies elsewhere: ask for it now
+            nxt = (block_tables[s, b + 1] * hkv + kvh) * d * bs
+            prefetch_span(kf, nxt, d * bs)
+            prefetch_span(vf, nxt, d * bs)
         scores = sbuf[:nqv * bs].reshape(nqv, bs)
         _tiles(sbuf, 0, bs, af, d, nqv, kf, base, bs, (cnt + NR - 1) // NR, d, 0, tfmt)
         # masked: keys past cnt (stale), and key b*bs+o for row r unless <= pos0 + r (causal)

@@ -254,3 +254,22 @@ def by_height(builder, mr, heights, emit):
         emit(h)
         builder.branch(done)
     builder.position_at_end(done)
+
+
+@intrinsic
+def prefetch_span(typingctx, arr, start, count):
+    """Ask for elements start .. start + count of the 1-D array arr (one prefetch a 64-byte
+    line): data the next loop iteration reads from elsewhere in memory."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        arr_v, start_v, count_v = args
+        ptr = array_ptr(context, builder, signature.args[0], arr_v)
+        size = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
+        first = builder.mul(start_v, const(size))
+        nbytes = builder.mul(count_v, const(size))
+        with cgutils.for_range_slice(builder, const(0), nbytes, const(64)) as (off, _):
+            prefetch(builder, ptr, builder.add(first, off))
+        return context.get_dummy_value()
+    return types.void(arr, types.int64, types.int64), codegen
