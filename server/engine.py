@@ -24,13 +24,12 @@ alone (``_probe``) after the pipeline is drained.
 The engine dies on an exception outside a step, a fatal one, or a step that does not return
 within ``step_timeout`` (``server/engine_death.py``, ``server/watchdog.py``): every request
 is failed at once, later ``add_request`` calls raise ``EngineUnavailable`` (HTTP 503)
-instead of queueing, ``alive`` turns false, and ``on_death`` is called once.
-When a sequence ends or is preempted and no step holds it, ``runner.forget`` drops what the
-runner kept for it (the scheduler's ``on_release``).
+instead of queueing, ``alive`` turns false, and ``on_death`` is called once. A sequence
+that ends or is preempted, once no step holds it, is dropped by ``runner.forget``.
 
-The rest, one module each: a chunk's ``SeqWork`` (``server/step_work.py``), the stop
-checks (``server/stopping.py``), a step's results into ``SeqUpdate``s
-(``server/outputs.py``), the counters and metric hooks (``server/engine_stats.py``).
+One module each: a chunk's ``SeqWork`` (``server/step_work.py``), stop checks
+(``server/stopping.py``), results into ``SeqUpdate``s (``server/outputs.py``), counters and
+metric hooks (``server/engine_stats.py``).
 """
 
 from __future__ import annotations
@@ -104,8 +103,7 @@ class Engine:
                                    on_release=lambda seq: runner.forget(seq.seq_id),
                                    max_prefill_with_decodes=max_prefill_with_decodes)
         self.stats = EngineStats()
-        # a grammar's mask needs the token before it on the host: read back the step holding it
-        # before planning the next one (True), or plan such a sequence every other step (False)
+        # a grammar's mask needs its previous token: wait for it (True) or skip a step (False)
         self.structured_output_wait = structured_output_wait
         self._seq_ids = itertools.count()
         self._inbox = Inbox()
@@ -122,8 +120,8 @@ class Engine:
         self.accepting = True  # false while draining for shutdown
         self._failures = StepFailures()
         self._fault = fault  # a test's injected fault (server/watchdog.py), None when serving
-        self._counts = (0, 0)  # (running, waiting) requests, published by the engine thread
-        self._waiting_seqs = 0  # sequences in the waiting queue, published by the engine thread
+        # published by the engine thread: (running, waiting) requests, waiting sequences
+        self._counts, self._waiting_seqs = (0, 0), 0
 
     # ---- public, any thread ---------------------------------------------------
 
@@ -157,9 +155,8 @@ class Engine:
 
     @property
     def num_waiting_sequences(self) -> int:
-        """Sequences not admitted yet: every choice of every request in the inbox, plus the
-        sequences in the waiting queue (preempted ones included). What a limit on waiting
-        work counts: a request with n choices and p prompts waits as n * p sequences."""
+        """Sequences not admitted yet (a request of n choices and p prompts in the inbox counts
+        n * p; the waiting queue's, preempted ones included): what a waiting limit counts."""
         return self._inbox.num_sequences() + self._waiting_seqs
 
     @property

@@ -30,34 +30,30 @@ _QV_MAX = 96
 _CHUNKS_PER_THREAD = 8     # items go to chunks round-robin; a chunk's scratch is allocated once
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _write_row(k_cache, v_cache, kt, vt, slot, fmt):
+    """One row's K^T and V (kt, vt [Hkv, D]) at slot; a negative slot writes nothing."""
+    if slot < 0:
+        return
+    nb, hkv, d, bs = k_cache.shape
+    blk = slot // bs
+    off = slot % bs
+    for h in range(hkv):
+        for i in range(d):
+            k_cache[blk, h, i, off] = narrow(kt[h, i], k_cache, fmt)
+            v_cache[blk, h, off, i] = narrow(vt[h, i], v_cache, fmt)
+
+
 @njit(nogil=True, cache=True)
 def _write_rows(k_cache, v_cache, k, v, slot_mapping, fmt, t0, t1):
-    nb, hkv, d, bs = k_cache.shape
     for t in range(t0, t1):
-        slot = slot_mapping[t]
-        if slot < 0:
-            continue
-        blk = slot // bs
-        off = slot % bs
-        for h in range(hkv):
-            for i in range(d):
-                k_cache[blk, h, i, off] = narrow(k[t, h, i], k_cache, fmt)
-                v_cache[blk, h, off, i] = narrow(v[t, h, i], v_cache, fmt)
+        _write_row(k_cache, v_cache, k[t], v[t], slot_mapping[t], fmt)
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def _write_parallel(k_cache, v_cache, k, v, slot_mapping, fmt):
-    nb, hkv, d, bs = k_cache.shape
-    for t in prange(k.shape[0]):        # the rows' loops in the parallel body (see swiglu)
-        slot = slot_mapping[t]
-        if slot < 0:
-            continue
-        blk = slot // bs
-        off = slot % bs
-        for h in range(hkv):
-            for i in range(d):
-                k_cache[blk, h, i, off] = narrow(k[t, h, i], k_cache, fmt)
-                v_cache[blk, h, off, i] = narrow(v[t, h, i], v_cache, fmt)
+    for t in prange(k.shape[0]):
+        _write_row(k_cache, v_cache, k[t], v[t], slot_mapping[t], fmt)
 
 
 @njit(nogil=True, cache=True)

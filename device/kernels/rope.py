@@ -83,44 +83,38 @@ def rope_inplace(x, positions, inv_freq):
     rope_apply(x, cos, sin)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _split_row(qt, kt, vt, row, cos_t, sin_t):
+    """One row: qkv's row split into qt [Hq, D], kt, vt [Hkv, D], qt and kt rotated. The
+    row arrays come sliced, so the loops run from 0 (Numba vectorizes those, inlined into a
+    parallel body or not)."""
+    hq, d = qt.shape
+    hkv = kt.shape[0]
+    half = d // 2
+    for h in range(hq + hkv):
+        base = h * d
+        out = qt[h] if h < hq else kt[h - hq]
+        for i in range(half):
+            x1 = row[base + i]
+            x2 = row[base + half + i]
+            out[i] = x1 * cos_t[i] - x2 * sin_t[i]
+            out[half + i] = x2 * cos_t[i] + x1 * sin_t[i]
+    vbase = (hq + hkv) * d
+    for h in range(hkv):
+        for i in range(d):
+            vt[h, i] = row[vbase + h * d + i]
+
+
 @njit(nogil=True, cache=True)
 def _split_rows(q, k, v, qkv, cos, sin, r0, r1):
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k.shape[1]
-    half = d // 2
     for t in range(r0, r1):
-        for h in range(hq + hkv):
-            base = h * d
-            out = q[t, h] if h < hq else k[t, h - hq]
-            for i in range(half):
-                x1 = qkv[t, base + i]
-                x2 = qkv[t, base + half + i]
-                out[i] = x1 * cos[t, i] - x2 * sin[t, i]
-                out[half + i] = x2 * cos[t, i] + x1 * sin[t, i]
-        vbase = (hq + hkv) * d
-        for h in range(hkv):
-            for i in range(d):
-                v[t, h, i] = qkv[t, vbase + h * d + i]
+        _split_row(q[t], k[t], v[t], qkv[t], cos[t], sin[t])
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def _split_parallel(q, k, v, qkv, cos, sin):
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k.shape[1]
-    half = d // 2
-    for t in prange(q.shape[0]):        # the rows' loops in the parallel body (see swiglu)
-        for h in range(hq + hkv):
-            base = h * d
-            out = q[t, h] if h < hq else k[t, h - hq]
-            for i in range(half):
-                x1 = qkv[t, base + i]
-                x2 = qkv[t, base + half + i]
-                out[i] = x1 * cos[t, i] - x2 * sin[t, i]
-                out[half + i] = x2 * cos[t, i] + x1 * sin[t, i]
-        vbase = (hq + hkv) * d
-        for h in range(hkv):
-            for i in range(d):
-                v[t, h, i] = qkv[t, vbase + h * d + i]
+    for t in prange(q.shape[0]):
+        _split_row(q[t], k[t], v[t], qkv[t], cos[t], sin[t])
 
 
 @njit(nogil=True, cache=True)
