@@ -12,6 +12,7 @@ from spyre_serve.device.kernels.sampling import (
     top_n_sigma,
     uniform,
 )
+from spyre_serve.device.kernels.sampling.select import _max, argmax
 from spyre_serve.models.step_program import SAMPLE_ROW
 
 V = 1000
@@ -102,6 +103,26 @@ def test_temperature_zero_is_argmax():
     logits = _logits(9)
     ids, _, _, _ = _call(logits, temperature=0.0)
     np.testing.assert_array_equal(ids, logits.argmax(1))
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 255, 256, 257, 1000, 49152])
+def test_argmax_and_max_are_numpys_first_largest(n):
+    """The blocked argmax (lane maxima per block of 256) against np.argmax: the first of tied
+    largest values across and inside blocks, lengths off the lane and block sizes, -inf."""
+    rng = np.random.default_rng(n)
+    for trial in range(6):
+        z = rng.integers(-5, 5, n).astype(np.float32)     # many ties
+        if trial == 1:
+            z = rng.standard_normal(n).astype(np.float32)
+        if trial == 2:
+            z[:] = -np.inf
+        if trial == 3:
+            z[-1] = 100.0                                  # the largest in the last, short block
+        if trial == 4 and n > 300:
+            z[[3, 256, 299]] = 50.0                        # ties in two blocks: the first wins
+        arg, value = argmax(z)
+        assert (arg, value) == (int(np.argmax(z)), z.max()), trial
+        assert _max(z) == z.max()
 
 
 def test_top_k_one_is_argmax_at_any_temperature():
