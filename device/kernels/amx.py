@@ -31,7 +31,17 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from spyre_serve.device.kernels.simd import I8, I16, I64, array_ptr, byte_ptr, const, geometry
+from spyre_serve.device.kernels.simd import (
+    I8,
+    I16,
+    I64,
+    PREFETCH_BYTES,
+    array_ptr,
+    byte_ptr,
+    const,
+    geometry,
+    prefetch,
+)
 
 BLOCK_ROWS = 32      # rows of one block: two tiles of 16
 BLOCK_COLS = 32      # columns: two panels of NR
@@ -104,6 +114,10 @@ def _emit_pair(builder, fns, two_blocks, ab, a_off, lda, w, w_off0, w_off1, kp, 
         a_at = builder.add(a_off, builder.mul(k, const(2)))            # k bfloat16 values in
         b_at = builder.mul(k, const(2 * 16))                           # k / 2 pair rows of 64 B
         builder.call(fns["load"], [_t(A0), byte_ptr(builder, ab, a_at), lda])
+        for w_off in (w_off0, w_off1):    # the weights PREFETCH_BYTES ahead: a tile is 16 lines
+            ahead = builder.add(builder.add(w_off, b_at), const(PREFETCH_BYTES))
+            for line in range(16):
+                prefetch(builder, w, builder.add(ahead, const(64 * line)))
         builder.call(fns["load"], [_t(B0), byte_ptr(builder, w, builder.add(w_off0, b_at)), b_stride])
         builder.call(fns["dot"], [_t(C00), _t(A0), _t(B0)])
         builder.call(fns["load"], [_t(B1), byte_ptr(builder, w, builder.add(w_off1, b_at)), b_stride])
