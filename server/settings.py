@@ -125,7 +125,7 @@ class Settings:
         128, "most prompt tokens a step that also decodes may take; smaller keeps decodes from "
         "waiting on prefill chunks (inter-token latency), at some TTFT and throughput", int)
     dtype: str = _flag("auto", "width of the weights on the card: auto (the checkpoint's), float32, "
-                       "bfloat16 or float16; 16-bit weights are widened to float32 in the kernels",
+                       "bfloat16 or float16; 16-bit weights multiply 16-bit inputs (--compute-dtype auto)",
                        parse_dtype, sizing=True)
     compute_dtype: str = _flag("auto", "format of GEMM inputs: auto (int8 for 8- and 4-bit weights, "
                                "as llama.cpp; else the weights' width, as vLLM's --dtype), float32 "
