@@ -27,6 +27,7 @@ The container itself (header, metadata, tensor bytes, dequantizing) is models/gg
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from pathlib import Path
@@ -46,6 +47,8 @@ from spyre_serve.models.gguf_file import (  # noqa: F401  (GGUFError, is_gguf_fi
     read_gguf,
     require,
 )
+
+log = logging.getLogger("spyre_serve.models")
 
 # llama.cpp's architecture name -> ours (the Hugging Face class name)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM"}
@@ -282,4 +285,9 @@ def load_gguf_checkpoint(path: str | Path, quantized: bool = True) -> Checkpoint
                 w = unpermute_rope_rows(w, rope_heads[m.group(2)])
         tensors[hf_name(t.name)] = w
         stored[hf_name(t.name)] = t.type_name
+    widened = sorted({t.type_name for t in f.tensors.values()
+                      if t.ggml_type not in QUANTIZED_TYPES and t.ggml_type not in _FLOAT_DTYPES})
+    if widened:
+        log.info("%s: its %s tensors are dequantized to float32 (the card serves Q8_0, Q4_0 and "
+                 "Q4_1 at their width)", f.path.name, ", ".join(widened))
     return Checkpoint(config=config, tensors=tensors, path=f.path, stored_dtypes=stored)

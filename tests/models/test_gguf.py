@@ -95,9 +95,9 @@ def test_gguf_runs_as_its_safetensors_twin(tmp_path, kind, qtype):
     assert_same_model_run(path, twin)
 
 
-def test_k_quant_file_runs_as_its_safetensors_twin(tmp_path):
+def test_k_quant_file_runs_as_its_safetensors_twin(tmp_path, caplog):
     """A Q4_K_M-like file: Q4_K matrices with Q6_K for v_proj, down_proj and the LM head
-    (rows of 256: hidden 256, MLP 512)."""
+    (rows of 256: hidden 256, MLP 512), dequantized at load with a log line saying so."""
     config, tensors = model_of("llama-untied", hidden=256, intermediate=512)
     six = {n: Q.Q6_K for n in tensors if n.endswith(("v_proj.weight", "down_proj.weight"))
            or n == "lm_head.weight"}
@@ -105,6 +105,9 @@ def test_k_quant_file_runs_as_its_safetensors_twin(tmp_path):
     twin = write_numpy_checkpoint(tmp_path / "twin", config, held)
     types = {t.type_name for t in read_gguf(tmp_path / "m.gguf").tensors.values()}
     assert types == {"F32", "Q4_K", "Q6_K"}
+    with caplog.at_level("INFO", logger="spyre_serve.models"):
+        load_gguf_checkpoint(tmp_path / "m.gguf")
+    assert "its Q4_K, Q6_K tensors are dequantized to float32" in caplog.text
     assert_same_model_run(tmp_path / "m.gguf", twin)
 
 
