@@ -16,8 +16,8 @@ bfloat16 panel keeps rows k and k + 1 of a column together, K padded to BF16_KB 
 rounds to nearest even, as torch's `.to(torch.bfloat16 / torch.float16)` does, so a
 checkpoint stored in that format is placed bit for bit.
 
-Block-quantized weights ("Q8_0", "Q4_0", "Q4_1": GGML's formats) come as a
-`QuantizedWeight`, the quants and scales of each output channel in blocks of QB = 32 inputs,
+Block-quantized weights ("Q8_0", "Q4_0", "Q4_1": GGML's formats; "FP8_E4M3": 8-bit floats
+with a scale a column, in Q8_0's records) come as a `QuantizedWeight`, the quants and scales of each output channel in blocks of QB = 32 inputs,
 and are placed at their width: each panel is K / QB records of QB rows (the NR scales, the
 Q4_1 minimums, then the quants in groups of 4 rows; device/kernels/microkernel.py has the
 bytes).
@@ -34,6 +34,7 @@ from spyre_serve.device.kernels.formats import (
     FMT_BF16,
     FMT_F16,
     FMT_F32,
+    FMT_FP8,
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q8_0,
@@ -46,7 +47,9 @@ from spyre_serve.device.kernels.simd import NR, QB
 from spyre_serve.device.memory import DeviceError, DeviceTensor
 
 STORAGE = {FMT_F32: np.float32, FMT_BF16: np.uint16, FMT_F16: np.uint16}
-QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1)
+QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8)
+INTEGER_QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1)      # what int8 activations multiply
+FP8_E4M3_MAX = 448.0      # OCP 8-bit floats, E4M3 (torch's float8_e4m3fn): the largest finite
 
 
 def format_code(dtype: str) -> int:
@@ -66,6 +69,31 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
 def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bits (uint16) -> float32, exactly."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def fp8_e4m3_encode(x: np.ndarray) -> np.ndarray:
+    """float32 -> E4M3 codes (uint8), from the OCP spec: sign, 4 exponent bits (bias 7), 3
+    mantissa bits, subnormals below 2^-6 (steps of 2^-9), no infinities; rounded to nearest
+    even, saturating at +-448 (a value past it becomes +-448, as quantizers clamp before the
+    cast); NaN -> 0x7F."""
+    x = np.asarray(x, np.float32)
+    a = np.abs(x).astype(np.float64)
+    _, ex = np.frexp(a)                                   # a = f 2^ex, f in [0.5, 1)
+    quantum = np.exp2(np.clip(ex - 1, -6, 8) - 3)         # a value's spacing at its exponent
+    q = np.minimum(np.rint(a / quantum) * quantum, FP8_E4M3_MAX)
+    half = (q / 256).astype(np.float16).view(np.uint16)   # exact: E4M3 / 256 is a float16
+    codes = ((half >> 7) & 0x7F).astype(np.uint8) | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+    return np.where(np.isnan(x), np.uint8(0x7F), codes).astype(np.uint8)
+
+
+def fp8_e4m3_decode(codes: np.ndarray) -> np.ndarray:
+    """E4M3 codes (uint8) -> float32, exactly; 0x7F / 0xFF are NaN. The kernels widen a code
+    as the float16 whose bits are (sign << 15) | (rest << 7), times 256 (the same value for
+    every finite code: E4M3 is float16's top bits at an exponent 8 lower)."""
+    b = np.asarray(codes, np.uint8).astype(np.uint16)
+    half = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    value = half.view(np.float16).astype(np.float32) * np.float32(256)
+    return np.where((b & 0x7F) == 0x7F, np.float32(np.nan), value)
 
 
 def encode(x: np.ndarray, fmt: int) -> np.ndarray:
@@ -126,11 +154,12 @@ class QuantizedWeight:
         value[n, k] = d[n, k // QB] * q[n, k]                 Q8_0 (q int8)
                     = d[n, k // QB] * (q[n, k] - 8)           Q4_0 (q 0..15)
                     = d[n, k // QB] * q[n, k] + m[n, k // QB] Q4_1 (q 0..15)
+                    = d[n, k // QB] * e4m3(q[n, k])           FP8_E4M3 (q uint8 codes)
 
     d and m are float16, the products computed in float32 as GGML's dequantizer does."""
 
-    fmt: int                     # FMT_Q8_0, FMT_Q4_0 or FMT_Q4_1
-    q: np.ndarray                # int8 [N, K]
+    fmt: int                     # FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 or FMT_FP8
+    q: np.ndarray                # int8 [N, K] (FP8: uint8 E4M3 codes)
     d: np.ndarray                # float16 [N, K / QB]
     m: np.ndarray | None = None  # float16 [N, K / QB], Q4_1 only
 
@@ -158,6 +187,8 @@ class QuantizedWeight:
         q = self.q.astype(np.float32)
         if self.fmt == FMT_Q8_0:
             return q * d
+        if self.fmt == FMT_FP8:
+            return d * fp8_e4m3_decode(self.q)
         if self.fmt == FMT_Q4_0:
             return d * (q - np.float32(8))
         return d * q + np.repeat(self.m.astype(np.float32), QB, axis=1)
@@ -196,7 +227,7 @@ def pack_quantized(qw: QuantizedWeight) -> np.ndarray:
              for s in scales]
     # the quants in groups of 4 rows: group g of a record is NR columns of 4 bytes (rows 4g..4g+3)
     q = by_panel(qw.q)                                                   # [P, NR, K]
-    if qw.fmt == FMT_Q8_0:
+    if qw.fmt in (FMT_Q8_0, FMT_FP8):
         q = q.reshape(p, NR, nb, QB // 4, 4).transpose(0, 2, 3, 1, 4)   # [P, nb, G, NR, 4]
         parts.append(np.ascontiguousarray(q).view(np.uint8).reshape(p, nb, QB * NR))
     else:                       # a byte: row r (low nibble) and row r + QB/2 (high) of a column
@@ -214,9 +245,9 @@ def unpack_quantized(panels: np.ndarray, n: int, fmt: int) -> np.ndarray:
     d = half(panels[:, :, :2 * NR])                                     # [P, nb, NR]
     qoff = 4 * NR if fmt == FMT_Q4_1 else 2 * NR
     raw = panels[:, :, qoff:]
-    if fmt == FMT_Q8_0:            # [P, nb, G, NR, 4] -> rows 4g + t of each column
-        q = raw.view(np.int8).reshape(p, nb, QB // 4, NR, 4).transpose(0, 1, 2, 4, 3)
-        q = q.reshape(p, nb, QB, NR).astype(np.float32)
+    if fmt in (FMT_Q8_0, FMT_FP8):  # [P, nb, G, NR, 4] -> rows 4g + t of each column
+        q = raw.reshape(p, nb, QB // 4, NR, 4).transpose(0, 1, 2, 4, 3).reshape(p, nb, QB, NR)
+        q = fp8_e4m3_decode(q) if fmt == FMT_FP8 else q.view(np.int8).astype(np.float32)
     else:
         b = raw.reshape(p, nb, QB // 8, NR, 4).transpose(0, 1, 2, 4, 3).reshape(p, nb, QB // 2, NR)
         q = np.concatenate([b & 15, b >> 4], axis=2).astype(np.float32)
@@ -233,7 +264,7 @@ class GemmWeight:
     tensor: DeviceTensor     # [ceil(N/NR), K, NR] float32 or uint16; quantized: uint8
     k: int                   #   [ceil(N/NR), K/QB, record bytes]
     n: int
-    fmt: int                 # FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0 or FMT_Q4_1
+    fmt: int                 # FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8
 
     @property
     def address(self) -> int:

@@ -3,7 +3,9 @@
 A checkpoint directory holds config.json and either ``model.safetensors`` or shards
 ``model-XXXXX-of-YYYYY.safetensors`` listed in ``model.safetensors.index.json``.
 Tensors may be float32, bfloat16 or float16; all come back as float32 numpy arrays
-with the Hugging Face names and shapes (``[out_features, in_features]`` for linears).
+with the Hugging Face names and shapes (``[out_features, in_features]`` for linears). An FP8
+checkpoint in the compressed-tensors format (config.json's quantization_config) gives its
+E4M3 weights with their scales as FP8 `QuantizedWeight`s (models/compressed_tensors.py).
 
 Memory: files are memory-mapped. float32 tensors are returned as read-only views of
 the mapping (no copy); bfloat16 is widened by a 16-bit shift and float16 by
@@ -20,13 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
+from spyre_serve.models.compressed_tensors import FP8_CODE, fp8_weight_scheme, take_fp8_weights
 from spyre_serve.models.config import GraniteConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors dtype code -> (numpy dtype of the stored bits, bytes per element)
-_STORED = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2")}
+_STORED = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2"),
+           FP8_CODE: np.dtype("u1")}
 
 # Tensors some exporters write that the model does not use.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -204,13 +208,25 @@ def load_checkpoint(path: str | Path, config: GraniteConfig | None = None, *,
         del stored[name]
     if config.tie_word_embeddings and "lm_head.weight" in stored:
         del stored["lm_head.weight"]
+    fp8 = {}
+    if fp8_weight_scheme(_quantization_config(path)) is not None:
+        fp8 = take_fp8_weights(stored, path)
+    elif any(code == FP8_CODE for code, _ in stored.values()):
+        raise CheckpointError(f"{path}: F8_E4M3 tensors without a compressed-tensors "
+                              "quantization_config in config.json")
 
     expected = expected_shapes(config)
     check_shapes(path, expected, {name: arr.shape for name, (_, arr) in stored.items()})
 
     if widen:
-        tensors = {name: _widen(*stored[name]) for name in expected}
+        tensors = {name: fp8[name] if name in fp8 else _widen(*stored[name]) for name in expected}
     else:
-        tensors = {name: stored[name][1] for name in expected}
+        tensors = {name: fp8[name] if name in fp8 else stored[name][1] for name in expected}
     dtypes = {name: stored[name][0] for name in expected}
     return Checkpoint(config=config, tensors=tensors, path=path, stored_dtypes=dtypes)
+
+
+def _quantization_config(path: Path) -> dict | None:
+    """config.json's quantization_config (None without one, or without a config.json)."""
+    f = path / "config.json"
+    return json.loads(f.read_text()).get("quantization_config") if f.is_file() else None

@@ -6,6 +6,11 @@ made 8-bit before they are placed on the card.
            placed in Q8_0's layout with the channel's scale in every block of 32, so the card's
            Q8_0 GEMM serves it (device/kernels/gemm.py) and the model on the card is exactly
            the dequantized d[n] * q[n, k], computed with float32 activations.
+    fp8    E4M3 with one scale per output channel (Spyre's FP8 weights; vLLM's dynamic fp8):
+               d[n] = float16(max_k |W[n, k]| / 448),  q[n, k] = e4m3(W[n, k] / d[n])
+           (round to nearest even, saturating at 448: device/layout.py fp8_e4m3_encode), in
+           Q8_0's records (FMT_FP8), widened in registers; the model is d[n] * e4m3(q[n, k]),
+           computed with the checkpoint's float activations (no int8 inputs).
 
 The norms stay float (in the width `--dtype` gives). A row whose largest value is below
 float16's range (d rounds to 0) quantizes to zeros.
@@ -15,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from spyre_serve.device.kernels.formats import FMT_Q8_0
+from spyre_serve.device.kernels.formats import FMT_FP8, FMT_Q8_0
 from spyre_serve.device.kernels.simd import QB
-from spyre_serve.device.layout import QuantizedWeight
+from spyre_serve.device.layout import FP8_E4M3_MAX, QuantizedWeight, fp8_e4m3_encode
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "fp8")
 
 
 def quantize_int8_per_channel(w: np.ndarray) -> QuantizedWeight:
@@ -35,10 +40,27 @@ def quantize_int8_per_channel(w: np.ndarray) -> QuantizedWeight:
     return QuantizedWeight(FMT_Q8_0, q, np.repeat(d16[:, None], k // QB, axis=1))
 
 
+def quantize_fp8_per_channel(w: np.ndarray) -> QuantizedWeight:
+    """float [N, K] (K in whole blocks of 32) -> FP8 E4M3 per output channel (FMT_FP8)."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    if k % QB:
+        raise ValueError(f"fp8 quantization needs rows in whole blocks of {QB}; a row has {k}")
+    d16 = (np.abs(w).max(axis=1) / np.float32(FP8_E4M3_MAX)).astype(np.float16)   # [N]
+    d = d16.astype(np.float32)[:, None]
+    safe = np.where(d == 0, np.float32(1), d)
+    q = np.where(d == 0, np.uint8(0), fp8_e4m3_encode(w / safe)).astype(np.uint8)
+    return QuantizedWeight(FMT_FP8, q, np.repeat(d16[:, None], k // QB, axis=1))
+
+
+_METHODS = {"int8": quantize_int8_per_channel, "fp8": quantize_fp8_per_channel}
+
+
 def quantize_matrices(tensors: dict, method: str) -> dict:
     """Every 2-D float tensor (the embedding, the projections, an untied LM head) quantized
     by `method`; the rest as it is."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
-    return {name: quantize_int8_per_channel(t) if isinstance(t, np.ndarray) and t.ndim == 2 else t
+    quantize = _METHODS[method]
+    return {name: quantize(t) if isinstance(t, np.ndarray) and t.ndim == 2 else t
             for name, t in tensors.items()}

@@ -29,7 +29,7 @@ import numpy as np
 from spyre_serve.device import Card, DeviceTensor
 from spyre_serve.device.kernels.gemm_inputs import ACT_INT8
 from spyre_serve.device.layout import (
-    QUANTIZED,
+    INTEGER_QUANTIZED,
     GemmWeight,
     QuantizedWeight,
     decode,
@@ -145,21 +145,22 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 def resolve_compute_dtype(compute_dtype: str, weights: ModelWeights) -> str:
-    """The format of GEMM inputs. "auto": int8 when the model has block-quantized weights
+    """The format of GEMM inputs. "auto": int8 when the model has integer-quantized weights
     (their GEMMs then take activations quantized per block of 32, as llama.cpp does), else the
     float weights' width (16-bit weights compute in 16 bits, as vLLM's --dtype does).
     "float32" keeps activations exact (16-bit weights only widened, quantized ones computed
     on their dequantized values); a 16-bit format needs float weights of that width; "int8"
     needs quantized weights (the float GEMMs beside them keep float32 inputs)."""
-    quantized = any(gw.fmt in QUANTIZED for gw in weights.gemm_weights())
+    quantized = any(gw.fmt in INTEGER_QUANTIZED for gw in weights.gemm_weights())
     if compute_dtype == "auto":
         return "int8" if quantized else weights.dtype
     if compute_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"compute dtype must be one of auto, {', '.join(COMPUTE_DTYPES)}, "
                          f"got {compute_dtype!r}")
     if compute_dtype == "int8" and not quantized:
-        raise ValueError("compute dtype int8 quantizes the inputs of 8- and 4-bit weights; this "
-                         "model has none (a GGUF file's Q8_0/Q4_0/Q4_1, or --quantization int8)")
+        raise ValueError("compute dtype int8 quantizes the inputs of integer 8- and 4-bit "
+                         "weights; this model has none (a GGUF file's Q8_0/Q4_0/Q4_1, or "
+                         "--quantization int8; fp8 weights take float inputs)")
     if compute_dtype in ("bfloat16", "float16") and compute_dtype != weights.dtype:
         raise ValueError(f"compute dtype {compute_dtype} needs weights in {compute_dtype}; "
                          f"the weights are {weights.dtype}")

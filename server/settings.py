@@ -134,8 +134,9 @@ class Settings:
                                "width, or int8 (activations quantized per block of 32 for the "
                                "integer dot products of quantized weights)", parse_compute_dtype,
                                sizing=True)
-    quantization: str | None = _flag(None, "weights quantized at load: none, or int8 (symmetric, per "
-                                     "output channel; served by the card's 8-bit GEMM); a GGUF file's "
+    quantization: str | None = _flag(None, "weights quantized at load: none, int8 (symmetric, per "
+                                     "output channel; served by the card's 8-bit GEMM) or fp8 (E4M3, "
+                                     "a scale per output channel, float inputs); a GGUF file's "
                                      "Q8_0/Q4_0/Q4_1 matrices are served at their width without it",
                                      parse_quantization, sizing=True)
     kv_cache_dtype: str = _flag("auto", "storage of the KV cache: auto (float32 with float32 compute, "

@@ -4,6 +4,8 @@ device/kernels/gemm.py describes the layouts; device/layout.py packs them.
 
     FMT_F32, FMT_BF16, FMT_F16        float32, bfloat16 (rows in pairs), float16
     FMT_Q8_0, FMT_Q4_0, FMT_Q4_1      GGML's block-quantized formats, in records of QB rows
+    FMT_FP8                           FP8 E4M3 (OCP's float8_e4m3fn) in Q8_0's records: a
+                                      float16 scale a column, the bytes E4M3 values
     FMT_BF16R                         bfloat16 in plain rows: a KV cache block read by the tiles
 
 `widen` and `narrow` convert one value between float32 and a 16-bit format's storage (uint16
@@ -18,16 +20,17 @@ from spyre_serve.device.kernels.simd import F32, I32, NR, QB, const
 
 FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
 FMT_BF16R = 7    # bfloat16 in plain rows (a KV cache block), not a packed weight's pairs
+FMT_FP8 = 8      # FP8 E4M3 bytes in Q8_0's records (device/layout.py: fp8_e4m3_encode)
 # bytes of one record (QB rows of one panel) of each block-quantized format
 SCALE_BYTES = 2 * NR                              # NR float16 values
 GROUP_BYTES = 4 * NR                              # 4 rows of a panel, a column's 4 bytes together
 RECORD_BYTES = {FMT_Q8_0: SCALE_BYTES + QB * NR, FMT_Q4_0: SCALE_BYTES + QB * NR // 2,
-                FMT_Q4_1: 2 * SCALE_BYTES + QB * NR // 2}
+                FMT_Q4_1: 2 * SCALE_BYTES + QB * NR // 2, FMT_FP8: SCALE_BYTES + QB * NR}
 REC_Q8_0, REC_Q4_0, REC_Q4_1 = (RECORD_BYTES[f] for f in (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1))
 BF16_KB = 32     # a bfloat16 weight's K is padded with zero rows to a multiple of this (AMX's tile)
 
 FORMATS = {"float32": FMT_F32, "bfloat16": FMT_BF16, "float16": FMT_F16,
-           "Q8_0": FMT_Q8_0, "Q4_0": FMT_Q4_0, "Q4_1": FMT_Q4_1}
+           "Q8_0": FMT_Q8_0, "Q4_0": FMT_Q4_0, "Q4_1": FMT_Q4_1, "FP8_E4M3": FMT_FP8}
 FORMAT_NAMES = {code: name for name, code in FORMATS.items()}
 
 
@@ -38,8 +41,15 @@ def is_quantized(fmt):
 
 
 @njit(nogil=True, cache=True, inline="always")
+def has_integer_quants(fmt):
+    """A quantized format whose quants are integers (the int8 activations' dot products read
+    them): GGML's Q8_0, Q4_0, Q4_1, not FP8."""
+    return fmt == FMT_Q8_0 or fmt == FMT_Q4_0 or fmt == FMT_Q4_1
+
+
+@njit(nogil=True, cache=True, inline="always")
 def record_bytes(fmt):
-    if fmt == FMT_Q8_0:
+    if fmt == FMT_Q8_0 or fmt == FMT_FP8:
         return REC_Q8_0
     if fmt == FMT_Q4_0:
         return REC_Q4_0

@@ -13,6 +13,7 @@ from spyre_serve.device.kernels.formats import (
     FMT_BF16,
     FMT_F16,
     FMT_F32,
+    FMT_FP8,
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q8_0,
@@ -42,8 +43,12 @@ def _quantized_value(w, c, kk, k, fmt):
     r0 = (c // NR) * (k // QB) * rec + (kk // QB) * rec
     d = _half_at(w, r0 + 2 * j)
     q0 = r0 + (4 * NR if fmt == FMT_Q4_1 else 2 * NR)
-    if fmt == FMT_Q8_0:            # group r // 4, byte r % 4 of column j
-        return d * np.float32(np.int8(np.uint8(w[q0 + (r // 4) * 4 * NR + 4 * j + r % 4])))
+    if fmt == FMT_Q8_0 or fmt == FMT_FP8:      # group r // 4, byte r % 4 of column j
+        byte = np.uint8(w[q0 + (r // 4) * 4 * NR + 4 * j + r % 4])
+        if fmt == FMT_FP8:       # E4M3 as the float16 (sign << 15 | rest << 7), times 256
+            half = (np.uint16(byte & 0x80) << np.uint16(8)) | (np.uint16(byte & 0x7F) << np.uint16(7))
+            return d * (widen(np.uint16(half), FMT_F16) * np.float32(256.0))
+        return d * np.float32(np.int8(byte))
     rr = r % (QB // 2)
     byte = np.uint8(w[q0 + (rr // 4) * 4 * NR + 4 * j + rr % 4])
     q = np.float32((byte & 15) if r < QB // 2 else (byte >> 4))

@@ -15,7 +15,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from spyre_serve.device.abi import chunks_for, get_kernel_threads
-from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16, is_quantized, padded_k
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16, has_integer_quants, padded_k
 from spyre_serve.device.kernels.simd import F32, QB, has_bf16_dot
 
 ACT_F32, ACT_INT8 = 0, 6   # GEMM inputs: float32, or int8 per block of QB (quantized weights);
@@ -94,7 +94,7 @@ def gemm_inputs(af, m, k, fmt, act):
     bfloat16 weight with bfloat16 inputs on a level with the dot product (each value rounded
     to nearest even once); else float32, rounded first to a 16-bit input format (act) so that
     the widening tiles multiply 16-bit values exactly."""
-    use_int = act == ACT_INT8 and is_quantized(fmt)
+    use_int = act == ACT_INT8 and has_integer_quants(fmt)     # FP8: float inputs
     nq = m * k if use_int else 0
     aq, ad, asum = np.empty(nq, np.int8), np.empty(nq // QB, np.float32), np.empty(nq // QB, np.float32)
     if use_int:

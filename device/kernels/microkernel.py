@@ -22,7 +22,9 @@ weight (device/kernels/gemm.py describes the layouts) and w_off the first elemen
   multiple of QB.
   Each weight is widened in registers to exactly the value GGML's dequantizer gives
   (Q8_0 d*q; Q4_0 d*(q-8) = fma(d, q, -8d); Q4_1 fma(d, q, m): d*q is exact in float32),
-  so the products are those of the float32 GEMM on the dequantized weights.
+  so the products are those of the float32 GEMM on the dequantized weights. FMT_FP8 is
+  Q8_0's record with E4M3 codes for bytes: a code widens as the float16 (sign << 15 |
+  rest << 7), which is its value / 256, times 256 d (one rounding: d * value).
 
 For each k the tile loads the NR weights of that row, broadcasts one value of `a` per row
 and does mr x NR fused multiply-adds. The vector width and the heights are the ISA level's
@@ -40,6 +42,7 @@ from spyre_serve.device.kernels.formats import (
     FMT_BF16,
     FMT_BF16R,
     FMT_F16,
+    FMT_FP8,
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q8_0,
@@ -157,7 +160,7 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
 
 def quant_record(kind):
     """(record bytes, offset of the quants in a record) of a quantized kind."""
-    rec = {"q8_0": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1}[kind]
+    rec = {"q8_0": REC_Q8_0, "fp8": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1}[kind]
     return rec, 2 * SCALE_BYTES if kind == "q4_1" else SCALE_BYTES
 
 
@@ -172,6 +175,8 @@ def quant_scales(builder, g, w_ptr, r0, kind):
             r0, const(SCALE_BYTES + 2 * j * g.vw)), half), g.vec) for j in range(g.nv)]
     elif kind == "q4_0":
         m = [builder.fmul(dj, ir.Constant(g.vec, [-8.0] * g.vw)) for dj in d]
+    elif kind == "fp8":          # a code widens to its value / 256 (device/layout.py)
+        d = [builder.fmul(dj, ir.Constant(g.vec, [256.0] * g.vw)) for dj in d]
     return d, m
 
 
@@ -201,7 +206,15 @@ def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
             raw = [load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)), g.ivec)
                    for j in range(g.nv)]
             for t in range(4):
-                if kind == "q8_0":
+                if kind == "fp8":        # byte t as the float16 (sign << 15 | rest << 7)
+                    b = [builder.lshr(x, splat32(8 * t)) for x in raw]
+                    h = [builder.or_(builder.shl(builder.and_(v, splat32(0x80)), splat32(8)),
+                                     builder.shl(builder.and_(v, splat32(0x7F)), splat32(7)))
+                         for v in b]
+                    wv = [builder.fmul(d[j], builder.fpext(builder.bitcast(builder.trunc(
+                        v, ir.VectorType(I16, g.vw)), ir.VectorType(ir.HalfType(), g.vw)), g.vec))
+                        for j, v in enumerate(h)]
+                elif kind == "q8_0":
                     wv = [builder.fmul(d[j], builder.sitofp(builder.ashr(
                         builder.shl(x, splat32(24 - 8 * t)), splat32(24)), g.vec))
                         for j, x in enumerate(raw)]
@@ -215,9 +228,9 @@ def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
                          sets[(4 * u + t) % unroll])
 
         per = max(1, unroll // 4)                  # groups an iteration: row r in set r % unroll
-        for high in ((False,) if kind == "q8_0" else (False, True)):   # Q4: rows 0..15, 16..31
-            with counted(builder, const(0), const(QB // 4 if kind == "q8_0" else QB // 8),
-                         per) as gl:
+        whole = kind in ("q8_0", "fp8")            # a byte a row (Q4: rows 0..15, then 16..31)
+        for high in ((False,) if whole else (False, True)):
+            with counted(builder, const(0), const(QB // 4 if whole else QB // 8), per) as gl:
                 for u in range(per):
                     group(gl, high, u)
     return reduce_sets(builder, sets)
@@ -246,7 +259,7 @@ def tile(typingctx, mr, a, a_off, lda, w, w_off, ldw, c, c_off, ldc, kc, accumul
             result = [[builder.alloca(g.vec) for _ in range(g.nv)] for _ in range(mr)]
 
             def emit(kind):
-                loop = _emit_quant_loop if kind.startswith("q") else _emit_float_loop
+                loop = _emit_quant_loop if wdt == types.uint8 else _emit_float_loop
                 got = loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, ldw, kc)
                 for i in range(mr):
                     for j in range(g.nv):
@@ -259,7 +272,7 @@ def tile(typingctx, mr, a, a_off, lda, w, w_off, ldw, c, c_off, ldc, kc, accumul
                                         (FMT_BF16, "bf16")], emit)
             else:
                 choose(builder, fmt_v, [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"),
-                                        (FMT_Q4_1, "q4_1")], emit)
+                                        (FMT_Q4_1, "q4_1"), (FMT_FP8, "fp8")], emit)
             store_tile(builder, g, result, c_ptr, c_off, ldc, accf)
 
         by_height(builder, mr_v, g.heights, height)

@@ -1,12 +1,20 @@
-"""The GEMM on block-quantized weights (Q8_0, Q4_0, Q4_1 in panels) against numpy: the values
-GGML's formats define, bit for bit the float32 GEMM on the dequantized weights with float32
-activations, and with int8 activations the product of both sides' quantized values."""
+"""The GEMM on block-quantized weights (Q8_0, Q4_0, Q4_1 in panels, and FP8 E4M3 with a scale a
+column in Q8_0's records) against numpy: the values the formats define, bit for bit the float32
+GEMM on the dequantized weights with float32 activations, and with int8 activations (integer
+quants only) the product of both sides' quantized values."""
 
 import numpy as np
 import pytest
 
 from spyre_serve.device import Card, DeviceError
-from spyre_serve.device.kernels.formats import FMT_F32, FMT_Q4_0, FMT_Q4_1, FMT_Q8_0, packed_len
+from spyre_serve.device.kernels.formats import (
+    FMT_F32,
+    FMT_FP8,
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q8_0,
+    packed_len,
+)
 from spyre_serve.device.kernels.gather import gather_columns, gather_columns_at
 from spyre_serve.device.kernels.gemm import gemm_at, gemm_packed
 from spyre_serve.device.kernels.gemm_inputs import ACT_F32, ACT_INT8, quantize_rows
@@ -19,7 +27,8 @@ from spyre_serve.device.layout import (
     unpack_quantized,
 )
 
-QFMTS = [FMT_Q8_0, FMT_Q4_0, FMT_Q4_1]
+INT_QFMTS = [FMT_Q8_0, FMT_Q4_0, FMT_Q4_1]
+QFMTS = [*INT_QFMTS, FMT_FP8]
 # (M, K, N): a GEMV, two rows, a partial tile, past one block of rows (MC) of a decode, a
 # prefill-sized block; K in whole blocks of 32 (an odd count of them), N odd
 SHAPES = [(1, 64, 32), (2, 96, 33), (7, 288, 301), (33, 512, 17), (512, 96, 81)]
@@ -33,14 +42,31 @@ def random_weight(fmt, n, k, seed=0) -> QuantizedWeight:
     d = (rng.standard_normal((n, nb)) * 0.01).astype(np.float16)
     if fmt == FMT_Q8_0:
         return QuantizedWeight(fmt, rng.integers(-127, 128, (n, k)).astype(np.int8), d)
+    if fmt == FMT_FP8:                        # every code but the two NaNs, subnormals too
+        codes = rng.integers(0, 254, (n, k))
+        codes = np.where(codes >= 0x7F, codes + 1, codes).astype(np.uint8)
+        return QuantizedWeight(fmt, codes, d)
     q = rng.integers(0, 16, (n, k)).astype(np.int8)
     m = (rng.standard_normal((n, nb)) * 0.05).astype(np.float16) if fmt == FMT_Q4_1 else None
     return QuantizedWeight(fmt, q, d, m)
 
 
+def e4m3_value(code: int) -> float:
+    """An E4M3 code's value from the OCP 8-bit floating point spec: (-1)^s 2^(e - 7) (1 + m/8),
+    subnormal (e = 0) 2^-6 (m/8); S.1111.111 is NaN; no infinities."""
+    s, e, m = code >> 7, (code >> 3) & 15, code & 7
+    if e == 15 and m == 7:
+        return float("nan")
+    mag = 2.0 ** -6 * (m / 8) if e == 0 else 2.0 ** (e - 7) * (1 + m / 8)
+    return -mag if s else mag
+
+
+E4M3 = np.array([e4m3_value(c) for c in range(256)], np.float32)
+
+
 def reference_values(qw: QuantizedWeight) -> np.ndarray:
     """float32 [N, K] from the formats' definitions (ggml-quants.c dequantize_row_q8_0 /
-    q4_0 / q4_1: x = d * q, d * (q - 8), d * q + m), written out here on its own."""
+    q4_0 / q4_1: x = d * q, d * (q - 8), d * q + m; FP8 d * e4m3(q)), written out here."""
     n, k = qw.shape
     out = np.empty((n, k), np.float32)
     for b in range(k // QB):
@@ -49,6 +75,8 @@ def reference_values(qw: QuantizedWeight) -> np.ndarray:
         q = qw.q[:, cols].astype(np.float32)
         if qw.fmt == FMT_Q8_0:
             out[:, cols] = d * q
+        elif qw.fmt == FMT_FP8:
+            out[:, cols] = d * E4M3[qw.q[:, cols]]
         elif qw.fmt == FMT_Q4_0:
             out[:, cols] = d * (q - 8)
         else:
@@ -114,6 +142,7 @@ def test_bytes_per_weight_are_the_formats():
     assert packed_len(k, n, FMT_Q8_0) == k * n * 34 // 32         # 8.5 bits, as GGML's
     assert packed_len(k, n, FMT_Q4_0) == k * n * 18 // 32         # 4.5 bits
     assert packed_len(k, n, FMT_Q4_1) == k * n * 20 // 32         # 5 bits
+    assert packed_len(k, n, FMT_FP8) == k * n * 34 // 32          # 8 bits and a scale a block
 
 
 def test_gemm_refuses_k_in_part_blocks_and_a_short_weight():
@@ -165,7 +194,7 @@ def test_quantize_rows_is_llama_cpps_q8_0():
     assert np.abs(q).max() == 127
 
 
-@pytest.mark.parametrize("fmt", QFMTS)
+@pytest.mark.parametrize("fmt", INT_QFMTS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_int8_activations_give_the_float_gemm_of_the_quantized_values(m, k, n, fmt):
     """Exact integer sums per block, scaled in float32: the float64 product of the int8
@@ -182,6 +211,17 @@ def test_int8_activations_give_the_float_gemm_of_the_quantized_values(m, k, n, f
     exact = a.astype(np.float64) @ reference_values(qw).T.astype(np.float64)
     step = np.abs(reference_values(qw)).sum(axis=1).max() * np.abs(a).max() / 127
     assert np.abs(out - exact).max() <= step
+
+
+@pytest.mark.parametrize("m", [1, 33])
+def test_int8_activations_leave_fp8_weights_to_the_float_tiles(m):
+    """FP8 quants are floats: with ACT_INT8 asked, its GEMM takes the float32 inputs."""
+    qw = random_weight(FMT_FP8, 40, 96, seed=2)
+    a = np.random.default_rng(7).standard_normal((m, 96), dtype=np.float32)
+    out, ref = np.empty((m, 40), np.float32), np.empty((m, 40), np.float32)
+    gemm_packed(out, a, pack_quantized(qw).reshape(-1), 96, 40, FMT_FP8, ACT_INT8)
+    gemm_packed(ref, a, pack_quantized(qw).reshape(-1), 96, 40, FMT_FP8, ACT_F32)
+    np.testing.assert_array_equal(out, ref)
 
 
 def test_int8_activations_leave_float_weights_alone():

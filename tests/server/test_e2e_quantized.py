@@ -1,14 +1,18 @@
 """8- and 4-bit weights served over HTTP: a Q4_1 GGUF file at its width, and a float checkpoint
-with --quantization int8, each answering greedy requests with the text of a float32 checkpoint
-holding the same (dequantized) weights."""
+with --quantization int8 or fp8, and an FP8 checkpoint in the compressed-tensors format, each
+answering greedy requests with the text of a float32 checkpoint holding the same (dequantized)
+weights."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import httpx
+import numpy as np
 import pytest
+import torch
 
 from spyre_serve.models.profiles import ASSETS, TINY, TOKENIZER_FILES, init_tensors
 from spyre_serve.models.quantize import quantize_matrices
@@ -33,12 +37,48 @@ def checkpoints(tmp_path_factory):
         return d
 
     held = write_gguf(root / "m.Q4_1.gguf", config, tensors, qtype=Q.Q4_1, tokenizer_dir=ASSETS)
-    int8 = {n: t.dequantize() if hasattr(t, "dequantize") else t
-            for n, t in quantize_matrices(tensors, "int8").items()}
+    int8, fp8 = ({n: t.dequantize() if hasattr(t, "dequantize") else t
+                  for n, t in quantize_matrices(tensors, method).items()} for method in ("int8", "fp8"))
     return {"gguf": root / "m.Q4_1.gguf",
             "gguf_twin": with_tokenizer(write_numpy_checkpoint(root / "gguf_twin", config, held)),
             "float": with_tokenizer(write_numpy_checkpoint(root / "float", config, tensors)),
-            "int8_twin": with_tokenizer(write_numpy_checkpoint(root / "int8_twin", config, int8))}
+            "int8_twin": with_tokenizer(write_numpy_checkpoint(root / "int8_twin", config, int8)),
+            "fp8_twin": with_tokenizer(write_numpy_checkpoint(root / "fp8_twin", config, fp8)),
+            **write_compressed_tensors_fp8(root, config, tensors, with_tokenizer)}
+
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_compressed_tensors_fp8(root, config, tensors, with_tokenizer):
+    """An FP8 checkpoint as llm-compressor writes one (torch's float8_e4m3fn cast, bfloat16
+    scales a channel, a static input_scale on one layer, lm_head and norms float32) and its
+    float32 twin: {"ct_fp8": dir, "ct_fp8_twin": dir}."""
+    from safetensors.torch import save_file
+
+    out, twin = {}, {}
+    for name, t in tensors.items():
+        w = torch.from_numpy(np.ascontiguousarray(t))
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            scale = (w.abs().amax(dim=1, keepdim=True) / 448).to(torch.bfloat16)
+            q = (w / scale.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[name], out[name + "_scale"] = q, scale
+            twin[name] = (q.float() * scale.float()).numpy()
+            if name.startswith("model.layers.0.self_attn.q_proj"):
+                out[name.replace(".weight", ".input_scale")] = torch.ones(1, dtype=torch.bfloat16)
+        else:
+            out[name], twin[name] = w, t
+    ct = root / "ct_fp8"
+    ct.mkdir()
+    save_file(out, str(ct / "model.safetensors"))
+    cfg = config.to_dict() | {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                      "weights": {"type": "float", "num_bits": 8,
+                                                  "strategy": "channel", "symmetric": True}}}}}
+    (ct / "config.json").write_text(json.dumps(cfg))
+    return {"ct_fp8": with_tokenizer(ct),
+            "ct_fp8_twin": with_tokenizer(write_numpy_checkpoint(root / "ct_twin", config, twin))}
 
 
 def serve_greedy(model, **settings):
@@ -73,6 +113,23 @@ def test_quantization_int8_serves_the_int8_weights(checkpoints):
     want, _, want_compute = serve_greedy(checkpoints["int8_twin"])
     assert texts == want and want_compute == "float32"
     assert set(formats) == {"Q8_0"}             # int8 per channel, in Q8_0's layout
+
+
+def test_quantization_fp8_serves_the_fp8_weights_with_float_inputs(checkpoints):
+    """E4M3 weights, a scale a channel, kept 8-bit on the card; auto keeps the checkpoint's
+    float32 inputs (no int8 path for float quants): the fp8-dequantized twin's text."""
+    texts, formats, compute = serve_greedy(checkpoints["float"], quantization="fp8")
+    want, want_formats, _ = serve_greedy(checkpoints["fp8_twin"])
+    assert compute == "float32" and texts == want and len(set(texts)) == len(PROMPTS)
+    assert set(formats) == {"FP8_E4M3"}
+    assert formats["FP8_E4M3"] < 0.3 * want_formats["float32"]      # 8.5 bits a weight
+
+
+def test_a_compressed_tensors_fp8_checkpoint_is_served_at_its_width(checkpoints):
+    texts, formats, compute = serve_greedy(checkpoints["ct_fp8"])
+    want, _, _ = serve_greedy(checkpoints["ct_fp8_twin"])
+    assert compute == "float32" and texts == want and len(set(texts)) == len(PROMPTS)
+    assert "FP8_E4M3" in formats
 
 
 def test_by_default_quantized_weights_take_int8_activations(checkpoints):
