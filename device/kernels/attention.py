@@ -19,15 +19,22 @@ from numba import njit, prange
 
 from spyre_serve.device.abi import chunks_for, get_kernel_threads
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_BF16R, FMT_F32, narrow
-from spyre_serve.device.kernels.microkernel import tile
+from spyre_serve.device.kernels.microkernel import tile, wide_tile
 from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
-from spyre_serve.device.kernels.simd import NR, prefetch_span, tile_height
+from spyre_serve.device.kernels.simd import (
+    NR,
+    prefetch_span,
+    tile_height,
+    wide_cols,
+    wide_tile_height,
+)
 
 # Work items are (a tile of query rows of one sequence, one KV head): up to this many query
 # vectors (rows x the query heads of the KV head), so that a tile's scores and running sum stay
 # in L1/L2 while the sequence's blocks pass.
 _QV_MAX = 96
 _CHUNKS_PER_THREAD = 8     # items go to chunks round-robin; a chunk's scratch is allocated once
+_WIDE_MAX_QV = 8           # items of at most this many query vectors take the wide tiles
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -119,15 +126,22 @@ def _check_attention(out, q, k_cache, v_cache, block_tables, query_start, contex
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _tiles(c, c_off, ldc, a, lda, nrows, w, w_off, ldw, panels, kc, accumulate, fmt):
-    """c[:nrows, :panels * NR] (+)= a[:nrows, :kc] @ W for W's rows ldw elements apart from
-    w_off (all flat; row strides ldc, lda): the GEMM's tiles on a KV cache block."""
-    for p in range(panels):
+def _tiles(c, c_off, ldc, a, lda, nrows, w, w_off, ldw, cols, kc, accumulate, fmt, wide):
+    """c[:nrows, :cols] (+)= a[:nrows, :kc] @ W for W's rows ldw elements apart from w_off
+    (all flat; row strides ldc, lda): the GEMM's tiles on a KV cache block, NR columns at a
+    time, or (wide) wide_cols() at a time; cols a multiple of that width."""
+    width = wide_cols() if wide else NR
+    for p in range(cols // width):
         r0 = 0
         while r0 < nrows:
-            mr = tile_height(nrows - r0)
-            tile(mr, a, r0 * lda, lda, w, w_off + p * NR, ldw, c, c_off + r0 * ldc + p * NR,
-                 ldc, kc, accumulate, fmt)
+            if wide:
+                mr = wide_tile_height(nrows - r0)
+                wide_tile(mr, a, r0 * lda, lda, w, w_off + p * width, ldw, c,
+                          c_off + r0 * ldc + p * width, ldc, kc, accumulate, fmt)
+            else:
+                mr = tile_height(nrows - r0)
+                tile(mr, a, r0 * lda, lda, w, w_off + p * width, ldw, c,
+                     c_off + r0 * ldc + p * width, ldc, kc, accumulate, fmt)
             r0 += mr
 
 
@@ -142,6 +156,9 @@ def _attend_item(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, grou
     h0 = kvh * group
     n_keys = pos0 + nr        # keys the last row sees
     tfmt = FMT_BF16R if fmt == FMT_BF16 else fmt     # the tiles' name for bfloat16 rows
+    wc = wide_cols()
+    # a few query vectors (a decode row's heads): wide tiles, a block's row in one pass
+    wide = nqv <= _WIDE_MAX_QV and bs % wc == 0 and d % wc == 0
     for j in range(nr):
         for g in range(group):
             for i in range(d):
@@ -161,14 +178,16 @@ def _attend_item(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, grou
             prefetch_span(kf, nxt, d * bs)
             prefetch_span(vf, nxt, d * bs)
         scores = sbuf[:nqv * bs].reshape(nqv, bs)
-        _tiles(sbuf, 0, bs, af, d, nqv, kf, base, bs, (cnt + NR - 1) // NR, d, 0, tfmt)
+        width = wc if wide else NR
+        _tiles(sbuf, 0, bs, af, d, nqv, kf, base, bs, (cnt + width - 1) // width * width, d, 0,
+               tfmt, wide)
         # masked: keys past cnt (stale), and key b*bs+o for row r unless <= pos0 + r (causal)
         for qi in range(nqv):
             first_hidden = min(cnt, max(0, pos0 + qi // group + 1 - b * bs))
             for o in range(first_hidden, bs):
                 scores[qi, o] = NEG_BIG
         online_softmax_block(scores, m[:nqv], denom[:nqv], accv, bits)
-        _tiles(accf, 0, d, sbuf, bs, nqv, vf, base, d, d // NR, cnt, 1, tfmt)
+        _tiles(accf, 0, d, sbuf, bs, nqv, vf, base, d, d, cnt, 1, tfmt, wide)
     for j in range(nr):
         for g in range(group):
             inv = np.float32(1.0) / denom[j * group + g]
@@ -194,7 +213,10 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
     and the query heads sharing that KV head are processed together, so each K/V row is read
     once per tile. Per cache block: the scores by the GEMM's tiles on the block's K^T, an
     online-softmax update (float32, exponentials by `exp_nonpos`, 3e-7 relative), the
-    weighted sum by the tiles on its V: a decode row as a prefill tile, in full vectors.
+    weighted sum by the tiles on its V: a decode row as a prefill tile, in full vectors. An
+    item of at most _WIDE_MAX_QV query vectors (a decode row's heads) takes the wide tiles
+    (microkernel.wide_tile: 64 columns on AVX-512), so each row of K^T or V is read once a
+    few heights rather than once a 16-column panel and a height.
     Items are dealt round-robin to chunks (a causal prefill's late tiles cost more than its
     early ones), each chunk's scratch allocated once.
     Rows past query_start[S] (bucket padding) are left untouched.

@@ -245,9 +245,25 @@ def tile(typingctx, mr, a, a_off, lda, w, w_off, ldw, c, c_off, ldc, kc, accumul
         return None
     i64 = types.int64
     sig = types.void(i64, a, i64, i64, w, i64, i64, c, i64, i64, i64, i64, i64)
+    return sig, _tile_codegen(wide=False)
 
+
+@intrinsic
+def wide_tile(typingctx, mr, a, a_off, lda, w, w_off, ldw, c, c_off, ldc, kc, accumulate, fmt):
+    """`tile` over simd.wide_cols() columns of rows ldw apart (mr a wide height:
+    simd.wide_tile_height), float32, float16 or bfloat16 in plain rows (FMT_BF16R): a few
+    rows (a decode row's query heads) over a KV cache block in one pass, a row of the block
+    WIDE_VECTORS vectors, where NR-column tiles would pass it once a panel and a height."""
+    if w.dtype not in (types.float32, types.uint16):
+        return None
+    i64 = types.int64
+    sig = types.void(i64, a, i64, i64, w, i64, i64, c, i64, i64, i64, i64, i64)
+    return sig, _tile_codegen(wide=True)
+
+
+def _tile_codegen(wide):
     def codegen(context, builder, signature, args):
-        g = geometry()
+        g = geometry().wide() if wide else geometry()
         mr_v, a_v, a_off, lda, w_v, w_off, ldw, c_v, c_off, ldc, kc, accf, fmt_v = args
         a_ptr = array_ptr(context, builder, signature.args[1], a_v)
         w_ptr = array_ptr(context, builder, signature.args[4], w_v)
@@ -267,6 +283,8 @@ def tile(typingctx, mr, a, a_off, lda, w, w_off, ldw, c, c_off, ldc, kc, accumul
 
             if wdt == types.float32:
                 emit("f32")
+            elif wdt == types.uint16 and wide:
+                choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_BF16R, "bf16r")], emit)
             elif wdt == types.uint16:
                 choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_BF16R, "bf16r"),
                                         (FMT_BF16, "bf16")], emit)
@@ -278,4 +296,4 @@ def tile(typingctx, mr, a, a_off, lda, w, w_off, ldw, c, c_off, ldc, kc, accumul
         by_height(builder, mr_v, g.heights, height)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen

@@ -22,7 +22,7 @@ heights), so a level compiles only its own heights.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llvmlite import ir
 from numba import types
@@ -30,6 +30,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 NR = 16          # columns per panel (every level: the weights' layout does not depend on it)
+WIDE_VECTORS = 4  # vectors a row of a wide tile (Geometry.wide)
 # Every tile asks for the weights PREFETCH_BYTES ahead of each row it reads, before the
 # hardware's prefetcher would (amx host, 2 cores: a 453 MB fp32 GEMV 27.2 -> 31.8 GB/s of the
 # 34-36 a plain read gets, 512 B ahead 29.8; a 512-token fp32 prefill 640 -> 582 ms and a
@@ -69,6 +70,7 @@ class Geometry:
     bf16_dot: bool                 # vdpbf16ps
     vnni: bool                     # vpdpbusd
     amx: bool                      # AMX-BF16 tiles
+    cols: int = NR                 # columns of a tile (NR; a wide tile's: WIDE_VECTORS vectors)
 
     @property
     def vec(self) -> ir.VectorType:
@@ -80,11 +82,20 @@ class Geometry:
 
     @property
     def nv(self) -> int:
-        return NR // self.vw
+        return self.cols // self.vw
+
+    def wide(self) -> Geometry:
+        """The wide tile's geometry: WIDE_VECTORS vectors a row (64 columns on AVX-512, 32 on
+        AVX2), few rows (the accumulators and a row of weights in the registers): for a few
+        rows over a long stream, e.g. a decode row's query heads over a KV block."""
+        return replace(self, cols=WIDE_VECTORS * self.vw,
+                       heights=(4, 3, 2, 1) if self.vw == 16 else (3, 2, 1))
 
     def unroll(self, mr: int) -> int:
         """Accumulator sets of a tile of mr rows: enough independent sums that the FMA latency
         never limits a short tile (AVX2 as it always was: 4, 2, 1)."""
+        if self.cols != NR:
+            return max(1, 8 // (mr * self.nv))
         if self.vw == 8:
             return 4 if mr == 1 else 2 if mr == 2 else 1
         return max(1, 8 // mr)
@@ -110,12 +121,37 @@ def tile_height(typingctx, rows):
 
     def codegen(context, builder, signature, args):
         r = context.cast(builder, args[0], signature.args[0], types.int64)
-        out = const(1)
-        for h in sorted(geometry().heights):
-            if h > 1:
-                out = builder.select(builder.icmp_signed(">=", r, const(h)), const(h), out)
-        return out
+        return _largest_height(builder, r, geometry().heights)
     return types.int64(rows), codegen
+
+
+def _largest_height(builder, r, heights):
+    """The largest of heights at most r (r >= 1; 1 is always one): a chain of selects."""
+    out = const(1)
+    for h in sorted(heights):
+        if h > 1:
+            out = builder.select(builder.icmp_signed(">=", r, const(h)), const(h), out)
+    return out
+
+
+@intrinsic
+def wide_tile_height(typingctx, rows):
+    """The largest wide-tile height of this level at most `rows` (rows >= 1)."""
+    if not isinstance(rows, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        r = context.cast(builder, args[0], signature.args[0], types.int64)
+        return _largest_height(builder, r, geometry().wide().heights)
+    return types.int64(rows), codegen
+
+
+@intrinsic
+def wide_cols(typingctx):
+    """Columns of this level's wide tile (64 on AVX-512, 32 on AVX2)."""
+    def codegen(context, builder, signature, args):
+        return const(geometry().wide().cols)
+    return types.int64(), codegen
 
 
 @intrinsic

@@ -96,6 +96,13 @@ def test_batched_decode_with_gqa_ratio(group):
     _run_and_compare([1, 1, 1], [5, 64, 129], hq=group, hkv=1, bs=16, seed=group)
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8])
+def test_decode_rows_on_the_wide_tiles(group):
+    # blocks of 64 and D 64: a decode item's query heads go through the wide tiles (every
+    # height, and two tiles for 5 and 8), a block's cut at 5, 64 and 129 keys
+    _run_and_compare([1, 1, 1], [5, 64, 129], hq=2 * group, hkv=2, bs=64, seed=group, d=64)
+
+
 def test_mixed_batch_decode_and_chunked_prefill():
     # decode of a long sequence, a chunk with a prefix already cached, a fresh prefill
     _run_and_compare([1, 7, 10, 1], [40, 30, 10, 3], hq=8, hkv=2, bs=16, seed=3)
