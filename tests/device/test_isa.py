@@ -59,7 +59,8 @@ def test_every_level_below_the_hosts_passes_the_gemm_tests(level):
     """Each level below the host's, in a fresh process (the level is chosen before Numba
     compiles, and its code cached apart): the GEMM tests of every tile family (float32,
     16-bit widened or by the level's dot products, 8- and 4-bit with float or int8 inputs)
-    against their numpy references. The host's own level is the rest of the suite's."""
+    and the attention's (its tiles and wide tiles at the level's width) against their numpy
+    references. The host's own level is the rest of the suite's."""
     host = current().host_level
     if LEVELS.index(level) > LEVELS.index(host):
         pytest.skip(f"this CPU runs at most {host}, not {level}")
@@ -67,7 +68,8 @@ def test_every_level_below_the_hosts_passes_the_gemm_tests(level):
         pytest.skip(f"{level} is the host's level: the suite itself runs it")
     here = os.path.dirname(__file__)
     files = [os.path.join(here, f) for f in ("test_kernels_gemm_packed.py",
-                                             "test_kernels_gemm_quantized.py")]
+                                             "test_kernels_gemm_quantized.py",
+                                             "test_kernels_attention.py")]
     env = {**os.environ, "SPYRE_KERNEL_ISA": level}   # its own cache directory: keyed by the level
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                           *files], env=env, capture_output=True, text=True, timeout=1200,
