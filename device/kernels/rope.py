@@ -7,7 +7,8 @@ Angles are computed in float32 like transformers does (position as float32
 times inv_freq), so large positions round the same way.
 
 A step computes each row's cos and sin once (`rope_tables`: libm calls, one pair an angle)
-and every layer rotates q and k with them (`rope_apply`: multiply-adds only).
+and every layer rotates q and k with them while splitting the fused QKV rows (`split_rope`:
+multiply-adds only); `rope_inplace` (tables, then `rope_apply`) rotates one tensor alone.
 """
 
 import numpy as np

@@ -206,8 +206,9 @@ def draw(z, temperature, top_k, top_p, min_p, seed, counter, w, idx):
         # bound of the top_k-th largest value, so everything below it is out.
         width = v_n // top_k
         bound = zmax
+        acc = np.empty(_LANES, np.float32)          # one scratch for every chunk's maximum
         for c in range(top_k):
-            bound = min(bound, _max(z[c * width:(c + 1) * width]))
+            bound = min(bound, _max_lanes(z[c * width:(c + 1) * width], acc))
         m = 0
         for i in range(v_n):
             if z[i] >= bound:
