@@ -114,7 +114,8 @@ def _map_file(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     return out
 
 
-def _widen(code: str, stored: np.ndarray) -> np.ndarray:
+def widen_stored(code: str, stored: np.ndarray) -> np.ndarray:
+    """A stored float tensor (F32, BF16, F16 bits) as float32."""
     if code == "F32":
         return stored                     # read-only view of the mapping
     if code == "BF16":
@@ -210,7 +211,7 @@ def load_checkpoint(path: str | Path, config: GraniteConfig | None = None, *,
         del stored["lm_head.weight"]
     fp8 = {}
     if fp8_weight_scheme(_quantization_config(path)) is not None:
-        fp8 = take_fp8_weights(stored, path)
+        fp8 = take_fp8_weights(stored, path, widen_stored)
     elif any(code == FP8_CODE for code, _ in stored.values()):
         raise CheckpointError(f"{path}: F8_E4M3 tensors without a compressed-tensors "
                               "quantization_config in config.json")
@@ -219,7 +220,7 @@ def load_checkpoint(path: str | Path, config: GraniteConfig | None = None, *,
     check_shapes(path, expected, {name: arr.shape for name, (_, arr) in stored.items()})
 
     if widen:
-        tensors = {name: fp8[name] if name in fp8 else _widen(*stored[name]) for name in expected}
+        tensors = {name: fp8[name] if name in fp8 else widen_stored(*stored[name]) for name in expected}
     else:
         tensors = {name: fp8[name] if name in fp8 else stored[name][1] for name in expected}
     dtypes = {name: stored[name][0] for name in expected}

@@ -32,6 +32,7 @@ from spyre_serve.device.layout import QuantizedWeight
 log = logging.getLogger("spyre_serve.models")
 
 FP8_CODE = "F8_E4M3"     # safetensors' dtype code of an E4M3 tensor
+_SCALE_CODES = ("F32", "BF16", "F16")
 
 
 class QuantizationConfigError(ValueError):
@@ -63,9 +64,11 @@ def fp8_weight_scheme(quantization_config: dict | None) -> str | None:
     return "channel" if "channel" in strategies else "tensor"
 
 
-def take_fp8_weights(stored: dict[str, tuple[str, np.ndarray]], source) -> dict[str, QuantizedWeight]:
+def take_fp8_weights(stored: dict[str, tuple[str, np.ndarray]], source,
+                     widen) -> dict[str, QuantizedWeight]:
     """Every F8_E4M3 ``X.weight`` of ``stored`` (name -> (dtype code, stored array)) with its
-    ``X.weight_scale``, as FMT_FP8 weights; the scales and input scales are removed from
+    ``X.weight_scale`` (a float tensor, made float32 by ``widen(code, array)``: the
+    checkpoint reader's), as FMT_FP8 weights; the scales and input scales are removed from
     ``stored``, the weights stay there (their shapes are checked with the rest)."""
     out = {}
     for name in [n for n, (code, _) in stored.items() if code == FP8_CODE]:
@@ -80,7 +83,10 @@ def take_fp8_weights(stored: dict[str, tuple[str, np.ndarray]], source) -> dict[
             raise QuantizationConfigError(f"{source}: FP8 weight {name!r} [{n}, {k}]: rows in "
                                           f"whole blocks of {QB} are served")
         code, raw = stored.pop(scale_name)
-        scale = _as_float32(code, raw).reshape(-1)
+        if code not in _SCALE_CODES:
+            raise QuantizationConfigError(f"{source}: {scale_name!r} is stored as {code}; "
+                                          f"{', '.join(_SCALE_CODES)} are served")
+        scale = np.asarray(widen(code, raw), np.float32).reshape(-1)
         if scale.size not in (1, n):
             raise QuantizationConfigError(f"{source}: {scale_name!r} has {scale.size} values; a "
                                           f"channel's ({n}) or the tensor's (1) are served")
@@ -94,10 +100,3 @@ def take_fp8_weights(stored: dict[str, tuple[str, np.ndarray]], source) -> dict[
         stored.pop(name[:-len(".weight")] + ".input_scale", None)
     return out
 
-
-def _as_float32(code: str, raw: np.ndarray) -> np.ndarray:
-    if code == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    if code in ("F32", "F16"):
-        return raw.astype(np.float32)
-    raise QuantizationConfigError(f"a weight scale stored as {code}: F32, BF16 or F16 are served")

@@ -159,6 +159,7 @@ def _attend_item(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, grou
     wc = wide_cols()
     # a few query vectors (a decode row's heads): wide tiles, a block's row in one pass
     wide = nqv <= _WIDE_MAX_QV and bs % wc == 0 and d % wc == 0
+    width = wc if wide else NR                        # the tiles' columns at a time
     for j in range(nr):
         for g in range(group):
             for i in range(d):
@@ -178,7 +179,6 @@ def _attend_item(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, grou
             prefetch_span(kf, nxt, d * bs)
             prefetch_span(vf, nxt, d * bs)
         scores = sbuf[:nqv * bs].reshape(nqv, bs)
-        width = wc if wide else NR
         _tiles(sbuf, 0, bs, af, d, nqv, kf, base, bs, (cnt + width - 1) // width * width, d, 0,
                tfmt, wide)
         # masked: keys past cnt (stale), and key b*bs+o for row r unless <= pos0 + r (causal)

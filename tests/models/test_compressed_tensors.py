@@ -6,6 +6,7 @@ import pytest
 
 from spyre_serve.device.kernels.formats import FMT_FP8
 from spyre_serve.device.layout import fp8_e4m3_decode, fp8_e4m3_encode
+from spyre_serve.models.checkpoint import widen_stored
 from spyre_serve.models.compressed_tensors import (
     QuantizationConfigError,
     fp8_weight_scheme,
@@ -47,7 +48,7 @@ def test_weights_take_their_scales_and_the_scales_leave(per_channel):
               "a.weight_scale": ("BF16", bf16(scale).reshape(-1, 1) if per_channel else bf16(scale)),
               "a.input_scale": ("BF16", bf16([1.0])),
               "norm.weight": ("F32", np.ones(64, np.float32))}
-    got = take_fp8_weights(stored, "ckpt")
+    got = take_fp8_weights(stored, "ckpt", widen_stored)
     assert set(stored) == {"a.weight", "norm.weight"}          # the scales are consumed
     qw = got["a.weight"]
     assert qw.fmt == FMT_FP8 and (qw.q == codes).all()
@@ -57,4 +58,4 @@ def test_weights_take_their_scales_and_the_scales_leave(per_channel):
 
 def test_a_weight_without_its_scale_is_refused():
     with pytest.raises(QuantizationConfigError, match="has no 'a.weight_scale'"):
-        take_fp8_weights({"a.weight": ("F8_E4M3", np.zeros((2, 32), np.uint8))}, "ckpt")
+        take_fp8_weights({"a.weight": ("F8_E4M3", np.zeros((2, 32), np.uint8))}, "ckpt", widen_stored)
