@@ -24,36 +24,34 @@ from spyre_serve.device.kernels.formats import FMT_FP8, FMT_Q8_0
 from spyre_serve.device.kernels.simd import QB
 from spyre_serve.device.layout import FP8_E4M3_MAX, QuantizedWeight, fp8_e4m3_encode
 
-QUANTIZATIONS = ("int8", "fp8")
+
+def _per_channel(w: np.ndarray, method: str, fmt: int, largest: float, encode) -> QuantizedWeight:
+    """float [N, K] (K in whole blocks of 32) -> one float16 scale a row, d = max|row| /
+    largest, and the row's codes encode(W / d) (a row of zeros: zeros), in Q8_0's records."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    if k % QB:
+        raise ValueError(f"{method} quantization needs rows in whole blocks of {QB}; a row has {k}")
+    d16 = (np.abs(w).max(axis=1) / np.float32(largest)).astype(np.float16)        # [N]
+    d = d16.astype(np.float32)[:, None]
+    codes = encode(w / np.where(d == 0, np.float32(1), d))
+    q = np.where(d == 0, 0, codes).astype(codes.dtype)
+    return QuantizedWeight(fmt, q, np.repeat(d16[:, None], k // QB, axis=1))
 
 
 def quantize_int8_per_channel(w: np.ndarray) -> QuantizedWeight:
     """float [N, K] (K in whole blocks of 32) -> int8 per output channel, in Q8_0's layout."""
-    w = np.asarray(w, np.float32)
-    n, k = w.shape
-    if k % QB:
-        raise ValueError(f"int8 quantization needs rows in whole blocks of {QB}; a row has {k}")
-    d16 = (np.abs(w).max(axis=1) / np.float32(127)).astype(np.float16)        # [N]
-    d = d16.astype(np.float32)[:, None]
-    safe = np.where(d == 0, np.float32(1), d)
-    q = np.where(d == 0, 0, np.clip(np.rint(w / safe), -127, 127)).astype(np.int8)
-    return QuantizedWeight(FMT_Q8_0, q, np.repeat(d16[:, None], k // QB, axis=1))
+    return _per_channel(w, "int8", FMT_Q8_0, 127,
+                        lambda x: np.clip(np.rint(x), -127, 127).astype(np.int8))
 
 
 def quantize_fp8_per_channel(w: np.ndarray) -> QuantizedWeight:
     """float [N, K] (K in whole blocks of 32) -> FP8 E4M3 per output channel (FMT_FP8)."""
-    w = np.asarray(w, np.float32)
-    n, k = w.shape
-    if k % QB:
-        raise ValueError(f"fp8 quantization needs rows in whole blocks of {QB}; a row has {k}")
-    d16 = (np.abs(w).max(axis=1) / np.float32(FP8_E4M3_MAX)).astype(np.float16)   # [N]
-    d = d16.astype(np.float32)[:, None]
-    safe = np.where(d == 0, np.float32(1), d)
-    q = np.where(d == 0, np.uint8(0), fp8_e4m3_encode(w / safe)).astype(np.uint8)
-    return QuantizedWeight(FMT_FP8, q, np.repeat(d16[:, None], k // QB, axis=1))
+    return _per_channel(w, "fp8", FMT_FP8, FP8_E4M3_MAX, fp8_e4m3_encode)
 
 
 _METHODS = {"int8": quantize_int8_per_channel, "fp8": quantize_fp8_per_channel}
+QUANTIZATIONS = tuple(_METHODS)
 
 
 def quantize_matrices(tensors: dict, method: str) -> dict:
