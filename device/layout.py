@@ -48,7 +48,6 @@ from spyre_serve.device.memory import DeviceError, DeviceTensor
 
 STORAGE = {FMT_F32: np.float32, FMT_BF16: np.uint16, FMT_F16: np.uint16}
 QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8)
-INTEGER_QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1)      # what int8 activations multiply
 FP8_E4M3_MAX = 448.0      # OCP 8-bit floats, E4M3 (torch's float8_e4m3fn): the largest finite
 
 

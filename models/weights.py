@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from spyre_serve.device import Card, DeviceTensor
+from spyre_serve.device.kernels.formats import has_integer_quants
 from spyre_serve.device.kernels.gemm_inputs import ACT_INT8
 from spyre_serve.device.layout import (
-    INTEGER_QUANTIZED,
     GemmWeight,
     QuantizedWeight,
     decode,
@@ -151,7 +151,7 @@ def resolve_compute_dtype(compute_dtype: str, weights: ModelWeights) -> str:
     "float32" keeps activations exact (16-bit weights only widened, quantized ones computed
     on their dequantized values); a 16-bit format needs float weights of that width; "int8"
     needs quantized weights (the float GEMMs beside them keep float32 inputs)."""
-    quantized = any(gw.fmt in INTEGER_QUANTIZED for gw in weights.gemm_weights())
+    quantized = any(has_integer_quants(gw.fmt) for gw in weights.gemm_weights())
     if compute_dtype == "auto":
         return "int8" if quantized else weights.dtype
     if compute_dtype not in COMPUTE_DTYPES:
