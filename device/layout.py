@@ -10,7 +10,7 @@ and a storage format; the card packs it once into panels of NR columns and keeps
     |    |    |    |             +---------------+
     +----+----+----+--           | panel 1       |  (the last panel is zero past column N)
 
-Formats: "float32", "bfloat16" or "float16" (16-bit values stored as uint16 bits; the
+Formats: "float32", "bfloat16", "float16" or "dlfloat16" (16-bit values stored as uint16 bits; the
 kernels widen them to float32 right after the load, or multiply bfloat16 pairs natively; a
 bfloat16 panel keeps rows k and k + 1 of a column together, K padded to BF16_KB rows). Converting float32 to a 16-bit format
 rounds to nearest even, as torch's `.to(torch.bfloat16 / torch.float16)` does, so a
@@ -32,6 +32,7 @@ import numpy as np
 from spyre_serve.device.card import Card
 from spyre_serve.device.kernels.formats import (
     FMT_BF16,
+    FMT_DLF16,
     FMT_F16,
     FMT_F32,
     FMT_FP8,
@@ -45,10 +46,10 @@ from spyre_serve.device.kernels.formats import (
 )
 from spyre_serve.device.kernels.simd import NR, QB
 from spyre_serve.device.memory import DeviceError, DeviceTensor
+from spyre_serve.device.numerics import dlfloat16_decode, dlfloat16_encode, fp8_e4m3_decode
 
-STORAGE = {FMT_F32: np.float32, FMT_BF16: np.uint16, FMT_F16: np.uint16}
+STORAGE = {FMT_F32: np.float32, FMT_BF16: np.uint16, FMT_F16: np.uint16, FMT_DLF16: np.uint16}
 QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8)
-FP8_E4M3_MAX = 448.0      # OCP 8-bit floats, E4M3 (torch's float8_e4m3fn): the largest finite
 
 
 def format_code(dtype: str) -> int:
@@ -70,31 +71,6 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def fp8_e4m3_encode(x: np.ndarray) -> np.ndarray:
-    """float32 -> E4M3 codes (uint8), from the OCP spec: sign, 4 exponent bits (bias 7), 3
-    mantissa bits, subnormals below 2^-6 (steps of 2^-9), no infinities; rounded to nearest
-    even, saturating at +-448 (a value past it becomes +-448, as quantizers clamp before the
-    cast); NaN -> 0x7F."""
-    x = np.asarray(x, np.float32)
-    a = np.abs(x).astype(np.float64)
-    _, ex = np.frexp(a)                                   # a = f 2^ex, f in [0.5, 1)
-    quantum = np.exp2(np.clip(ex - 1, -6, 8) - 3)         # a value's spacing at its exponent
-    q = np.minimum(np.rint(a / quantum) * quantum, FP8_E4M3_MAX)
-    half = (q / 256).astype(np.float16).view(np.uint16)   # exact: E4M3 / 256 is a float16
-    codes = ((half >> 7) & 0x7F).astype(np.uint8) | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
-    return np.where(np.isnan(x), np.uint8(0x7F), codes).astype(np.uint8)
-
-
-def fp8_e4m3_decode(codes: np.ndarray) -> np.ndarray:
-    """E4M3 codes (uint8) -> float32, exactly; 0x7F / 0xFF are NaN. The kernels widen a code
-    as the float16 whose bits are (sign << 15) | (rest << 7), times 256 (the same value for
-    every finite code: E4M3 is float16's top bits at an exponent 8 lower)."""
-    b = np.asarray(codes, np.uint8).astype(np.uint16)
-    half = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    value = half.view(np.float16).astype(np.float32) * np.float32(256)
-    return np.where((b & 0x7F) == 0x7F, np.float32(np.nan), value)
-
-
 def encode(x: np.ndarray, fmt: int) -> np.ndarray:
     """float32 values -> storage values of format fmt (float32, or uint16 bits)."""
     x = np.asarray(x, np.float32)
@@ -102,6 +78,8 @@ def encode(x: np.ndarray, fmt: int) -> np.ndarray:
         return x
     if fmt == FMT_BF16:
         return to_bf16_bits(x)
+    if fmt == FMT_DLF16:
+        return dlfloat16_encode(x)
     return x.astype(np.float16).view(np.uint16)
 
 
@@ -111,6 +89,8 @@ def decode(stored: np.ndarray, fmt: int) -> np.ndarray:
         return np.asarray(stored, np.float32)
     if fmt == FMT_BF16:
         return from_bf16_bits(stored)
+    if fmt == FMT_DLF16:
+        return dlfloat16_decode(stored)
     return stored.view(np.float16).astype(np.float32)
 
 
@@ -263,7 +243,7 @@ class GemmWeight:
     tensor: DeviceTensor     # [ceil(N/NR), K, NR] float32 or uint16; quantized: uint8
     k: int                   #   [ceil(N/NR), K/QB, record bytes]
     n: int
-    fmt: int                 # FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8
+    fmt: int                 # FMT_F32, FMT_BF16, FMT_F16, FMT_DLF16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8
 
     @property
     def address(self) -> int:

@@ -8,7 +8,7 @@ made 8-bit before they are placed on the card.
            the dequantized d[n] * q[n, k], computed with float32 activations.
     fp8    E4M3 with one scale per output channel (Spyre's FP8 weights; vLLM's dynamic fp8):
                d[n] = float16(max_k |W[n, k]| / 448),  q[n, k] = e4m3(W[n, k] / d[n])
-           (round to nearest even, saturating at 448: device/layout.py fp8_e4m3_encode), in
+           (round to nearest even, saturating at 448: device/numerics.py fp8_e4m3_encode), in
            Q8_0's records (FMT_FP8), widened in registers; the model is d[n] * e4m3(q[n, k]),
            computed with the checkpoint's float activations (no int8 inputs).
 
@@ -22,7 +22,8 @@ import numpy as np
 
 from spyre_serve.device.kernels.formats import FMT_FP8, FMT_Q8_0
 from spyre_serve.device.kernels.simd import QB
-from spyre_serve.device.layout import FP8_E4M3_MAX, QuantizedWeight, fp8_e4m3_encode
+from spyre_serve.device.layout import QuantizedWeight
+from spyre_serve.device.numerics import FP8_E4M3_MAX, fp8_e4m3_encode
 
 
 def _per_channel(w: np.ndarray, method: str, fmt: int, largest: float, encode) -> QuantizedWeight:

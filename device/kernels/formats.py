@@ -7,9 +7,13 @@ device/kernels/gemm.py describes the layouts; device/layout.py packs them.
     FMT_FP8                           FP8 E4M3 (OCP's float8_e4m3fn) in Q8_0's records: a
                                       float16 scale a column, the bytes E4M3 values
     FMT_BF16R                         bfloat16 in plain rows: a KV cache block read by the tiles
+    FMT_DLF16                         IBM's DLFloat16, the card's 16-bit format (1 sign, 6
+                                      exponent, 9 fraction bits; device/numerics.py): plain
+                                      rows, as float16
 
 `widen` and `narrow` convert one value between float32 and a 16-bit format's storage (uint16
-bits): a weight read outside the GEMM's tiles, the KV cache written and read.
+bits): a weight read outside the GEMM's tiles, the KV cache written and read; the DLFloat16
+arithmetic is emitted by `dlf16_widen_ir` / `dlf16_narrow_ir` (the tiles widen with it too).
 """
 
 from llvmlite import ir
@@ -17,10 +21,12 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from spyre_serve.device.kernels.simd import F32, I32, NR, QB, const
+from spyre_serve.device.numerics import DLF16_NMAX_BITS
 
 FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
 FMT_BF16R = 7    # bfloat16 in plain rows (a KV cache block), not a packed weight's pairs
 FMT_FP8 = 8      # FP8 E4M3 bytes in Q8_0's records (device/layout.py: fp8_e4m3_encode)
+FMT_DLF16 = 9    # DLFloat16 bits in plain rows (device/numerics.py: dlfloat16_encode)
 # bytes of one record (QB rows of one panel) of each block-quantized format
 SCALE_BYTES = 2 * NR                              # NR float16 values
 GROUP_BYTES = 4 * NR                              # 4 rows of a panel, a column's 4 bytes together
@@ -30,14 +36,15 @@ REC_Q8_0, REC_Q4_0, REC_Q4_1 = (RECORD_BYTES[f] for f in (FMT_Q8_0, FMT_Q4_0, FM
 BF16_KB = 32     # a bfloat16 weight's K is padded with zero rows to a multiple of this (AMX's tile)
 
 FORMATS = {"float32": FMT_F32, "bfloat16": FMT_BF16, "float16": FMT_F16,
-           "Q8_0": FMT_Q8_0, "Q4_0": FMT_Q4_0, "Q4_1": FMT_Q4_1, "FP8_E4M3": FMT_FP8}
+           "Q8_0": FMT_Q8_0, "Q4_0": FMT_Q4_0, "Q4_1": FMT_Q4_1, "FP8_E4M3": FMT_FP8,
+           "dlfloat16": FMT_DLF16}
 FORMAT_NAMES = {code: name for name, code in FORMATS.items()}
 
 
 @njit(nogil=True, cache=True, inline="always")
 def is_quantized(fmt):
     """A block-quantized format (uint8 storage: records of QB rows per panel)."""
-    return fmt >= FMT_Q8_0
+    return (fmt >= FMT_Q8_0 and fmt <= FMT_Q4_1) or fmt == FMT_FP8
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -106,14 +113,17 @@ def widen(typingctx, bits, fmt):
             return builder.uitofp(raw, F32)
         half = builder.fpext(builder.bitcast(raw, ir.HalfType()), F32)
         brain = builder.bitcast(builder.shl(builder.zext(raw, I32), ir.Constant(I32, 16)), F32)
-        return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
+        dl = dlf16_widen_ir(builder, builder.zext(raw, I32), I32, F32)
+        out = builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
+        return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_DLF16)), dl, out)
     return types.float32(bits, types.int64), codegen   # (any other 16-bit code: bfloat16)
 
 
 @intrinsic
 def narrow(typingctx, x, store, fmt):
     """float32 x as a value of the array `store`'s type: itself for a float32 array, the bits
-    of the nearest bfloat16 or float16 (fmt; round to nearest even) for a uint16 one."""
+    of the nearest bfloat16 or float16 (fmt; round to nearest even) or DLFloat16 (IBM's
+    rounding: device/numerics.py) for a uint16 one."""
     if x != types.float32 or store.dtype not in (types.float32, types.uint16):
         return None
 
@@ -127,5 +137,55 @@ def narrow(typingctx, x, store, fmt):
         rounded = builder.add(builder.add(u, ir.Constant(I32, 0x7FFF)),
                               builder.and_(builder.lshr(u, ir.Constant(I32, 16)), ir.Constant(I32, 1)))
         brain = builder.trunc(builder.lshr(rounded, ir.Constant(I32, 16)), i16)
-        return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
+        dl = builder.trunc(dlf16_narrow_ir(builder, u), i16)
+        out = builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
+        return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_DLF16)), dl, out)
     return store.dtype(x, store, types.int64), codegen
+
+
+def _k(ty, value):
+    """The constant `value` of an integer or float type, or of each lane of a vector type."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [value] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def dlf16_widen_ir(builder, raw, ity, fty):
+    """DLFloat16 codes (zero-extended into int32 `ity`, a scalar or vector type) -> float32
+    (`fty`), exactly: the exponent rebiased by 96 under the fraction, 0x0000/0x8000 a signed
+    zero, 0x7FFF/0xFFFF NaN (device/numerics.py: dlfloat16_decode)."""
+    mag = builder.and_(raw, _k(ity, 0x7FFF))
+    sign = builder.shl(builder.and_(raw, _k(ity, 0x8000)), _k(ity, 16))
+    normal = builder.or_(sign, builder.add(builder.shl(mag, _k(ity, 14)), _k(ity, 96 << 23)))
+    bits = builder.select(builder.icmp_unsigned("==", mag, _k(ity, 0)), sign, normal)
+    nan = builder.icmp_unsigned("==", mag, _k(ity, 0x7FFF))
+    return builder.select(nan, _k(fty, float("nan")), builder.bitcast(bits, fty))
+
+
+def dlf16_narrow_ir(builder, u):
+    """float32 bits u (int32) -> the DLFloat16 code (in int32), as IBM's conversion rounds:
+    half an ulp added to the fraction (ties away from zero), a carry into the exponent, below
+    exponent 0 a signed zero, past the largest finite the NaN code (device/numerics.py)."""
+    sign = builder.and_(builder.lshr(u, _k(I32, 16)), _k(I32, 0x8000))
+    exp = builder.sub(builder.and_(builder.lshr(u, _k(I32, 23)), _k(I32, 0xFF)), _k(I32, 96))
+    frac = builder.add(builder.and_(u, _k(I32, 0x7FFFFF)), _k(I32, 1 << 13))
+    carry = builder.icmp_unsigned(">", frac, _k(I32, 0x7FFFFF))
+    frac = builder.select(carry, _k(I32, 0), frac)
+    exp = builder.add(exp, builder.zext(carry, I32))
+    normal = builder.or_(builder.or_(sign, builder.shl(exp, _k(I32, 9))),
+                         builder.lshr(frac, _k(I32, 14)))
+    big = builder.icmp_unsigned(">", builder.and_(u, _k(I32, 0x7FFFFFFF)), _k(I32, DLF16_NMAX_BITS))
+    out = builder.select(big, builder.or_(sign, _k(I32, 0x7FFF)), normal)
+    return builder.select(builder.icmp_signed("<", exp, _k(I32, 0)), sign, out)
+
+
+@intrinsic
+def dlfloat16_round(typingctx, x):
+    """float32 x -> the nearest DLFloat16 value (IBM's rounding), as float32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        code = dlf16_narrow_ir(builder, builder.bitcast(args[0], I32))
+        return dlf16_widen_ir(builder, code, I32, F32)
+    return types.float32(x), codegen

@@ -1,7 +1,8 @@
 """A GEMM's inputs as its tiles read them (device/kernels/gemm.py), prepared once per GEMM:
 
     float32 as they are                             (ACT_F32)
-    rounded to bfloat16 / float16, still float32    (FMT_BF16 / FMT_F16 inputs, widening tiles)
+    rounded to bfloat16 / float16 / DLFloat16,      (FMT_BF16 / FMT_F16 / FMT_DLF16 inputs,
+      still float32                                   widening tiles)
     bfloat16 bits, K padded with zeros              (bf16 x bf16 on a level with vdpbf16ps/AMX)
     int8 per row in blocks of QB, with scales       (ACT_INT8: a quantized weight's)
 
@@ -15,11 +16,18 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from spyre_serve.device.abi import chunks_for, get_kernel_threads
-from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16, has_integer_quants, padded_k
+from spyre_serve.device.kernels.formats import (
+    FMT_BF16,
+    FMT_DLF16,
+    FMT_F16,
+    dlfloat16_round,
+    has_integer_quants,
+    padded_k,
+)
 from spyre_serve.device.kernels.simd import F32, QB, has_bf16_dot
 
 ACT_F32, ACT_INT8 = 0, 6   # GEMM inputs: float32, or int8 per block of QB (quantized weights);
-# FMT_BF16 / FMT_F16 as an input format: rounded to that format once per GEMM
+# FMT_BF16 / FMT_F16 / FMT_DLF16 as an input format: rounded to that format once per GEMM
 MODE_FLOAT, MODE_INT8, MODE_DOT = 0, 1, 2    # which of the inputs the tiles read
 
 
@@ -108,7 +116,7 @@ def gemm_inputs(af, m, k, fmt, act):
         else:
             _to_bf16_rows(af, m, k, kp, ab, 0, m)
         return af, aq, ad, asum, ab, kp, MODE_DOT
-    if act == FMT_BF16 or act == FMT_F16:
+    if act == FMT_BF16 or act == FMT_F16 or act == FMT_DLF16:
         rounded = af.copy()
         round_to_format(rounded, act)
         return rounded, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_FLOAT
@@ -129,10 +137,11 @@ def _round_f16(typingctx, x):
 @njit(nogil=True, cache=True, parallel=True)
 def round_to_format(x, fmt):
     """Round every value of the C-contiguous float32 array x, in place, to the nearest value
-    of the 16-bit format fmt (round to nearest even), so that the products of a 16-bit GEMM
-    are exact products of 16-bit numbers, as in a bf16/fp16 multiplier; any other format
-    (FMT_F32; ACT_INT8, which the GEMM of a quantized weight applies itself) does nothing."""
-    if fmt != FMT_BF16 and fmt != FMT_F16:
+    of the 16-bit format fmt (bfloat16, float16: round to nearest even; DLFloat16: IBM's
+    rounding, device/numerics.py), so that the products of a 16-bit GEMM are exact products
+    of 16-bit numbers, as in a 16-bit multiplier; any other format (FMT_F32; ACT_INT8, which
+    the GEMM of a quantized weight applies itself) does nothing."""
+    if fmt != FMT_BF16 and fmt != FMT_F16 and fmt != FMT_DLF16:
         return
     flat = x.reshape(x.size)
     bits = flat.view(np.uint32)
@@ -144,6 +153,9 @@ def round_to_format(x, fmt):
         if fmt == FMT_F16:
             for i in range(lo, hi):
                 flat[i] = _round_f16(flat[i])
+        elif fmt == FMT_DLF16:
+            for i in range(lo, hi):
+                flat[i] = dlfloat16_round(flat[i])
         else:
             for i in range(lo, hi):
                 u = bits[i]

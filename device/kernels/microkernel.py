@@ -7,9 +7,9 @@ float32 FMAs on float32 activations.
 a and c are 1-D float32 arrays addressed by element offsets and row strides; w is a packed
 weight (device/kernels/gemm.py describes the layouts) and w_off the first element of the slab:
 
-- float32 (FMT_F32), or uint16 holding float16 bits (FMT_F16) or bfloat16 bits in plain
-  rows (FMT_BF16R: a KV cache block): the slab is kc rows of NR values, ldw elements apart,
-  widened to float32 right after the load;
+- float32 (FMT_F32), or uint16 holding float16 bits (FMT_F16), DLFloat16 bits (FMT_DLF16)
+  or bfloat16 bits in plain rows (FMT_BF16R: a KV cache block): the slab is kc rows of NR
+  values, ldw elements apart, widened to float32 right after the load;
 - uint16 holding bfloat16 bits (FMT_BF16): the slab is kc / 2 pairs of rows, each pair NR
   columns of 2 values (column j's rows k and k + 1 together, the layout vdpbf16ps and AMX
   read; device/kernels/dot_tile.py); widened by a shift (row k) and a mask (row k + 1);
@@ -41,6 +41,7 @@ from numba.extending import intrinsic
 from spyre_serve.device.kernels.formats import (
     FMT_BF16,
     FMT_BF16R,
+    FMT_DLF16,
     FMT_F16,
     FMT_FP8,
     FMT_Q4_0,
@@ -51,6 +52,7 @@ from spyre_serve.device.kernels.formats import (
     REC_Q4_1,
     REC_Q8_0,
     SCALE_BYTES,
+    dlf16_widen_ir,
 )
 from spyre_serve.device.kernels.simd import (
     I16,
@@ -84,8 +86,8 @@ def _fma_row(builder, g, fma, a_ptr, a_off, lda, k, wv, accs):
 
 
 def _row_weights(builder, g, w_ptr, index, kind):
-    """The NR weights of one row (f32, f16 or bf16r storage) at element `index`, as float32
-    vectors."""
+    """The NR weights of one row (f32, f16, dlf16 or bf16r storage) at element `index`, as
+    float32 vectors."""
     out = []
     for j in range(g.nv):
         at = builder.add(index, const(j * g.vw))
@@ -94,6 +96,9 @@ def _row_weights(builder, g, w_ptr, index, kind):
         elif kind == "f16":
             half = load_vec(builder, w_ptr, at, ir.VectorType(ir.HalfType(), g.vw), 2)
             out.append(builder.fpext(half, g.vec))
+        elif kind == "dlf16":
+            raw = builder.zext(load_vec(builder, w_ptr, at, ir.VectorType(I16, g.vw), 2), g.ivec)
+            out.append(dlf16_widen_ir(builder, raw, g.ivec, g.vec))
         else:                                      # bfloat16 in plain rows: a 16-bit shift
             raw = builder.zext(load_vec(builder, w_ptr, at, ir.VectorType(I16, g.vw), 2), g.ivec)
             out.append(builder.bitcast(builder.shl(raw, ir.Constant(g.ivec, [16] * g.vw)), g.vec))
@@ -284,10 +289,11 @@ def _tile_codegen(wide):
             if wdt == types.float32:
                 emit("f32")
             elif wdt == types.uint16 and wide:
-                choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_BF16R, "bf16r")], emit)
+                choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_DLF16, "dlf16"),
+                                        (FMT_BF16R, "bf16r")], emit)
             elif wdt == types.uint16:
-                choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_BF16R, "bf16r"),
-                                        (FMT_BF16, "bf16")], emit)
+                choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_DLF16, "dlf16"),
+                                        (FMT_BF16R, "bf16r"), (FMT_BF16, "bf16")], emit)
             else:
                 choose(builder, fmt_v, [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"),
                                         (FMT_Q4_1, "q4_1"), (FMT_FP8, "fp8")], emit)

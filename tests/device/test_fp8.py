@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from spyre_serve.device.layout import FP8_E4M3_MAX, fp8_e4m3_decode, fp8_e4m3_encode
+from spyre_serve.device.numerics import FP8_E4M3_MAX, fp8_e4m3_decode, fp8_e4m3_encode
 
 
 def spec_value(code: int) -> float:
@@ -23,16 +23,21 @@ SPEC = np.array([spec_value(int(c)) for c in CODES])
 FINITE = ~np.isnan(SPEC)
 
 
-def nearest_even(x: float) -> int:
-    """The code nearest x among the finite ones (a tie: the even code, mantissa bit 0 clear),
-    saturating at +-448; by search, not by bits."""
+def nearest_code(x: float, spec: np.ndarray, largest: float, nan_code: int) -> int:
+    """The 8-bit code nearest x among the finite ones of `spec` (every code's value; a tie:
+    the even code, mantissa bit 0 clear), saturating at +-largest; by search, not by bits."""
     if np.isnan(x):
-        return 0x7F
-    x = float(np.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX))
-    codes = CODES[FINITE & ((CODES >> 7) == (1 if np.signbit(x) else 0))]
-    dist = np.abs(SPEC[codes] - x)
+        return nan_code
+    x = float(np.clip(x, -largest, largest))
+    codes = CODES[np.isfinite(spec) & ((CODES >> 7) == (1 if np.signbit(x) else 0))]
+    dist = np.abs(spec[codes] - x)
     best = codes[dist == dist.min()]
     return int(best[best % 2 == 0][0] if len(best) > 1 else best[0])
+
+
+def nearest_even(x: float) -> int:
+    """E4M3's code of x by search (NaN -> 0x7F)."""
+    return nearest_code(x, SPEC, FP8_E4M3_MAX, 0x7F)
 
 
 def test_decode_is_the_spec_for_every_code():

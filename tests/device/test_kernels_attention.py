@@ -5,11 +5,11 @@ laid out by `to_layout`."""
 
 import numpy as np
 import pytest
-import torch
 
 from spyre_serve.device.kernels.attention import paged_attention, write_kv
-from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_DLF16, FMT_F16
 from spyre_serve.device.layout import decode, encode
+from tests.device.test_kernels_gemm_packed import rounded
 
 D = 16
 
@@ -244,8 +244,8 @@ def test_write_kv_and_attention_are_callable_from_njit_code():
                                rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt,torch_dtype", [(FMT_BF16, torch.bfloat16), (FMT_F16, torch.float16)])
-def test_a_16_bit_cache_is_written_rounded_as_torch_rounds(fmt, torch_dtype):
+@pytest.mark.parametrize("fmt", [FMT_BF16, FMT_F16, FMT_DLF16])
+def test_a_16_bit_cache_is_written_rounded_as_the_reference_rounds(fmt):
     rng = np.random.default_rng(8)
     k = (rng.standard_normal((5, 2, D)) * 30).astype(np.float32)
     v = (rng.standard_normal((5, 2, D)) * 30).astype(np.float32)
@@ -254,10 +254,10 @@ def test_a_16_bit_cache_is_written_rounded_as_torch_rounds(fmt, torch_dtype):
     write_kv(kc, vc, k, v, slots, fmt)
     for cache, x in zip(from_layout(kc, vc), (k, v), strict=True):
         got = decode(np.ascontiguousarray(cache).reshape(-1, 2, D)[slots], fmt)
-        np.testing.assert_array_equal(got, torch.from_numpy(x).to(torch_dtype).float().numpy())
+        np.testing.assert_array_equal(got, rounded(x, fmt))
 
 
-@pytest.mark.parametrize("fmt", [FMT_BF16, FMT_F16])
+@pytest.mark.parametrize("fmt", [FMT_BF16, FMT_F16, FMT_DLF16])
 @pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 64, 129]), ([37, 1], [100, 20]),
                                         ([130, 1], [200, 65])])
 def test_attention_over_a_16_bit_cache_is_the_reference_on_its_values(fmt, q_lens, ctx):

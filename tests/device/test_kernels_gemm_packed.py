@@ -7,13 +7,23 @@ import pytest
 import torch
 
 from spyre_serve.device.isa import current
-from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16, FMT_F32, packed_size
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_DLF16, FMT_F16, FMT_F32, packed_size
 from spyre_serve.device.kernels.gather import gather_columns
 from spyre_serve.device.kernels.gemm import gemm_packed
 from spyre_serve.device.kernels.gemm_inputs import ACT_F32, round_to_format
 from spyre_serve.device.layout import pack, unpack
+from spyre_serve.device.numerics import dlfloat16_round
 
-FMTS = [FMT_F32, FMT_BF16, FMT_F16]
+FMTS = [FMT_F32, FMT_BF16, FMT_F16, FMT_DLF16]
+TORCH = {FMT_BF16: torch.bfloat16, FMT_F16: torch.float16}
+
+
+def rounded(x: np.ndarray, fmt: int) -> np.ndarray:
+    """x rounded to a 16-bit format by its reference: torch's cast, DLFloat16's host encoder
+    (tests/device/test_numerics.py checks it against the format's specification)."""
+    if fmt == FMT_DLF16:
+        return dlfloat16_round(x)
+    return torch.from_numpy(x).to(TORCH[fmt]).float().numpy()
 # rows: one (GEMV), two, a partial tile, more than a block of k, the largest bucket
 SHAPES = [(1, 64, 32), (2, 65, 33), (7, 129, 300), (33, 257, 1), (33, 300, 257), (512, 96, 80),
           (3, 45, 47), (16, 33, 31), (40, 577, 17), (512, 97, 81)]
@@ -49,16 +59,16 @@ def test_16_bit_weights_widened_are_the_float32_gemm_of_their_values(m, k, n, fm
     np.testing.assert_array_equal(out, ref)
 
 
-@pytest.mark.parametrize("fmt,torch_dtype", [(FMT_BF16, torch.bfloat16), (FMT_F16, torch.float16)])
+@pytest.mark.parametrize("fmt", FMTS[1:])
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_16_bit_inputs_are_rounded_once_and_multiplied_exactly(m, k, n, fmt, torch_dtype):
+def test_16_bit_inputs_are_rounded_once_and_multiplied_exactly(m, k, n, fmt):
     """Inputs rounded to the weight's format (as torch rounds), every product of two 16-bit
     values exact, the sums float32: numpy's float64 product of the rounded values within
     float32 summation error. Rows of 3 and more of a bfloat16 weight go through AMX on a level
     that has it, fewer through vdpbf16ps (avx512_bf16 and up)."""
     a, w = _case(m, k, n, seed=4)
     panels = pack(w, fmt)
-    a16 = torch.from_numpy(a).to(torch_dtype).double().numpy()
+    a16 = rounded(a, fmt).astype(np.float64)
     want = a16 @ unpack(panels, n, fmt, k).astype(np.float64)
     out = np.full((m, n), np.nan, np.float32)
     a_in = a.copy()
@@ -82,10 +92,10 @@ def test_gemm_packed_refuses_a_short_weight():
                     8, 20, FMT_F32, ACT_F32)
 
 
-@pytest.mark.parametrize("fmt,torch_dtype", [(FMT_BF16, torch.bfloat16), (FMT_F16, torch.float16)])
-def test_round_to_format_rounds_like_torch(fmt, torch_dtype):
+@pytest.mark.parametrize("fmt", FMTS[1:])
+def test_round_to_format_rounds_like_the_reference(fmt):
     x = (np.random.default_rng(2).standard_normal((37, 101)) * 50).astype(np.float32)
-    want = torch.from_numpy(x).to(torch_dtype).float().numpy()
+    want = rounded(x, fmt)
     round_to_format(x, fmt)
     np.testing.assert_array_equal(x, want)
 

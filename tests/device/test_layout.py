@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from spyre_serve.device import Card, DeviceError
-from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F16, FMT_F32
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_DLF16, FMT_F16, FMT_F32
 from spyre_serve.device.kernels.simd import NR
 from spyre_serve.device.layout import (
     decode,
@@ -17,7 +17,7 @@ from spyre_serve.device.layout import (
     unpack,
 )
 
-FMTS = [FMT_F32, FMT_BF16, FMT_F16]
+FMTS = [FMT_F32, FMT_BF16, FMT_F16, FMT_DLF16]
 
 
 def _w(k, n, seed=0):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from spyre_serve.device.kernels.formats import FMT_FP8
-from spyre_serve.device.layout import fp8_e4m3_decode, fp8_e4m3_encode
+from spyre_serve.device.numerics import fp8_e4m3_decode, fp8_e4m3_encode
 from spyre_serve.models.checkpoint import widen_stored
 from spyre_serve.models.compressed_tensors import (
     QuantizationConfigError,
