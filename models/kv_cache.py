@@ -1,6 +1,6 @@
 """The paged KV cache on the card: per layer K transposed [NB + 1, Hkv, D, BS] and V
 [NB + 1, Hkv, BS, D] (each block a GEMM tile's weight as it stands: device/kernels/attention.py), float32
-or 16-bit (`dtype`: bfloat16 / float16 values as uint16 bits, half the bytes a token; the
+or 16-bit (`dtype`: bfloat16 / float16 / DLFloat16 values as uint16 bits, half the bytes a token; the
 kernels round on write and widen on read, device/kernels/attention.py).
 
 Blocks 0..NB-1 belong to sequences (the server's block manager hands them out by number);
@@ -17,7 +17,7 @@ from spyre_serve.device import Card, DeviceOutOfMemory, DeviceTensor
 from spyre_serve.device.kernels.formats import FORMATS
 from spyre_serve.models.config import GraniteConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "dlfloat16")
 
 
 def block_bytes(config: GraniteConfig, block_size: int, dtype: str = "float32") -> int:
@@ -28,9 +28,10 @@ def block_bytes(config: GraniteConfig, block_size: int, dtype: str = "float32") 
 def resolve_dtype(kv_cache_dtype: str, compute_dtype: str) -> str:
     """The KV cache's format: "auto" keeps float32 with float32 compute (exact, as
     transformers) and stores 16 bits otherwise (the 16-bit compute's own format; bfloat16
-    beside int8 compute, as llama.cpp keeps a 16-bit cache); or one of DTYPES, as given."""
+    beside int8 compute, as llama.cpp keeps a 16-bit cache; DLFloat16 beside DLFloat16 compute,
+    as the card keeps fp16 tensors); or one of DTYPES, as given."""
     if kv_cache_dtype == "auto":
-        return {"float32": "float32", "float16": "float16"}.get(compute_dtype, "bfloat16")
+        return compute_dtype if compute_dtype in ("float32", "float16", "dlfloat16") else "bfloat16"
     if kv_cache_dtype not in DTYPES:
         raise ValueError(f"KV cache dtype must be one of auto, {', '.join(DTYPES)}, "
                          f"got {kv_cache_dtype!r}")

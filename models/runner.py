@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spyre_serve.device import Card, DeviceTensor, LaunchHandle
+from spyre_serve.device.isa import current
 from spyre_serve.device.profile import ticks_per_second
 from spyre_serve.models.buffer_layout import Placement, length_slot
 from spyre_serve.models.kv_cache import resolve_dtype as resolve_kv_dtype
@@ -131,6 +132,14 @@ class ModelRunner:
         self._pen_slots = PenaltySlots(self.limits.num_penalty_slots)
         self._timers: DeviceTensor | None = None      # int64[len(TIMERS)] while profiling
         self._timer_bindings: dict = {}
+
+    @property
+    def numerics(self) -> str:
+        """What a step computes with, as responses name it (their system_fingerprint): the
+        GEMM weights' formats, the GEMM inputs', the KV cache's and the kernels' ISA level."""
+        weights = "+".join(sorted(self.weights.formats))
+        return (f"weights={weights},compute={self.compute_dtype},kv={self.kv_cache_dtype},"
+                f"isa={current().level}")
 
     def _static_bindings(self) -> dict:
         """Slots every launch shares: model shapes and addresses, the workspace fields."""

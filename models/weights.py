@@ -10,9 +10,10 @@ The embedding is stored once, as the K x N weight of the LM head, E.T [H, V]: th
 lookup gathers its columns, and a tied model's LM head is that same weight. An untied LM head
 is its own [H, V] weight (lm_head.weight.T); the embedding then stays E.T for the lookup.
 
-`dtype` is the width of every float weight on the card: "float32", "bfloat16" or "float16". A
-16-bit width rounds each value to nearest even (a checkpoint stored in that width is placed
-bit for bit); the norms and constants stay float32 arrays holding the rounded values, so the
+`dtype` is the width of every float weight on the card: "float32", "bfloat16", "float16" or
+"dlfloat16" (the card's own 16-bit format: device/numerics.py). bfloat16 and float16 round
+each value to nearest even (a checkpoint stored in that width is placed bit for bit),
+dlfloat16 as IBM's conversion rounds; the norms and constants stay float32 arrays holding the rounded values, so the
 model on the card is exactly the checkpoint rounded to `dtype`. A block-quantized matrix (a
 device.layout.QuantizedWeight: a GGUF file's Q8_0, Q4_0 or Q4_1) is placed at its own width;
 a fused projection whose parts differ in format is dequantized and placed in `dtype`, with a
@@ -61,7 +62,7 @@ from spyre_serve.models.step_program import (
     N_CONSTS,
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "dlfloat16")
 log = logging.getLogger(__name__)
 
 
@@ -78,7 +79,7 @@ class LayerWeights:
 @dataclass(slots=True)
 class ModelWeights:
     config: GraniteConfig
-    dtype: str                 # width of the weights on the card: float32, bfloat16, float16
+    dtype: str                 # width of the weights on the card: one of DTYPES
     embed: GemmWeight          # E.T [H, V]: the lookup reads its columns
     layers: list[LayerWeights]
     norm: DeviceTensor         # float32 [H]
@@ -141,7 +142,8 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "dlfloat16", "int8")
+SIXTEEN_BIT = ("bfloat16", "float16", "dlfloat16")
 
 
 def resolve_compute_dtype(compute_dtype: str, weights: ModelWeights) -> str:
@@ -161,7 +163,7 @@ def resolve_compute_dtype(compute_dtype: str, weights: ModelWeights) -> str:
         raise ValueError("compute dtype int8 quantizes the inputs of integer 8- and 4-bit "
                          "weights; this model has none (a GGUF file's Q8_0/Q4_0/Q4_1, or "
                          "--quantization int8; fp8 weights take float inputs)")
-    if compute_dtype in ("bfloat16", "float16") and compute_dtype != weights.dtype:
+    if compute_dtype in SIXTEEN_BIT and compute_dtype != weights.dtype:
         raise ValueError(f"compute dtype {compute_dtype} needs weights in {compute_dtype}; "
                          f"the weights are {weights.dtype}")
     return compute_dtype

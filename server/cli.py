@@ -71,7 +71,10 @@ def parse_command(argv: list[str] | None = None) -> tuple[str, Settings]:
     args = _parser().parse_args(argv)
     defaults = Settings()
     values = {f.name: getattr(args, f.name, getattr(defaults, f.name)) for f in fields(Settings)}
-    return args.command, Settings(**values)
+    try:
+        return args.command, Settings(**values).with_numerics()
+    except ValueError as exc:
+        _parser().error(str(exc))
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -101,6 +104,7 @@ def _card(s: Settings):
 
 def build(s: Settings, progress: bool = True) -> Built:
     """Card, model, runner (warmed up), engine (started), metrics and the app."""
+    s = s.with_numerics()
     from spyre_serve.models import load_model
     from spyre_serve.server.engine import Engine
     from spyre_serve.server.metrics import Metrics
@@ -173,6 +177,7 @@ def memory_plan_text(card, model, runner) -> str:
 def warmup(s: Settings, progress: bool = True, out=None) -> int:
     """`spyre-serve warmup`: load the model, compile and prepare every step program (Numba
     writes the compiled code to its on-disk cache), print them and the memory plan; 0 when done."""
+    s = s.with_numerics()
     import numba
 
     from spyre_serve.models import load_model

@@ -7,10 +7,9 @@ Each iteration (vLLM v1's step, with one step of overlap):
     out = inflight.handle.result()           # step N read back
     update(inflight, out)                    # stop checks, detokenize, push
 
-A decode in N+1 of a sequence whose token from N is not read back yet is
-launched with ``from_device``: the device reads the token N sampled. When N's
-result says that sequence stopped, its token from N+1 is discarded when N+1 is
-collected, and its blocks are freed then.
+A decode in N+1 of a sequence whose token from N is not read back yet is launched with
+``from_device``: the device reads the token N sampled. When N's result says that sequence
+stopped, its token from N+1 is discarded when N+1 is collected, and its blocks freed then.
 
 Requests come in and aborts go out through a locked inbox (``server/inbox.py``) the loop
 drains each iteration; results go back through each request's ``on_update`` callback (the
@@ -92,6 +91,7 @@ class Engine:
         self.block_size = runner.block_size
         self.num_kv_blocks = runner.num_kv_blocks
         self.max_model_len = runner.max_model_len
+        self.numerics = runner.numerics       # what a step computes with (system_fingerprint)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.card = card

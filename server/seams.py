@@ -32,6 +32,7 @@ class StepRunner(Protocol):
     num_kv_blocks: int
     max_model_len: int
     t_buckets: list[int] | None   # the token counts a step is padded to (None: any)
+    numerics: str                 # what a step computes with (responses' system_fingerprint)
 
     def launch(self, work: list[SeqWork]) -> PendingStep: ...
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from spyre_serve.device.memory import DeviceError, parse_bytes
 
@@ -32,14 +32,15 @@ def parse_size(text: str) -> int:
 
 
 def parse_dtype(text: str) -> str:
-    """A weight or compute width: auto, float32, bfloat16 or float16 (vLLM's --dtype names)."""
+    """A weight or compute width: auto, float32, bfloat16, float16 (vLLM's --dtype names) or
+    dlfloat16 (the card's own 16-bit format)."""
     value = text.strip().lower()
     if value not in DTYPES:
         raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(DTYPES)}")
     return value
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "dlfloat16")
 COMPUTE_DTYPES = (*DTYPES, "int8")
 
 
@@ -60,6 +61,18 @@ def parse_compute_dtype(text: str) -> str:
     if value not in COMPUTE_DTYPES:
         raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(COMPUTE_DTYPES)}")
     return value
+NUMERICS = ("ieee", "spyre")
+SPYRE_NUMERICS = "dlfloat16"   # the width --numerics spyre computes in
+
+
+def parse_numerics(text: str) -> str:
+    """--numerics: ieee (the host's formats, as --dtype says) or spyre (the card's)."""
+    value = text.strip().lower()
+    if value not in NUMERICS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(NUMERICS)}")
+    return value
+
+
 QUANTIZATIONS = ("none", "int8")   # models/quantize.py
 
 
@@ -125,13 +138,18 @@ class Settings:
         128, "most prompt tokens a step that also decodes may take; smaller keeps decodes from "
         "waiting on prefill chunks (inter-token latency), at some TTFT and throughput", int)
     dtype: str = _flag("auto", "width of the weights on the card: auto (the checkpoint's), float32, "
-                       "bfloat16 or float16; 16-bit weights multiply 16-bit inputs (--compute-dtype auto)",
-                       parse_dtype, sizing=True)
+                       "bfloat16, float16 or dlfloat16 (the card's own 16-bit format); 16-bit weights "
+                       "multiply 16-bit inputs (--compute-dtype auto)", parse_dtype, sizing=True)
+    numerics: str = _flag("ieee", "ieee: compute in the host's formats (--dtype); spyre: as the card "
+                          "computes, weights, GEMM inputs and KV cache in IBM's DLFloat16 (1 sign, 6 "
+                          "exponent, 9 fraction bits, no subnormals), sums in float32: --dtype, "
+                          "--kv-cache-dtype dlfloat16 (integer-quantized weights keep int8 inputs)",
+                          parse_numerics, sizing=True)
     compute_dtype: str = _flag("auto", "format of GEMM inputs: auto (int8 for 8- and 4-bit weights, "
                                "as llama.cpp; else the weights' width, as vLLM's --dtype), float32 "
                                "to keep activations exact (16-bit weights widened, quantized ones "
-                               "on their dequantized values), bfloat16/float16 with weights of that "
-                               "width, or int8 (activations quantized per block of 32 for the "
+                               "on their dequantized values), bfloat16/float16/dlfloat16 with weights "
+                               "of that width, or int8 (activations quantized per block of 32 for the "
                                "integer dot products of quantized weights)", parse_compute_dtype,
                                sizing=True)
     quantization: str | None = _flag(None, "weights quantized at load: none, int8 (symmetric, per "
@@ -141,7 +159,7 @@ class Settings:
                                      parse_quantization, sizing=True)
     kv_cache_dtype: str = _flag("auto", "storage of the KV cache: auto (float32 with float32 compute, "
                                 "else 16 bits: the compute's width, bfloat16 beside int8), float32, "
-                                "bfloat16 or float16 (half the bytes a token: more blocks, and half "
+                                "bfloat16, float16 or dlfloat16 (half the bytes a token: more blocks, and half "
                                 "the memory traffic of attention)", parse_kv_cache_dtype, sizing=True)
     block_size: int = _flag(64, "tokens per KV cache block", int, sizing=True)
     num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: what fits in 90%% of the free "
@@ -183,6 +201,19 @@ class Settings:
                                          parse_bool)
     warmup: bool = _flag(True, "compile and prepare every step program before listening", parse_bool)
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
+
+    def with_numerics(self) -> Settings:
+        """These settings with ``--numerics`` applied: spyre sets the weights' and the KV
+        cache's widths (and the GEMM inputs' through --compute-dtype auto) to DLFloat16; a
+        width given as something else contradicts it (ValueError naming both)."""
+        if self.numerics == "ieee":
+            return self
+        for name in ("dtype", "compute_dtype", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if value not in ("auto", SPYRE_NUMERICS):
+                raise ValueError(f"--numerics spyre computes in {SPYRE_NUMERICS}; "
+                                 f"--{name.replace('_', '-')} {value} contradicts it")
+        return replace(self, dtype=SPYRE_NUMERICS, kv_cache_dtype=SPYRE_NUMERICS)
 
     def served_name(self, model) -> str:
         """What clients put in ``"model"``: --served-model-name, else the loaded model's name."""

@@ -56,7 +56,7 @@ async def create_chat_completion(request: Request):
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     finished, streamed = tool_choices(tools, finished_choice, streamed_choice)
     head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name,
-                    response_id)
+                    serving.fingerprint, response_id)
     sub = serving.start(engine_id, [ids], params, {"prompt": "messages", "max_tokens": limit_param})
     role = reply_role(req)
     echo = echoed(req, role)

@@ -57,7 +57,7 @@ async def create_completion(request: Request):
                                prompt_top=max((req.logprobs or 0) if echo_scored else 0, shown or 0))
     structured.apply(params, await structured.request_grammar(serving, req),
                      structured.logit_bias(req, serving.vocab_size))
-    head = new_head("cmpl", "text_completion", serving.model_name, response_id)
+    head = new_head("cmpl", "text_completion", serving.model_name, serving.fingerprint, response_id)
     sub = serving.start(engine_id, prompts, params)
     echo = None
     if req.echo:

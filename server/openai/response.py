@@ -22,11 +22,13 @@ from spyre_serve.server.openai.sse import MEDIA_TYPE, sse_stream
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 
 
-def new_head(id_prefix: str, object_name: str, model: str, response_id: str | None = None) -> dict:
+def new_head(id_prefix: str, object_name: str, model: str, fingerprint: str,
+             response_id: str | None = None) -> dict:
     """The fields a response or each of its chunks starts with: ``response_id``
-    (``request_id.request_ids``) or a new id, made now."""
+    (``request_id.request_ids``) or a new id, made now; ``fingerprint``, the numbers the
+    server computes with (``Serving.fingerprint``), as OpenAI's ``system_fingerprint``."""
     return {"id": response_id or f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name,
-            "created": int(time.time()), "model": model}
+            "created": int(time.time()), "model": model, "system_fingerprint": fingerprint}
 
 
 async def full_response(sub: Submission, is_disconnected: Callable[[], Awaitable[bool]], head: dict,

@@ -46,6 +46,9 @@ class Envelope(Declared):
     id: str
     created: int
     model: str
+    # OpenAI's field for the backend configuration: here the numbers the step computes with
+    # (weights, GEMM inputs, KV cache formats and the kernels' ISA: models.ModelRunner.numerics)
+    system_fingerprint: str
 
 
 class CompletionResponse(Envelope):

@@ -14,6 +14,7 @@ sequences waiting (503 + Retry-After).
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,14 @@ OFFLOAD_THREADS = 4
 T = TypeVar("T")
 
 
+def version() -> str:
+    """This server's version (the installed package's)."""
+    try:
+        return importlib.metadata.version("spyre-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 @dataclass
 class Serving:
     engine: Engine
@@ -57,12 +66,14 @@ class Serving:
     texts: TokenTexts = field(init=False)  # token id -> text, for logprobs
     offload: Offload = field(init=False)  # threads for rendering and tokenizing
     grammars: Grammars = field(init=False)  # structured output: compiled grammars (LRU)
+    fingerprint: str = field(init=False)  # responses' system_fingerprint: the engine's numerics
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
         self.offload = Offload(OFFLOAD_THREADS, self.settings.render_timeout)
         self.grammars = Grammars(self.tokenizer, self.vocab_size,
                                  getattr(self.engine, "eos_token_ids", ()))
+        self.fingerprint = f"spyre-serve-{version()}:{self.engine.numerics}"
 
     @classmethod
     def for_model(cls, engine: Engine, model, settings: Settings) -> Serving:

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 
 from fastapi import APIRouter, Request
@@ -15,7 +14,7 @@ from fastapi.responses import Response
 
 from spyre_serve.server.openai.errors import APIError, error_response
 from spyre_serve.server.openai.openapi import errors
-from spyre_serve.server.openai.serving import RETRY_AFTER_SECONDS, serving_of
+from spyre_serve.server.openai.serving import RETRY_AFTER_SECONDS, serving_of, version
 
 router = APIRouter()
 open_router = APIRouter()
@@ -38,14 +37,6 @@ async def list_models(request: Request):
             }
         ],
     }
-
-
-def version() -> str:
-    """This server's version (the installed package's)."""
-    try:
-        return importlib.metadata.version("spyre-serve")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 @open_router.get("/version")

@@ -1,6 +1,6 @@
 """16-bit weights and 16-bit compute against transformers on the same checkpoints.
 
-16-bit weights (`dtype` bfloat16/float16, `compute_dtype` float32): the kernels widen every
+16-bit weights (`dtype` bfloat16/float16/dlfloat16, `compute_dtype` float32): the kernels widen every
 stored value exactly, so the model on the card is the checkpoint rounded to that format and
 computed in fp32. It must give transformers' fp32 greedy tokens on the same rounded weights,
 token for token: Granite and Llama, tied and untied.
@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from spyre_serve.device import Card
+from spyre_serve.device.numerics import dlfloat16_round
 from spyre_serve.models import ModelRunner, SeqWork, load_model
 from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
 from tests.models.test_parity import BLOCK, GREEDY, prompts_of, reference_greedy, run_mixed
@@ -54,7 +55,10 @@ def rounded_reference(path, dtype: str):
     ref = load_reference_model(path)
     with torch.no_grad():
         for p in ref.parameters():
-            p.copy_(p.to(TORCH[dtype]).float())
+            if dtype == "dlfloat16":          # the card's format: device/numerics.py's rounding
+                p.copy_(torch.from_numpy(dlfloat16_round(p.numpy())))
+            else:
+                p.copy_(p.to(TORCH[dtype]).float())
     return ref
 
 
@@ -67,7 +71,7 @@ def runner_for(path, dtype: str, compute_dtype: str):
     return runner, card
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "dlfloat16"])
 def test_16_bit_weights_give_transformers_greedy_tokens_on_the_rounded_weights(checkpoint, dtype):
     ref = rounded_reference(checkpoint, dtype)
     prompts = prompts_of([5, 30, 64], seed=1)

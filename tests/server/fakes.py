@@ -108,6 +108,7 @@ class FakeRunner:
     config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(vocab_size=VOCAB,
                                                                             eos_token_id=None))
     t_buckets: list[int] | None = None   # any token count
+    numerics: str = "fake"
 
     def __post_init__(self) -> None:
         self.kv = np.full((self.num_kv_blocks, self.block_size), -2, dtype=np.int64)

@@ -52,6 +52,7 @@ class ScriptedEngine:
     def __init__(self, reply: str = "ok.", max_model_len: int = 64) -> None:
         self.reply = reply
         self.max_model_len = max_model_len
+        self.numerics = "scripted"
         self.alive = True
         self.accepting = True
         self.error = None

@@ -15,11 +15,12 @@ from spyre_serve.server.openai.response import full_response, new_head, stream_r
 from tests.server.openai.fakes import RecordingEngine, update
 
 
-def test_a_head_has_a_fresh_prefixed_id_the_object_the_time_and_the_model():
-    a, b = new_head("cmpl", "text_completion", "tiny"), new_head("cmpl", "text_completion", "tiny")
-    assert list(a) == ["id", "object", "created", "model"]
+def test_a_head_has_a_fresh_prefixed_id_the_object_the_time_the_model_and_the_fingerprint():
+    a, b = (new_head("cmpl", "text_completion", "tiny", "fp") for _ in range(2))
+    assert list(a) == ["id", "object", "created", "model", "system_fingerprint"]
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", a["id"]) and a["id"] != b["id"]
-    assert (a["object"], a["model"]) == ("text_completion", "tiny") and isinstance(a["created"], int)
+    assert (a["object"], a["model"], a["system_fingerprint"]) == ("text_completion", "tiny", "fp")
+    assert isinstance(a["created"], int)
 
 
 async def still_here() -> bool:
