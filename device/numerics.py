@@ -32,6 +32,7 @@ _HALF_ULP = 1 << 13                         # half a DLFloat16 ulp in float32's 
 # the largest float32 magnitude that rounds to DLF16_MAX (its bits): exponent 63, fraction 510,
 # and every lower fraction bit set short of the rounding half
 DLF16_NMAX_BITS = ((63 + _REBIAS) << 23) | (510 << 14) | (_HALF_ULP - 1)
+CHUNK = 1 << 20                             # values converted at a time
 
 FP8_E4M3_MAX = 448.0      # OCP 8-bit floats, E4M3 (torch's float8_e4m3fn): the largest finite
 FP8_E5M2_MAX = 57344.0    # E5M2 (torch's float8_e5m2): the largest finite
@@ -39,18 +40,27 @@ FP8_MAX = {"e4m3": FP8_E4M3_MAX, "e5m2": FP8_E5M2_MAX}
 
 
 def dlfloat16_encode(x: np.ndarray) -> np.ndarray:
-    """float32 -> DLFloat16 codes (uint16), as the card's conversion rounds (module docstring)."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.int64)
-    sign = ((u >> 16) & 0x8000).astype(np.int64)
+    """float32 -> DLFloat16 codes (uint16), as the card's conversion rounds (module docstring).
+    Works through the values in pieces of CHUNK, so a large weight needs little more memory
+    than its codes."""
+    flat = np.ascontiguousarray(x, np.float32).reshape(-1)
+    out = np.empty(flat.shape, np.uint16)
+    for lo in range(0, flat.size, CHUNK):
+        out[lo:lo + CHUNK] = _encode_piece(flat[lo:lo + CHUNK].view(np.int32))
+    return out.reshape(np.shape(x))
+
+
+def _encode_piece(u: np.ndarray) -> np.ndarray:
+    """float32 bits (int32) -> DLFloat16 codes (uint16)."""
+    sign = (u >> 16) & 0x8000
     exp = ((u >> 23) & 0xFF) - _REBIAS
     frac = (u & 0x7FFFFF) + _HALF_ULP
     carry = frac > 0x7FFFFF
-    frac = np.where(carry, 0, frac)
-    exp = exp + carry
-    normal = sign | (exp << 9) | (frac >> 14)
-    big = (u & 0x7FFFFFFF) > DLF16_NMAX_BITS
-    codes = np.where(exp < 0, sign, np.where(big, sign | DLF16_NAN, normal))
-    return codes.astype(np.uint16)
+    frac[carry] = 0
+    exp += carry
+    code = sign | (exp << 9) | (frac >> 14)
+    code = np.where((u & 0x7FFFFFFF) > DLF16_NMAX_BITS, sign | DLF16_NAN, code)
+    return np.where(exp < 0, sign, code).astype(np.uint16)
 
 
 def dlfloat16_decode(codes: np.ndarray) -> np.ndarray:

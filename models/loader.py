@@ -3,6 +3,7 @@ the card."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +31,15 @@ class LoadedModel:
 
 
 def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = True,
-               dtype: str = "auto", quantization: str | None = None) -> LoadedModel:
+               dtype: str = "auto", quantization: str | None = None,
+               num_layers: int | None = None) -> LoadedModel:
     """Resolve, read the checkpoint (float32 on the host, bf16/fp16 widened; a GGUF file's
     Q8_0/Q4_0/Q4_1 matrices kept quantized), optionally quantize its matrices
     (`quantization`: models/quantize.py), place it on `card` once in the kernels' layout,
     the float tensors in width `dtype` ("auto": the width the checkpoint stores, as vLLM's
-    --dtype auto), and load its tokenizer."""
+    --dtype auto), and load its tokenizer. `num_layers`: keep only the first that many
+    decoder layers (the final norm and LM head then read their output: a logit lens, as
+    benchmarks/numerics.py uses to see where an error grows)."""
     name = os.fspath(path_or_name)
     path = resolve_model(name)
     gguf = is_gguf_file(path)   # a GGUF file: tokenizer from its metadata
@@ -43,6 +47,8 @@ def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = Tr
         raise ValueError(f"--quantization {quantization} applies to a float checkpoint; the GGUF "
                          f"file {Path(path).name} is served in the formats it stores")
     ckpt = load_gguf_checkpoint(path) if gguf else load_checkpoint(path)
+    if num_layers is not None:
+        ckpt.config, ckpt.tensors = first_layers(ckpt.config, ckpt.tensors, num_layers)
     if quantization:
         ckpt.tensors = quantize_matrices(ckpt.tensors, quantization)
     codes = set(ckpt.stored_dtypes.values())
@@ -57,3 +63,13 @@ def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = Tr
     display = name if name in model_names() else Path(name).name
     return LoadedModel(name=display, path=Path(path), config=weights.config, tokenizer=tok,
                        weights=weights, stored_dtype=stored_dtype)
+
+
+def first_layers(config: GraniteConfig, tensors: dict, n: int) -> tuple[GraniteConfig, dict]:
+    """The config and tensors of a model cut after its first n decoder layers (ValueError
+    unless 1 <= n <= its layers)."""
+    if not 1 <= n <= config.num_hidden_layers:
+        raise ValueError(f"num_layers must be in 1..{config.num_hidden_layers}, got {n}")
+    kept = {name: t for name, t in tensors.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < n}
+    return dataclasses.replace(config, num_hidden_layers=n), kept

@@ -174,3 +174,34 @@ def test_greedy_generation_with_chunked_prefill_and_device_decode_matches(setup)
     got = run_mixed(setup.runner, prompts, n_new, chunked={1, 3, 5}, from_device={0, 2, 3, 5})
     for i in range(len(prompts)):
         assert got[i] == list(expected[i]), (setup.kind, i)
+
+
+def test_a_model_cut_after_its_first_layer_is_transformers_first_layer(setup):
+    """load_model(num_layers=1): the final norm and LM head read layer 0's output (the logit
+    lens benchmarks/numerics.py uses), as transformers' model with its later layers removed."""
+    import torch
+
+    from spyre_serve.models.loader import first_layers
+
+    ref = load_reference_model(setup.path)
+    ref.model.layers = ref.model.layers[:1]
+    ref.config.num_hidden_layers = 1
+    card = Card(256 << 20)
+    try:
+        model = load_model(setup.path, card, tokenizer=False, num_layers=1)
+        assert model.config.num_hidden_layers == 1 and len(model.weights.layers) == 1
+        runner = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=128, block_size=BLOCK,
+                             num_kv_blocks=8, seed=1, compute_dtype="float32")
+        prompt = prompts_of([40], seed=5)[0]
+        got = runner.launch([SeqWork(seq_id=0, token_ids=prompt, start_pos=0, block_table=[0, 1, 2],
+                                     sample=True, sampling=GREEDY)], return_logits=True).result().logits[0]
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt])).logits[0].numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+        assert np.abs(got - reference_logits(setup.ref, prompt)).max() > 1e-3   # not the whole model
+        runner.close()
+    finally:
+        card.close()
+    layers = setup.model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=f"num_layers must be in 1..{layers}, got {layers + 1}"):
+        first_layers(setup.model.config, {}, layers + 1)
