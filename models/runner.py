@@ -189,8 +189,7 @@ class ModelRunner:
         pen_slots = self._pen_slots.assign(work)
         t = bucket(self.t_buckets, n_tok)
         s = bucket(self.s_buckets, len(work))
-        extra = return_logits or any(w.prompt_logprobs for w in work)
-        return self._launch(t, s, work, return_rows=extra, return_logits=return_logits,
+        return self._launch(t, s, work, return_rows=return_logits, return_logits=return_logits,
                             pen_slots=pen_slots)
 
     def _launch(self, t: int, s: int, work: list[SeqWork], return_rows: bool,
@@ -205,7 +204,7 @@ class ModelRunner:
         out = np.empty(outputs.nbytes, np.uint8)
         readback = [(out, DeviceTensor(out_dev.address, (outputs.nbytes,), np.uint8, self.card))]
         lsm = logits = None
-        if return_rows:
+        if dims["R"] > dims["S"]:           # every row (return_rows) or the prompt-scoring ones
             rows = (dims["R"], self.config.vocab_size)
             lsm = np.empty(rows, np.float32)
             readback.append((lsm, mem.workspace_field("lsm", lsm.size)))
@@ -282,7 +281,8 @@ def step_output(step: _Launched, prompt_logprobs: PromptLogprobs) -> StepOutput:
     if step.lsm is None:
         return out
     s = p.dims["S"]
-    for w, r0 in zip(step.work, p.row_start, strict=True):
+    for i, r0 in p.scored_rows.items():
+        w = step.work[i]
         if w.prompt_logprobs:
             out.prompt_logprobs[w.seq_id] = prompt_logprobs.of_chunk(w, step.lsm, s + r0)
     if step.logits is not None:

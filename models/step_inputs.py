@@ -12,7 +12,10 @@ The buffer holds every field of the INPUTS table (models/step_program.py) placed
 launch's dims; the packing writes it through the placement's named views, so it follows the
 table wherever its fields sit. Token rows are the work items' tokens one after the other
 (padding rows up to the bucket write the KV cache's trash block); sampling rows are the
-sampling sequences in work order, then, when `return_rows`, every token row (prompt logprobs).
+sampling sequences in work order, then the token rows whose log-softmax is read back: every
+token row with `return_rows` (logits for debugging and benchmarks), else only the rows of
+the work items that score their prompt (prompt logprobs), so the readback is proportional to
+what is asked (`PackedStep.scored_rows`: where each such item's rows start).
 
 Every value a client chose is checked against the field that holds it (int32 token ids and
 top_k, float32 sampling parameters, int64 seeds: SamplingParams.check) before anything is
@@ -74,6 +77,7 @@ class PackedStep:
     sample_seq_ids: list[int]  # the sequences that sample, in sampling-row order
     sample_rows: dict[int, int]  # seq_id -> its sampling row (what a from_device decode reads next)
     attn_pairs: int           # (query row, key) pairs the attention computes
+    scored_rows: dict[int, int]  # work index -> the first of its rows after the S sampling rows
 
 
 # ---- checks ------------------------------------------------------------------------------
@@ -205,7 +209,9 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     samplers = [w for w in work if w.sample]
     bans = _ban_lists(samplers)
     mb = min(max([len(w.block_table) for w in work] + [1]), limits.max_blocks_per_seq) if work else 1
-    dims = {"T": t, "S": s, "R": s + t if return_rows else s, "NS": len(samplers), "MB": mb,
+    scored = [i for i, w in enumerate(work) if return_rows or w.prompt_logprobs]
+    n_scored = t if return_rows else sum(len(work[i].token_ids) for i in scored)
+    dims = {"T": t, "S": s, "R": s + n_scored, "NS": len(samplers), "MB": mb,
             "K": max([w.sampling.logprobs for w in work] + [0]),
             "NBAN": sum(len(b) for b in bans),
             "NMW": sum(w.token_mask is not None for w in samplers) * mask_words(limits.vocab_size),
@@ -217,13 +223,19 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     _write_defaults(v, records, limits.trash_slot)
     row_start = _write_rows(v, work, limits.block_size, last_rows, pen_slots)
     sample_rows = _write_sampling(v, records, work, row_start, bans, limits.seed, pen_slots)
+    scored_rows, at = {}, 0
     if return_rows:
         v["logit_rows"][s:s + t] = np.arange(t, dtype=np.int32)
+        scored_rows = {i: row_start[i] for i in scored}
+    for i in scored if not return_rows else ():
+        n = len(work[i].token_ids)
+        v["logit_rows"][s + at:s + at + n] = np.arange(row_start[i], row_start[i] + n, dtype=np.int32)
+        scored_rows[i], at = at, at + n
     _check_vocab(v, limits.vocab_size)
     attn_pairs = sum((w.start_pos + len(w.token_ids)) * len(w.token_ids) for w in work)
     return PackedStep(host=host, placement=placement, dims=dims, row_start=row_start,
                       sample_seq_ids=[w.seq_id for w in samplers], sample_rows=sample_rows,
-                      attn_pairs=attn_pairs)
+                      attn_pairs=attn_pairs, scored_rows=scored_rows)
 
 
 def _records(placement: Placement) -> list[tuple[str, Record]]:

@@ -38,6 +38,12 @@ from dataclasses import dataclass
 from spyre_serve.server.sequence import Sequence
 
 
+def salt_root(salt: str | None) -> bytes | None:
+    """What a salted sequence's first block hashes in place of a parent: a digest of its salt
+    (vLLM's cache_salt), so two salts never name the same block; None for no salt."""
+    return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
+
+
 def hash_block(parent: bytes | None, tokens) -> bytes:
     """The content address of a full block: SHA-256 of the previous block's hash (none for
     the first block) and the block's token ids (a hash that cannot be steered into a
@@ -156,7 +162,8 @@ class BlockManager:
         hashes, bs, ids = seq.block_hashes, self.block_size, seq.token_ids
         while len(hashes) < num_blocks and (len(hashes) + 1) * bs <= len(ids):
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else salt_root(seq.params.cache_salt)
+            hashes.append(hash_block(parent, ids[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 
     def lookup(self, seq: Sequence, max_tokens: int) -> list[int]:

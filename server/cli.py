@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, fields
 
-from spyre_serve.server.settings import ENV_PREFIX, SIZING, Settings, add_flags
+from spyre_serve.server.settings import ENV_PREFIX, SIZING, Settings, add_flags, secrets_from_env
 
 log = logging.getLogger("spyre_serve")
 
@@ -70,7 +70,8 @@ def parse_command(argv: list[str] | None = None) -> tuple[str, Settings]:
     """("serve" | "warmup", its Settings); flags a command does not take keep their defaults."""
     args = _parser().parse_args(argv)
     defaults = Settings()
-    values = {f.name: getattr(args, f.name, getattr(defaults, f.name)) for f in fields(Settings)}
+    values = secrets_from_env({f.name: getattr(args, f.name, getattr(defaults, f.name))
+                               for f in fields(Settings)})
     try:
         return args.command, Settings(**values).with_numerics()
     except ValueError as exc:
@@ -142,6 +143,7 @@ def build(s: Settings, progress: bool = True) -> Built:
                     max_num_batched_tokens=s.max_num_batched_tokens, card=card,
                     step_timeout=s.step_timeout, enable_prefix_caching=s.enable_prefix_caching,
                     max_prefill_with_decodes=s.max_prefill_tokens_with_decodes,
+                    max_scored_tokens_per_step=s.max_scored_tokens_per_step,
                     structured_output_wait=s.structured_output_wait)
     metrics.watch(engine)
     engine.start()

@@ -11,14 +11,13 @@ A decode in N+1 of a sequence whose token from N is not read back yet is launche
 ``from_device``: the device reads the token N sampled. When N's result says that sequence
 stopped, its token from N+1 is discarded when N+1 is collected, and its blocks freed then.
 
-Requests come in and aborts go out through a locked inbox (``server/inbox.py``) the loop
-drains each iteration; results go back through each request's ``on_update`` callback (the
-API layer makes it an ``asyncio`` queue put via ``loop.call_soon_threadsafe``).
+Requests come in and aborts go out through a locked inbox (``server/inbox.py``) the loop drains
+each iteration; results go back through each request's ``on_update`` callback (the API layer
+makes it an ``asyncio`` queue put via ``loop.call_soon_threadsafe``).
 
 One client cannot hurt another. ``add_request`` refuses (``RequestRejected``, HTTP 400,
-``server/admission.py``) every value the step program could not hold; and a step that still
-fails fails only the sequences that caused it (``server/step_failures.py``): suspects run
-alone (``_probe``) after the pipeline is drained.
+``server/admission.py``) every value the step program could not hold; a step that still fails
+fails only the sequences that caused it (``step_failures.py``; suspects run alone: ``_probe``).
 
 The engine dies on an exception outside a step, a fatal one, or a step that does not return
 within ``step_timeout`` (``server/engine_death.py``, ``server/watchdog.py``): every request
@@ -26,9 +25,8 @@ is failed at once, later ``add_request`` calls raise ``EngineUnavailable`` (HTTP
 instead of queueing, ``alive`` turns false, and ``on_death`` is called once. A sequence
 that ends or is preempted, once no step holds it, is dropped by ``runner.forget``.
 
-One module each: a chunk's ``SeqWork`` (``server/step_work.py``), stop checks
-(``server/stopping.py``), results into ``SeqUpdate``s (``server/outputs.py``), counters and
-metric hooks (``server/engine_stats.py``).
+One module each: a chunk's ``SeqWork`` (``server/step_work.py``), stop checks (``stopping.py``),
+results into ``SeqUpdate``s (``outputs.py``), counters and metric hooks (``engine_stats.py``).
 """
 
 from __future__ import annotations
@@ -81,6 +79,7 @@ class Engine:
         on_death: Callable[[BaseException], None] | None = None,
         enable_prefix_caching: bool = True,
         max_prefill_with_decodes: int | None = None,
+        max_scored_tokens_per_step: int | None = None,
         structured_output_wait: bool = False,
         fault: Fault | None = None,
     ) -> None:
@@ -101,7 +100,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
                                    token_buckets=runner.t_buckets,
                                    on_release=lambda seq: runner.forget(seq.seq_id),
-                                   max_prefill_with_decodes=max_prefill_with_decodes)
+                                   max_prefill_with_decodes=max_prefill_with_decodes,
+                                   max_scored_tokens_per_step=max_scored_tokens_per_step)
         self.stats = EngineStats()
         # a grammar's mask needs its previous token: wait for it (True) or skip a step (False)
         self.structured_output_wait = structured_output_wait

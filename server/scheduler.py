@@ -2,14 +2,13 @@
 
 Policy (the block manager does the accounting):
 
-1. every running sequence that has one token to compute (a decode) gets it,
-   oldest admitted first;
+1. every running sequence that has one token to compute (a decode) gets it, oldest first;
 2. running sequences still prefilling get the next chunk of their prompt;
-3. waiting sequences are admitted first come, first served while the token
-   budget, ``max_num_seqs`` and the free KV blocks allow; one that starts from
-   position 0 starts instead from the longest prefix of its tokens whose full KV
-   blocks are cached (server/block_manager.py), sharing them, unless it asks for
-   prompt logprobs or penalties (``GenerationParams.reads_prefix_cache``).
+3. waiting sequences are admitted first come, first served while the token budget,
+   ``max_num_seqs`` and the free KV blocks allow; one that starts from position 0 starts
+   instead from the longest prefix of its tokens whose full KV blocks are cached
+   (server/block_manager.py), sharing them, unless it asks for prompt logprobs or
+   penalties (``GenerationParams.reads_prefix_cache``).
 
 Every launch registers the full blocks it fills in the prefix cache at once (``_take``):
 steps run in order on one stream, and within a step every row's KV is written before
@@ -19,20 +18,20 @@ reads them as written. When a step fails, what it registered leaves the cache an
 sequence that counted one of those blocks as computed is recomputed from position 0
 (``_drop_cached``).
 
-The device runs a step padded up to its token bucket (a power of two), so a step
-of 32 decodes and a 128-token prompt would compute 256 rows for 160 tokens. When
-the buckets are known, the prefill chunks of a step are cut to end on the largest
-bucket at or below what the step wants (there 128: the prompt's other 32 tokens go
-in the next step, which the decodes make anyway), as long as that keeps at least
-half of the step's prefill; otherwise, and in a step without decodes, the step
-takes what it wants and pads.
+The device runs a step padded up to its token bucket (a power of two), so a step of 32
+decodes and a 128-token prompt would compute 256 rows for 160 tokens. When the buckets are
+known, the prefill chunks of a step are cut to end on the largest bucket at or below what
+the step wants (there 128: the prompt's other 32 tokens go in the next step, which the
+decodes make anyway), as long as that keeps at least half of the step's prefill; otherwise,
+and in a step without decodes, the step takes what it wants and pads. A step scores at most
+``max_scored_tokens_per_step`` prompt tokens (prompt logprobs: each a row of the vocabulary
+read back), the chunks of those sequences cut to fit.
 
-When a running sequence needs a KV block and none is free, the most recently
-admitted running sequence not yet in this step is preempted: its blocks are
-freed and it goes back to the head of the waiting queue, to be recomputed from
-its known tokens. The oldest sequence therefore always makes progress (no
-starvation), and a request was only admitted if it fits the whole cache alone
-(the engine refuses the others up front), so preemption always ends.
+When a running sequence needs a KV block and none is free, the most recently admitted
+running sequence not yet in this step is preempted: its blocks are freed and it goes back to
+the head of the waiting queue, to be recomputed from its known tokens. The oldest sequence
+therefore always makes progress (no starvation), and a request was only admitted if it fits
+the whole cache alone (the engine refuses the others up front), so preemption always ends.
 
 The scheduler alone changes a sequence's counters and status: a launch counts its
 tokens as computed, its sample as pending and the step as in flight (``_take``); when
@@ -41,15 +40,14 @@ the engine reads the step back, ``collected`` turns the pending token into a kno
 never ran, ``rewind`` makes a sequence recompute from position 0); ``finish`` frees the
 blocks, or defers that to the last step in flight.
 
-A sequence that ends (finished, aborted, failed) or is preempted is *released* once no
-launched step holds it any more: ``on_release(seq)`` then lets the engine drop what the
-runner keeps for it between steps (``runner.forget``: a prompt-logprob row, a penalty slot).
+A sequence that ends (finished, aborted, failed) or is preempted is *released* once no launched
+step holds it: ``on_release(seq)`` lets the engine drop what the runner keeps for it
+(``runner.forget``: a prompt-logprob row, a penalty slot).
 
-A sequence whose last sampled token is still on the device decodes with
-``from_device``: the step reads the token the previous launch sampled. This
-holds for sequences with presence/frequency/repetition penalties too: the card
-keeps their penalty state and counts the token it reads (models/penalty_slots.py),
-so penalties see the true history without the host waiting for it.
+A sequence whose last sampled token is still on the device decodes with ``from_device``: the
+step reads the token the previous launch sampled. This holds for sequences with penalties
+too: the card keeps their penalty state and counts the token it reads
+(models/penalty_slots.py), so penalties see the true history without the host waiting.
 """
 
 from __future__ import annotations
@@ -71,6 +69,7 @@ class Scheduler:
         token_buckets: list[int] | None = None,
         on_release: Callable[[Sequence], None] | None = None,
         max_prefill_with_decodes: int | None = None,
+        max_scored_tokens_per_step: int | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
@@ -84,6 +83,8 @@ class Scheduler:
         # prefill tokens a step that carries decodes may take (None: the whole budget): a
         # prefill chunk makes every decode in its step wait for it (see _prefill_budget)
         self.max_prefill_with_decodes = max_prefill_with_decodes
+        # prompt tokens one step scores (prompt logprobs: a [rows, vocab] readback each)
+        self.max_scored = max_scored_tokens_per_step
         self.on_release = on_release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -248,8 +249,15 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------
 
+    @staticmethod
+    def _scored(seq: Sequence, n: int, left: int | None) -> int:
+        """Of ``n`` tokens of ``seq``'s next chunk, how many fit ``left``, what is left of the
+        step's budget of scored prompt tokens (None: no budget)."""
+        scores = seq.params.prompt_logprobs and seq.num_computed < seq.num_prompt
+        return n if left is None or not scores else min(n, left)
+
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_num_batched_tokens
+        budget, scored = self.max_num_batched_tokens, self.max_scored
         chunks: list[ScheduledChunk] = []
         done: set[int] = set()
         self._preempted_now.clear()
@@ -262,7 +270,7 @@ class Scheduler:
             return None
 
         def run_pass(decodes: bool) -> None:
-            nonlocal budget
+            nonlocal budget, scored
             for seq in list(self.running):
                 if budget == 0:
                     return
@@ -272,7 +280,9 @@ class Scheduler:
                 remaining = target - seq.num_computed
                 if remaining <= 0 or (remaining == 1) != decodes or not self._ready(seq):
                     continue
-                want = min(remaining, budget)
+                want = self._scored(seq, min(remaining, budget), scored)
+                if want == 0:
+                    continue
                 # find blocks: shrink a prefill chunk to what fits, preempt when nothing fits
                 while True:
                     room = (len(seq.block_table) + self.blocks.num_free) * bs - seq.num_computed
@@ -288,6 +298,7 @@ class Scheduler:
                     self._preempt(seq)
                     continue
                 num_new = min(want, room)
+                scored = None if scored is None else scored - (num_new - self._scored(seq, num_new, 0))
                 chunks.append(self._take(seq, num_new, sample and num_new == remaining))
                 done.add(seq.seq_id)
                 budget -= num_new
@@ -307,8 +318,8 @@ class Scheduler:
             remaining = target - start
             if remaining <= 0:
                 break
-            num_new = min(remaining, budget)
-            if not self.blocks.can_share(seq, hit, start + num_new):
+            num_new = self._scored(seq, min(remaining, budget), scored)
+            if num_new == 0 or not self.blocks.can_share(seq, hit, start + num_new):
                 break
             self.waiting.popleft()
             if hit:
@@ -318,6 +329,7 @@ class Scheduler:
                 self.blocks.stats.queries += seq.num_tokens  # looked up, nothing found
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            scored = None if scored is None else scored - (num_new - self._scored(seq, num_new, 0))
             chunks.append(self._take(seq, num_new, sample and num_new == remaining))
             done.add(seq.seq_id)
             budget -= num_new
@@ -367,9 +379,8 @@ class Scheduler:
         return floor - decoded if 2 * (floor - decoded) >= prefill else budget
 
     def _cached_prefix(self, seq: Sequence, target: int) -> list[int]:
-        """The cached blocks a sequence about to start from position 0 can start from: the
-        longest cached prefix of its known tokens, leaving at least one token of ``target``
-        to compute (the step samples from it; vLLM's cap at num_tokens - 1)."""
+        """The cached blocks a sequence about to start from position 0 starts from: the longest
+        cached prefix of its tokens, leaving one of ``target`` to compute (vLLM's cap)."""
         if seq.num_computed or seq.block_table or not seq.params.reads_prefix_cache:
             return []
         return self.blocks.lookup(seq, min(target, seq.num_tokens) - 1)
@@ -378,19 +389,14 @@ class Scheduler:
         start = seq.num_computed
         self.blocks.grow(seq, start + num_new)
         from_device = seq.num_pending == 1
-        prompt_lp = (
-            seq.params.prompt_logprobs
-            and start < seq.num_prompt
-            and any(lp is None for lp in seq.prompt_logprobs[1:])
-        )
+        prompt_lp = (seq.params.prompt_logprobs and start < seq.num_prompt
+                     and any(lp is None for lp in seq.prompt_logprobs[1:]))
         num_generated = seq.num_generated_total
         seq.num_computed = start + num_new
         seq.num_inflight += 1
         if sample:
             seq.num_pending += 1
-        # the full blocks this launch writes (and any whose last token became known since)
-        # are in the cache at once: a step launched later reads them after this one wrote
-        # them, and a sequence admitted later in this step reads them after this step's
-        # write_kv of the layer (every row's KV is written before any row's attention)
+        # the full blocks this launch writes (and any whose last token became known since) are
+        # cached at once: later steps, and sequences later in this one, read them once written
         cached = self.blocks.cache_full_blocks(seq, seq.num_computed)
         return ScheduledChunk(seq, start, num_new, sample, from_device, prompt_lp, num_generated, cached)

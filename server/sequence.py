@@ -38,6 +38,7 @@ class GenerationParams:
     prompt_logprobs: bool = False  # echo with logprobs, or prompt_logprobs: score the prompt too
     include_stop_str_in_output: bool = False  # keep the stop string (a stop token's text) in the text
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within one salt
 
     @property
     def uses_penalties(self) -> bool:

@@ -116,8 +116,11 @@ def parse_chat_template(text: str) -> str:
     return text
 
 
-def _flag(default, help: str, parse: Callable[[str], object] = str, sizing: bool = False):
-    return field(default=default, metadata={"help": help, "parse": parse, "sizing": sizing})
+def _flag(default, help: str, parse: Callable[[str], object] = str, sizing: bool = False,
+          secret: bool = False):
+    """A Settings field; `secret`: its value (from the flag or the environment) is never
+    shown, in --help or anywhere else."""
+    return field(default=default, metadata={"help": help, "parse": parse, "sizing": sizing, "secret": secret})
 
 
 @dataclass(slots=True)
@@ -169,13 +172,21 @@ class Settings:
     device_memory: int | None = _flag(None, "emulated card memory, bytes or e.g. 2G (default: sized "
                                       "for this machine)", parse_size, sizing=True)
     api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, "
-                                "/detokenize")
+                                "/detokenize (an empty key is refused)", secret=True)
+    guard_metrics_and_docs: bool = _flag(False, "with --api-key, require the key on /metrics, /docs, "
+                                         "/redoc and /openapi.json too (/health, /ping and /version stay "
+                                         "open for load balancers)", parse_bool)
     max_waiting: int = _flag(1024, "most sequences (every choice of every prompt) waiting for "
                              "admission; a request that would go over gets 503 + Retry-After, one "
                              "that alone is over gets 400", int)
     max_n: int = _flag(8, "largest n (choices per prompt) a request may ask for", int)
     max_prompts: int = _flag(256, "most prompts in one completion request (a list of strings or of "
                              "token-id lists)", int)
+    max_scored_prompt_tokens: int = _flag(8192, "most prompt tokens one request may have scored (echo "
+                                          "with logprobs, prompt_logprobs): its prompts' tokens x n", int)
+    max_scored_tokens_per_step: int = _flag(256, "most prompt tokens one step scores (each a row of the "
+                                            "vocabulary read back from the card); prompt-logprob "
+                                            "chunks are cut to fit", int)
     max_stop_strings: int = _flag(32, "most stop strings in one request", int)
     max_stop_length: int = _flag(256, "longest stop string, in characters", int)
     max_stop_token_ids: int = _flag(64, "most stop_token_ids in one request", int)
@@ -203,9 +214,13 @@ class Settings:
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
 
     def with_numerics(self) -> Settings:
-        """These settings with ``--numerics`` applied: spyre sets the weights' and the KV
+        """These settings checked (an empty API key is refused, ValueError) and with
+        ``--numerics`` applied: spyre sets the weights' and the KV
         cache's widths (and the GEMM inputs' through --compute-dtype auto) to DLFloat16; a
         width given as something else contradicts it (ValueError naming both)."""
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty (or SPYRE_SERVE_API_KEY is set to nothing): an "
+                             "empty bearer token would pass it; set a key or leave it unset")
         if self.numerics == "ieee":
             return self
         for name in ("dtype", "compute_dtype", "kv_cache_dtype"):
@@ -238,9 +253,23 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | tuple[str, ...
         env_value = os.environ.get(env)
         help_text = f"{f.metadata['help']} [env {env}]"
         parse = f.metadata["parse"]
+        if f.metadata["secret"]:         # the environment's value is read after parsing
+            parser.add_argument(flag, type=parse, default=None, metavar=name.upper(),
+                                help=f"{f.metadata['help']} [env {env}; never shown]")
+            continue
         if parse is parse_bool:
             default = parse_bool(env_value) if env_value is not None else f.default
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         parser.add_argument(flag, type=parse, default=env_value if env_value is not None else f.default,
                             help=help_text, metavar="NAME|DIR|GGUF" if name == "model" else name.upper())
+
+
+def secrets_from_env(values: dict) -> dict:
+    """``values`` (field name -> parsed value) with each secret field not given as a flag
+    taken from its environment variable (add_flags leaves those out of --help)."""
+    for f in fields(Settings):
+        env = os.environ.get(ENV_PREFIX + f.name.upper())
+        if f.metadata["secret"] and values.get(f.name) is None and env is not None:
+            values[f.name] = f.metadata["parse"](env)
+    return values

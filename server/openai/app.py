@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI
 
 from spyre_serve.server.engine import Engine
 from spyre_serve.server.openai import chat, completions, status, tokenization
-from spyre_serve.server.openai.auth import api_key_guard
+from spyre_serve.server.openai.auth import GuardPaths, api_key_guard
 from spyre_serve.server.openai.errors import install_error_handlers
 from spyre_serve.server.openai.openapi import install_openapi, served_values
 from spyre_serve.server.openai.prompts import free_variables
@@ -38,6 +38,8 @@ def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastA
     app.state.serving = Serving.for_model(engine, model, settings)
     app.state.metrics = metrics
     app.add_middleware(RequestIdMiddleware)
+    if settings.api_key is not None and settings.guard_metrics_and_docs:
+        app.add_middleware(GuardPaths, api_key=settings.api_key)
     install_error_handlers(app)
     guarded = [Depends(api_key_guard(settings.api_key))]
     for module in (completions, chat, tokenization, status):

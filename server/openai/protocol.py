@@ -57,6 +57,9 @@ class StreamOptions(StrictModel):
         return refuse_unless_neutral(v, info)
 
 
+MAX_CACHE_SALT = 1024  # characters of a cache_salt
+
+
 class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
 
@@ -98,6 +101,8 @@ class SamplingRequest(StrictModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to [-100, 100]
+    # vLLM's: requests share prefix-cache blocks only when their salts are equal (none: unsalted)
+    cache_salt: Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT)] = None
 
     @field_validator(*(f for f in UNSUPPORTED if f not in NESTED_FIELDS), check_fields=False)
     @classmethod

@@ -100,6 +100,7 @@ def generation_params(req: SamplingRequest, max_tokens: int, logprobs: int | Non
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                cache_salt=req.cache_salt,
             )
         )
     return out

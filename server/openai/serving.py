@@ -122,8 +122,19 @@ class Serving:
         endpoint, in this order and with no await between them."""
         for ids in prompts:
             self.check_fits(ids, params, renames)
+        self.check_scored(prompts, params)
         self.check_admission(len(prompts) * len(params))
         return self.submit(request_id, prompts, params)
+
+    def check_scored(self, prompts: list[list[int]], params: list[GenerationParams]) -> None:
+        """400 when the request would have more prompt tokens scored (prompt logprobs: every
+        choice scores its prompt) than ``--max-scored-prompt-tokens``."""
+        cap = self.settings.max_scored_prompt_tokens
+        scored = sum(map(len, prompts)) * len(params) if params and params[0].prompt_logprobs else 0
+        if scored > cap:
+            raise APIError(400, f"this request asks for the logprobs of {scored} prompt tokens (its "
+                                f"prompts' {sum(map(len, prompts))} tokens x n = {len(params)}), over the "
+                                f"limit of {cap} (--max-scored-prompt-tokens)", "prompt_logprobs")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

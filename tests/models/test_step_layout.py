@@ -113,6 +113,19 @@ def test_the_packed_inputs_are_the_table_placed_for_the_launch_dims(runner):
     assert step.placement.nbytes <= runner.memory.inputs.nbytes
 
 
+def test_only_the_rows_that_score_their_prompt_are_read_back(runner):
+    """Without return_rows a step adds log-softmax rows for the prompt-logprob items alone
+    (items 0 and 2: 5 + 10 rows after the 4 sampling rows), not for every token row."""
+    work = work_with_everything()
+    step = pack_step(sp.INPUTS, work, 32, 4, False, runner.limits, {}, {0: 3})
+    assert step.dims["R"] == 4 + 5 + 10 and step.scored_rows == {0: 0, 2: 5}
+    rows = sp.INPUTS.place(step.dims).views(step.host)["logit_rows"]
+    assert rows[4:].tolist() == [0, 1, 2, 3, 4, *range(8, 18)]     # item 2's tokens are rows 8..17
+    plain = pack_step(sp.INPUTS, [w for w in work if not w.prompt_logprobs], 32, 4, False,
+                      runner.limits, {}, {})
+    assert plain.dims["R"] == plain.dims["S"] and plain.scored_rows == {}
+
+
 def test_the_buffers_on_the_card_are_the_tables_placed_at_capacity(runner):
     # 32 tokens, 4 seqs, 4096 positions in blocks of 16, vocabulary 256
     cap = memory_plan.Capacity(tmax=32, smax=4, rmax=32 + 4, mbmax=4096 // BLOCK,

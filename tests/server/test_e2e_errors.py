@@ -160,3 +160,45 @@ def test_health_is_503_when_the_engine_loop_is_not_running(side_app, real_server
     c = side_app(engine=stopped)
     assert "engine loop is not running" in error_of(c.get("/health"), 503)["message"]
     error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}), 503)
+
+
+def test_metrics_and_docs_are_open_by_default_and_behind_the_key_when_asked(side_app):
+    open_ = side_app(api_key="sesame")
+    for path in ("/metrics", "/openapi.json", "/docs", "/health"):
+        assert open_.get(path).status_code == 200, path
+    guarded = side_app(api_key="sesame", guard_metrics_and_docs=True)
+    for path in ("/metrics", "/openapi.json", "/docs", "/redoc"):
+        error_of(guarded.get(path), 401)
+        error_of(guarded.get(path, headers={"Authorization": "Bearer wrong"}), 401)
+        assert guarded.get(path, headers={"Authorization": "Bearer sesame"}).status_code == 200, path
+    assert guarded.get("/health").status_code == 200 and guarded.get("/version").status_code == 200
+
+
+def test_an_empty_api_key_is_refused_at_start_and_a_set_one_never_shown(monkeypatch, capsys):
+    from spyre_serve.server.cli import parse_args
+
+    for empty in ("", "  "):
+        monkeypatch.setenv("SPYRE_SERVE_API_KEY", empty)
+        with pytest.raises(SystemExit):
+            parse_args(["serve"])
+        assert "--api-key is empty" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            parse_args(["serve", "--api-key", empty])
+    monkeypatch.setenv("SPYRE_SERVE_API_KEY", "s3cret-from-env")
+    assert parse_args(["serve"]).api_key == "s3cret-from-env"
+    assert parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--help"])
+    assert "s3cret-from-env" not in capsys.readouterr().out
+
+
+def test_scoring_more_prompt_tokens_than_the_cap_is_a_400_naming_the_flag(side_app):
+    c = side_app(max_scored_prompt_tokens=40)
+    prompt = [[7] * 15, [8] * 15]                     # 30 tokens: fits once, not with n = 2
+    ok = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 1})
+    assert ok.status_code == 200, ok.text
+    for extra in ({"prompt_logprobs": 1, "n": 2}, {"echo": True, "logprobs": 1, "n": 2}):
+        err = error_of(c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, **extra}), 400)
+        assert "--max-scored-prompt-tokens" in err["message"] and "60 prompt tokens" in err["message"]
+    plain = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "n": 2})
+    assert plain.status_code == 200, plain.text      # no scoring asked: no cap

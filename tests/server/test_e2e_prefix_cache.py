@@ -87,3 +87,27 @@ def test_the_flag_turns_prefix_caching_off():
     assert parser.parse_args([]).enable_prefix_caching is True
     assert parser.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert Settings().enable_prefix_caching is True
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt(server, http):
+    """vLLM's cache_salt: a salted prompt never starts from another salt's blocks (or from
+    unsalted ones), so a client cannot learn from its time to first token what another
+    tenant's prompts hold; the same salt hits as before, and the text does not change."""
+    body = chat("Which birds nest under the bridges, and since when?")
+
+    def hits_of(extra: dict) -> float:
+        before = metric(http, "vllm:prefix_cache_hits_total")
+        r = http.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 200, r.text
+        return metric(http, "vllm:prefix_cache_hits_total") - before, text(r)
+
+    hits, plain = hits_of({})                           # warms the unsalted cache
+    assert hits_of({})[0] > 100
+    first_a, text_a = hits_of({"cache_salt": "tenant-a"})
+    assert first_a == 0 and text_a == plain             # unsalted blocks are not a's
+    assert hits_of({"cache_salt": "tenant-b"})[0] == 0  # nor a's b's
+    again_a, _ = hits_of({"cache_salt": "tenant-a"})
+    assert again_a > 100                                # a's own blocks are
+    for bad in ("", 7, "x" * 1025):
+        r = http.post("/v1/chat/completions", json={**body, "cache_salt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

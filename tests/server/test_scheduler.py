@@ -283,3 +283,25 @@ def test_freed_blocks_are_handed_out_again_first():
     blocks.grow(b, 4)
     assert b.block_table == [1]
     assert blocks.num_free == 7
+
+
+def test_a_step_scores_at_most_its_budget_of_prompt_tokens():
+    """Prompt-logprob chunks are cut to max_scored_tokens_per_step (each scored token is a
+    vocabulary row read back); other sequences keep the step's token budget."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_scored_tokens_per_step=10)
+    scored = [make_seq(i, list(range(1, 25))) for i in range(2)]
+    for s in scored:
+        s.params.prompt_logprobs = True
+        s.prompt_logprobs = [None] * 24
+    plain = make_seq(2, list(range(100, 124)))
+    for s in (*scored, plain):
+        sched.add(s)
+    chunks = sched.schedule()
+    assert [(c.seq.seq_id, c.num_new) for c in chunks] == [(0, 10)]   # FCFS: the head waits
+    sched.collected(chunks[0], None)
+    second = sched.schedule()
+    assert [(c.seq.seq_id, c.num_new) for c in second] == [(0, 10)]
+    sched.collected(second[0], None)
+    third = sched.schedule()        # 4 left of seq 0, 6 of seq 1, and the rest of the budget
+    assert [(c.seq.seq_id, c.num_new) for c in third] == [(0, 4), (1, 6), (2, 24)]
