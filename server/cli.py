@@ -148,6 +148,7 @@ def build(s: Settings, progress: bool = True) -> Built:
     metrics.watch(engine)
     engine.start()
     app = create_app(engine, model, s, metrics)
+    metrics.watch_offload(app.state.serving.offload)
     log.info("ready in %.1f s: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, %d programs",
              time.monotonic() - t0, runner.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
              len(runner.programs))

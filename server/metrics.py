@@ -40,6 +40,7 @@ class Metrics(EngineObserver):
         self.card = card
         self.compiles_at_ready = compiles_at_ready
         self.engine: Engine | None = None
+        self.offload = None   # the API's worker threads (server/openai/offload.py), once watched
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
@@ -81,6 +82,10 @@ class Metrics(EngineObserver):
         if engine.observer is not self:
             raise ValueError("Metrics.watch: build the engine with observer=metrics first")
         self.engine = engine
+
+    def watch_offload(self, offload) -> None:
+        """Report `offload`'s pool (an ``Offload``: stats()) in the gauges too."""
+        self.offload = offload
 
     # ---- EngineObserver (engine thread) ----
     def on_scheduled(self, queue_seconds: float, num_prompt_tokens: int) -> None:
@@ -166,6 +171,15 @@ class _LiveCollector:
                 yield gauge("spyre_runner_held_sequences", "Sequences the model runner keeps state for "
                             "between steps (prompt-logprob rows, penalty slots); 0 when idle.",
                             float(sum(held().values())))
+        if m.offload is not None:
+            pool = m.offload.stats()
+            yield gauge("spyre_api_offload_workers", "Threads that render chat templates and tokenize.",
+                        pool["workers"])
+            yield gauge("spyre_api_offload_busy", "Of them, busy now (a stuck one until its thread ends).",
+                        pool["busy"])
+            yield gauge("spyre_api_offload_waiting", "Requests waiting for one of them.", pool["waiting"])
+            yield counter("spyre_api_offload_refused", "Requests refused (503) after --offload-wait with "
+                          "every thread busy.", pool["refused"])
         from spyre_serve.device.isa import current
 
         kernel_isa = current()

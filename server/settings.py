@@ -198,6 +198,8 @@ class Settings:
                                    "holding a generation_config.json", parse_generation_config)
     render_timeout: float = _flag(5.0, "seconds a request's chat template may take to render (and "
                                   "its prompt to tokenize), off the event loop; longer is a 400", float)
+    offload_wait: float = _flag(1.0, "seconds a request waits for one of the threads that render and "
+                                "tokenize when all are busy; then 503 + Retry-After", float)
     max_body_bytes: int = _flag(1 << 20, "largest request body; larger gets 413", parse_size)
     drain_timeout: float = _flag(30.0, "seconds to finish running requests after SIGTERM", float)
     step_timeout: float = _flag(120.0, "seconds a step may take before the engine is declared dead "

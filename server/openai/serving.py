@@ -28,7 +28,7 @@ from spyre_serve.server.openai.bridge import Submission
 from spyre_serve.server.openai.errors import APIError
 from spyre_serve.server.openai.limits import check_limits, num_prompts
 from spyre_serve.server.openai.logprobs import TokenTexts
-from spyre_serve.server.openai.offload import Offload, TimedOut
+from spyre_serve.server.openai.offload import Offload, PoolFull, TimedOut
 from spyre_serve.server.openai.prompts import truncated, with_chat_template
 from spyre_serve.server.openai.protocol import SamplingRequest
 from spyre_serve.server.openai.sampling import generation_defaults
@@ -70,7 +70,7 @@ class Serving:
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
-        self.offload = Offload(OFFLOAD_THREADS, self.settings.render_timeout)
+        self.offload = Offload(OFFLOAD_THREADS, self.settings.render_timeout, self.settings.offload_wait)
         self.grammars = Grammars(self.tokenizer, self.vocab_size,
                                  getattr(self.engine, "eos_token_ids", ()))
         self.fingerprint = f"spyre-serve-{version()}:{self.engine.numerics}"
@@ -100,6 +100,10 @@ class Serving:
         ``--render-timeout`` (``what`` says what took so long)."""
         try:
             return await self.offload.run(fn, *args)
+        except PoolFull:
+            raise APIError(503, f"the server's {self.offload.workers} threads for templates and tokenizing "
+                                f"stayed busy for {self.offload.wait:g} s (--offload-wait): retry",
+                           retry_after=RETRY_AFTER_SECONDS) from None
         except TimedOut:
             raise APIError(400, f"{what} took longer than {self.offload.timeout:g} s (--render-timeout)",
                            param) from None

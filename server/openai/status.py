@@ -47,14 +47,17 @@ async def get_version():
 
 @open_router.get("/health", responses=errors(503))
 async def health(request: Request):
-    """200 while the engine loop runs and admits requests; 503 otherwise. What stopped the
-    engine is in the server's log (the engine logs it as it dies), not in the answer."""
-    engine = serving_of(request).engine
+    """200 while the engine loop runs and admits requests, with the threads that render and
+    tokenize (``{"offload": {workers, busy, waiting, refused}}``: all busy means new requests
+    wait, then get 503); 503 otherwise. What stopped the engine is in the server's log (the
+    engine logs it as it dies), not in the answer."""
+    serving = serving_of(request)
+    engine = serving.engine
     if not engine.alive:
         return error_response(APIError(503, "the engine loop is not running (the server's log says why)"))
     if not engine.accepting:
         return error_response(APIError(503, "the server is shutting down", retry_after=RETRY_AFTER_SECONDS))
-    return Response(status_code=200)
+    return {"offload": serving.offload.stats()}
 
 
 @open_router.get("/ping", responses=errors(503))

@@ -202,3 +202,33 @@ def test_scoring_more_prompt_tokens_than_the_cap_is_a_400_naming_the_flag(side_a
         assert "--max-scored-prompt-tokens" in err["message"] and "60 prompt tokens" in err["message"]
     plain = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "n": 2})
     assert plain.status_code == 200, plain.text      # no scoring asked: no cap
+
+
+def test_with_every_render_thread_busy_a_request_gets_503_after_the_wait_and_health_says_why(side_app):
+    """Four chats whose template renders for seconds hold the four threads; a fifth request
+    waits --offload-wait, then gets 503 + Retry-After (it does not queue without bound),
+    while /health answers at once and shows the pool busy."""
+    import concurrent.futures
+    import time
+
+    slow = "{% for i in range(1000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+    c = side_app(chat_template=slow, offload_wait=0.3, render_timeout=60)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(c.post, "/v1/chat/completions", json=chat) for _ in range(4)]
+        deadline = time.monotonic() + 30
+        while c.get("/health").json()["offload"]["busy"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        r = c.post("/tokenize", json={"prompt": "hello"})
+        waited = time.monotonic() - t0
+        err = error_of(r, 503)
+        assert "--offload-wait" in err["message"] and r.headers["retry-after"] == "1"
+        assert 0.25 < waited < 5
+        t0 = time.monotonic()
+        health = c.get("/health")
+        assert health.status_code == 200 and time.monotonic() - t0 < 1
+        assert health.json()["offload"]["busy"] == 4 and health.json()["offload"]["refused"] >= 1
+        for f in busy:
+            assert f.result().status_code == 200
+    assert c.post("/tokenize", json={"prompt": "hello"}).status_code == 200

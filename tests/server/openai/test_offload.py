@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from spyre_serve.server.openai.offload import Offload, TimedOut
+from spyre_serve.server.openai.offload import Offload, PoolFull, TimedOut
 
 
 def spin(seconds: float) -> int:
@@ -105,3 +105,49 @@ def test_no_more_than_the_workers_run_at_once():
 
     asyncio.run(main())
     assert most == 2
+
+
+def test_a_request_that_finds_every_worker_busy_waits_its_bound_then_is_refused():
+    """Two workers stuck in work longer than the wait: a third call is refused (PoolFull)
+    after `wait` seconds without starting; the pool's stats say so; once a worker ends, calls
+    run again and no slot was lost to the refusals."""
+    release = threading.Event()
+
+    async def main():
+        offload = Offload(2, 10.0, wait=0.2)
+        stuck = [asyncio.create_task(offload.run(release.wait)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert offload.stats() == {"workers": 2, "busy": 2, "waiting": 0, "refused": 0}
+        t0 = time.monotonic()
+        with pytest.raises(PoolFull, match="all 2 workers busy for 0.2 s"):
+            await offload.run(lambda: "never")
+        assert 0.15 < time.monotonic() - t0 < 2
+        waiter = asyncio.create_task(offload.run(lambda: "late"))
+        await asyncio.sleep(0.05)
+        assert offload.stats()["waiting"] == 1
+        release.set()
+        assert await waiter == "late"
+        await asyncio.gather(*stuck)
+        assert await asyncio.gather(*(offload.run(lambda: 1) for _ in range(4))) == [1] * 4
+        assert offload.stats() == {"workers": 2, "busy": 0, "waiting": 0, "refused": 1}
+
+    asyncio.run(main())
+
+
+def test_a_caller_cancelled_while_waiting_for_a_worker_takes_no_slot():
+    release = threading.Event()
+
+    async def main():
+        offload = Offload(1, 10.0, wait=5.0)
+        first = asyncio.create_task(offload.run(release.wait))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(offload.run(lambda: "x"))
+        await asyncio.sleep(0.05)
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        release.set()
+        await first
+        assert await offload.run(lambda: "free") == "free" and offload.stats()["busy"] == 0
+
+    asyncio.run(main())

@@ -13,9 +13,10 @@ def test_models_lists_the_served_model_its_root_and_context_length():
                                                                                    64, None)
 
 
-def test_health_is_an_empty_200_while_the_engine_runs():
+def test_health_is_a_200_with_the_offload_pool_while_the_engine_runs():
     r = client_for().get("/health")
-    assert r.status_code == 200 and r.content == b""
+    assert r.status_code == 200
+    assert r.json() == {"offload": {"workers": 4, "busy": 0, "waiting": 0, "refused": 0}}
 
 
 def test_health_is_a_503_that_keeps_the_engines_error_to_the_log():
