@@ -256,13 +256,22 @@ def _draining_server(config, engine, drain_timeout: float):
     return DrainingServer(config)
 
 
-def serve(s: Settings) -> int:
+def uvicorn_config(app, s: Settings):
+    """uvicorn's configuration for serving ``app``: address, log level, graceful-shutdown
+    budget, and the cap on concurrent connections (``--limit-concurrency``: past it uvicorn
+    answers 503 at once, before any of the app's work)."""
     import uvicorn
+
+    return uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level,
+                          timeout_graceful_shutdown=max(1, int(s.drain_timeout)),
+                          limit_concurrency=s.limit_concurrency)
+
+
+def serve(s: Settings) -> int:
 
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     built = build(s, progress=True)
-    config = uvicorn.Config(built.app, host=s.host, port=s.port, log_level=s.log_level,
-                            timeout_graceful_shutdown=max(1, int(s.drain_timeout)))
+    config = uvicorn_config(built.app, s)
     server = _draining_server(config, built.engine, s.drain_timeout)
     died: list[BaseException] = []
 

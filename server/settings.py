@@ -201,6 +201,8 @@ class Settings:
     offload_wait: float = _flag(1.0, "seconds a request waits for one of the threads that render and "
                                 "tokenize when all are busy; then 503 + Retry-After", float)
     max_body_bytes: int = _flag(1 << 20, "largest request body; larger gets 413", parse_size)
+    limit_concurrency: int = _flag(2048, "most connections and requests open at once (uvicorn's "
+                                   "limit): past it a new one gets 503 before any work", int)
     drain_timeout: float = _flag(30.0, "seconds to finish running requests after SIGTERM", float)
     step_timeout: float = _flag(120.0, "seconds a step may take before the engine is declared dead "
                                 "(in-flight requests fail, the server exits 1 to be restarted)", float)

@@ -38,6 +38,7 @@ router = APIRouter()
 async def create_chat_completion(request: Request):
     serving = serving_of(request)
     response_id, engine_id = request_ids(request, "chatcmpl")
+    serving.check_admission(1)          # before the body is read: a full queue costs nothing
     req = await serving.read(request, ChatCompletionRequest)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")

@@ -43,6 +43,7 @@ router = APIRouter()
 async def create_completion(request: Request):
     serving = serving_of(request)
     response_id, engine_id = request_ids(request, "cmpl")
+    serving.check_admission(1)          # before the body is read: a full queue costs nothing
     req = await serving.read(request, CompletionRequest)
     serving.check_limits(req)
     prompts = await serving.prompt_ids("tokenizing the prompt", "prompt", completion_prompts, serving.tokenizer,

@@ -12,7 +12,9 @@ import time
 class ServerThread:
     """A real uvicorn server for ``app`` on 127.0.0.1, a free port, in a background thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, config=None) -> None:
+        """``config``: a uvicorn.Config of ``app`` to serve with (its host and port are
+        ignored: the server takes this thread's socket)."""
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -20,7 +22,7 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        config = config or uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)
 

@@ -147,6 +147,15 @@ def test_a_full_waiting_queue_is_a_503_with_retry_after_counting_sequences(side_
     assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
+def test_a_full_queue_refuses_before_the_body_is_read(side_app, real_server):
+    """With no room for even one sequence, a generation is refused (503) before its body is
+    read or parsed: a body that is not even JSON gets the 503, not a 400."""
+    c = side_app(engine=Backlogged(real_server.built.engine, 4), max_waiting=4)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = c.post(path, content=b"{not json" + b" " * 100_000, headers={"content-type": "application/json"})
+        assert "waiting queue is full" in error_of(r, 503)["message"] and r.headers["retry-after"] == "1"
+
+
 def test_a_request_with_more_sequences_than_the_queue_holds_is_a_400(side_app):
     c = side_app(max_waiting=3)
     err = error_of(c.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1, "n": 2}), 400)
@@ -232,3 +241,27 @@ def test_with_every_render_thread_busy_a_request_gets_503_after_the_wait_and_hea
         for f in busy:
             assert f.result().status_code == 200
     assert c.post("/tokenize", json={"prompt": "hello"}).status_code == 200
+
+
+def test_past_limit_concurrency_a_new_connection_gets_503_before_any_work(real_server):
+    """The serve command's uvicorn configuration caps open connections (--limit-concurrency,
+    uvicorn's; a connection counts itself): two connections held open and idle, as a slow
+    client holds them, and a third one's request is refused at once; once they close, it
+    is served."""
+    import socket
+    import time
+
+    from spyre_serve.server.cli import uvicorn_config
+
+    s = Settings(limit_concurrency=3, log_level="warning")
+    app = real_server.built.app
+    with ServerThread(app, uvicorn_config(app, s)) as server:
+        held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 503
+        assert time.monotonic() - t0 < 2
+        for sock in held:
+            sock.close()
+        time.sleep(0.2)
+        assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 200
