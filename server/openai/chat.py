@@ -44,6 +44,8 @@ async def create_chat_completion(request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     serving.check_limits(req)
     tools = ToolRequest.of(req)
+    if tools is not None:
+        await serving.blocking("checking the tools' JSON schemas", "tools", tools.check_schemas)
     [ids] = await serving.prompt_ids("rendering the chat template for these messages", "messages",
                                      chat_prompts, serving.tokenizer, req.messages, req.add_generation_prompt,
                                      req.chat_template_kwargs, req.add_special_tokens,

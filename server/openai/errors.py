@@ -80,11 +80,18 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def _quoted(value) -> str | None:
-    """``value`` as JSON, cut to 100 characters; None when it cannot be (too deep to encode)."""
+    """``value`` as JSON, cut to 100 characters, encoded only that far (a list of 100,000
+    items costs what its first ones do); None when it cannot be (too deep to encode)."""
+    out, size = [], 0
     try:
-        return json.dumps(value)[:100]
+        for piece in json.JSONEncoder().iterencode(value):
+            out.append(piece)
+            size += len(piece)
+            if size >= 100:
+                break
     except (RecursionError, TypeError, ValueError):
         return None
+    return "".join(out)[:100]
 
 
 def validation_error(exc: ValidationError) -> APIError:

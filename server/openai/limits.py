@@ -6,12 +6,17 @@ after every token, as many and as long as the client likes. So each is capped (v
 no such caps; the defaults are set well above what real clients send): the prompts of a
 completion (``--max-prompts``), ``n`` (``--max-n``), the stop strings' count and length
 (``--max-stop-strings``, ``--max-stop-length``), ``stop_token_ids`` (``--max-stop-token-ids``),
-and the request's sequences (prompts x n): more than the waiting queue holds
-(``--max-waiting``) could never be admitted. Each refusal is a 400 naming the limit's flag.
+the request's sequences (prompts x n): more than the waiting queue holds (``--max-waiting``)
+could never be admitted; and what costs work that grows with its size before the engine
+sees it: each JSON schema of structured output (``--max-schema-bytes``), the tools of a chat
+(``--max-tools``, ``--max-tools-bytes``; their checks and grammars then run on a worker
+thread, ``structured``). Each refusal is a 400 naming the limit's flag.
 Whether the queue has room now is the 503 of ``Serving.check_admission``.
 """
 
 from __future__ import annotations
+
+import json
 
 from spyre_serve.server.openai.errors import APIError
 from spyre_serve.server.openai.protocol import CompletionRequest, SamplingRequest
@@ -25,6 +30,50 @@ def num_prompts(req: SamplingRequest) -> int:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         return len(prompt)
     return 1
+
+
+def json_over(value, limit: int) -> bool:
+    """Whether ``value`` takes more than ``limit`` characters as JSON (a string: its own
+    length); encoded only as far as the limit, so the answer costs at most that much."""
+    if isinstance(value, str):
+        return len(value) > limit
+    size = 0
+    try:
+        for piece in json.JSONEncoder().iterencode(value):
+            size += len(piece)
+            if size > limit:
+                return True
+    except (RecursionError, TypeError, ValueError):
+        return False           # not JSON-encodable: the field's own check refuses it
+    return False
+
+
+def schemas_of(req: SamplingRequest) -> list[tuple[str, object]]:
+    """(field, the JSON schema it gives) of each structured-output field holding one."""
+    out = []
+    rf = req.response_format if isinstance(req.response_format, dict) else {}
+    js = rf.get("json_schema")
+    if isinstance(js, dict) and "schema" in js:
+        out.append(("response_format", js["schema"]))
+    so = req.structured_outputs if isinstance(req.structured_outputs, dict) else {}
+    if so.get("json") is not None:
+        out.append(("structured_outputs", so["json"]))
+    if req.guided_json is not None:
+        out.append(("guided_json", req.guided_json))
+    return out
+
+
+def check_sizes(req: SamplingRequest, s: Settings) -> None:
+    """400 for a JSON schema or a tools list over its cap."""
+    for param, schema in schemas_of(req):
+        if json_over(schema, s.max_schema_bytes):
+            raise APIError(400, f"{param}: the JSON schema is over {s.max_schema_bytes} bytes "
+                                f"(--max-schema-bytes)", param)
+    tools = req.tools or []
+    if len(tools) > s.max_tools:
+        raise APIError(400, f"tools lists {len(tools)} functions, the limit is {s.max_tools} (--max-tools)", "tools")
+    if json_over(tools, s.max_tools_bytes):
+        raise APIError(400, f"tools is over {s.max_tools_bytes} bytes as JSON (--max-tools-bytes)", "tools")
 
 
 def check_limits(req: SamplingRequest, prompts: int, settings: Settings) -> None:
@@ -47,6 +96,7 @@ def check_limits(req: SamplingRequest, prompts: int, settings: Settings) -> None
     if len(ids) > s.max_stop_token_ids:
         raise APIError(400, f"stop_token_ids has {len(ids)} ids, the limit is {s.max_stop_token_ids} "
                             f"(--max-stop-token-ids)", "stop_token_ids")
+    check_sizes(req, s)
     sequences = prompts * req.n
     if sequences > s.max_waiting:
         raise APIError(400, f"this request asks for {sequences} sequences ({prompts} prompts x n = {req.n}), "

@@ -39,6 +39,12 @@ from spyre_serve.server.openai.fields import (  # noqa: F401  (INT64, MAX_LOGPRO
     served,
 )
 
+# Every list stops at its first bad item (pydantic's fail_fast): a body of 100,000 bad items
+# then costs one error, not 100,000 (each a dict pydantic builds when asked for its errors;
+# a 1 MiB body made ~1M of them, ~0.8 GB and seconds on the event loop). body.py reports
+# the first error anyway.
+FAIL_FAST = Field(fail_fast=True)
+
 
 class StrictModel(BaseModel):
     """A request body or part of one: a field it does not declare is refused, not ignored."""
@@ -72,8 +78,9 @@ class SamplingRequest(StrictModel):
     seed: Annotated[Integer | None, schema(minimum=INT64[0], maximum=INT64[1])] = None
     stop: Annotated[str, schema(minLength=1, **served(maxLength="max_stop_length"))] \
         | Annotated[list[Annotated[str, schema(minLength=1, **served(maxLength="max_stop_length"))]],
-                    schema(**served(maxItems="max_stop_strings"))] | None = None
-    stop_token_ids: Annotated[list[Annotated[Integer, schema(minimum=0, maximum=2**31 - 1)]] | None,
+                    schema(**served(maxItems="max_stop_strings")), FAIL_FAST] | None = None
+    stop_token_ids: Annotated[Annotated[list[Annotated[Integer, schema(minimum=0, maximum=2**31 - 1)]],
+                                        FAIL_FAST] | None,
                               schema(**served(maxItems="max_stop_token_ids"))] = None
     n: Annotated[Integer, schema(minimum=1, **served(maximum="max_n"))] = 1
     best_of: Annotated[Integer | None, schema(minimum=1)] = None
@@ -95,12 +102,13 @@ class SamplingRequest(StrictModel):
     structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar": ...}
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str], FAIL_FAST] | None = None
     guided_grammar: str | None = None
     # tool calls (chat; server/openai/tools.py)
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to [-100, 100]
+    # token id (as a string) -> bias, clamped to [-100, 100]; values checked by _bias_values
+    logit_bias: Annotated[dict[str, Any] | None, schema(additionalProperties={"type": "number"})] = None
     # vLLM's: requests share prefix-cache blocks only when their salts are equal (none: unsalted)
     cache_salt: Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT)] = None
 
@@ -108,6 +116,15 @@ class SamplingRequest(StrictModel):
     @classmethod
     def _unsupported(cls, v, info):
         return refuse_unless_neutral(v, info)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_values(cls, v):
+        """Each bias a number (JSON's: not a bool), stopping at the first that is not."""
+        for key, bias in (v or {}).items():
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise ValueError(f"logit_bias[{json.dumps(key)[:50]}] must be a number, got {json.dumps(bias)[:50]}")
+        return None if v is None else {k: float(b) for k, b in v.items()}
 
     @field_validator(*RANGES)
     @classmethod
@@ -191,9 +208,10 @@ class SamplingRequest(StrictModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | Annotated[list[str], schema(minItems=1, **served(maxItems="max_prompts"))] \
-        | Annotated[list[TokenId], schema(minItems=1)] \
-        | Annotated[list[list[TokenId]], schema(minItems=1, **served(maxItems="max_prompts"))]
+    prompt: str | Annotated[list[str], schema(minItems=1, **served(maxItems="max_prompts")), FAIL_FAST] \
+        | Annotated[list[TokenId], schema(minItems=1), FAIL_FAST] \
+        | Annotated[list[Annotated[list[TokenId], FAIL_FAST]], schema(minItems=1, **served(maxItems="max_prompts")),
+                    FAIL_FAST]
     max_tokens: Annotated[Integer | None, schema(minimum=0)] = 16
     logprobs: Annotated[Integer | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
     echo: bool = False
@@ -239,9 +257,9 @@ class TextPart(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], FAIL_FAST] | None = None
     name: str | None = None  # handed to the chat template with the message, as vLLM does
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
+    tool_calls: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None  # an assistant's calls (OpenAI's shape)
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
@@ -279,7 +297,7 @@ def _call_for_template(call: dict) -> dict:
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1), FAIL_FAST]
     max_tokens: Annotated[Integer | None, schema(minimum=1)] = None
     max_completion_tokens: Annotated[Integer | None, schema(minimum=1)] = None
     logprobs: bool = False
@@ -317,7 +335,7 @@ class TokenizeRequest(StrictModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage] | None, Field(min_length=1)] = None
+    messages: Annotated[Annotated[list[ChatMessage], FAIL_FAST] | None, Field(min_length=1)] = None
     add_special_tokens: bool | None = None  # None: as the endpoint would (prompt yes, messages no)
     add_generation_prompt: bool = True
     chat_template_kwargs: TemplateKwargs = None
@@ -341,4 +359,4 @@ class TokenizeRequest(StrictModel):
 
 class DetokenizeRequest(StrictModel):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: Annotated[list[TokenId], FAIL_FAST]

@@ -10,9 +10,11 @@ The forms (one per request at most; two is a 400 naming the second):
     guided_grammar    a Lark or GBNF grammar
     structured_outputs  {"json" | "regex" | "choice" | "grammar" | "json_object": ...}  (vLLM's newer)
 
-The grammar is compiled by ``server.structured.Grammars`` on a worker thread (``Serving.blocking``),
-never on the event loop; a schema that is not a JSON schema, or one llguidance cannot compile,
-is a 400 naming the field and the problem. The tools of a chat request make a grammar too
+The grammar is checked (a JSON schema against its draft's meta-schema) and compiled by
+``server.structured.Grammars`` on a worker thread (``Serving.blocking``, within
+--render-timeout), never on the event loop; their size is capped before (``limits``). A
+schema that is not a JSON schema, or one llguidance cannot compile, is a 400 naming the
+field and the problem. The tools of a chat request make a grammar too
 (``server.openai.tools``).
 """
 
@@ -27,6 +29,8 @@ from spyre_serve.server.structured import GrammarError, GrammarSpec, json_spec
 
 LOGIT_BIAS_MAX = 100.0   # vLLM clamps each bias to [-100, 100] (OpenAI's range)
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# where in a field its JSON schema sits, for the messages about it
+SCHEMA_WHERE = {"response_format": "response_format.json_schema.schema"}
 
 
 def _schema_of(value, param: str):
@@ -76,7 +80,6 @@ def _from_response_format(rf: dict) -> tuple[GrammarSpec, str] | None:
             raise APIError(400, f"response_format.json_schema: unknown field {sorted(unknown)[0]!r}",
                            "response_format")
         schema = _schema_of(js.get("schema", {"type": "object"}), "response_format.json_schema.schema")
-        check_json_schema(schema, "response_format.json_schema.schema")
         return json_spec(schema), "response_format"
     raise APIError(400, f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}',
                    "response_format")
@@ -106,9 +109,7 @@ def _from_structured_outputs(so: dict) -> tuple[GrammarSpec, str]:
     key = given[0]
     param = f"structured_outputs.{key}"
     if key == "json":
-        schema = _schema_of(so[key], param)
-        check_json_schema(schema, param)
-        return json_spec(schema), param
+        return json_spec(_schema_of(so[key], param)), param
     if key == "json_object":
         return json_spec({"type": "object"}), param
     if key == "choice":
@@ -129,9 +130,7 @@ def grammar_spec(req: SamplingRequest) -> tuple[GrammarSpec, str] | None:
     if req.structured_outputs is not None:
         found.append(_from_structured_outputs(req.structured_outputs))
     if req.guided_json is not None:
-        schema = _schema_of(req.guided_json, "guided_json")
-        check_json_schema(schema, "guided_json")
-        found.append((json_spec(schema), "guided_json"))
+        found.append((json_spec(_schema_of(req.guided_json, "guided_json")), "guided_json"))
     if req.guided_regex is not None:
         found.append((GrammarSpec("regex", _text(req.guided_regex, "guided_regex", "a regular expression")),
                       "guided_regex"))
@@ -146,11 +145,20 @@ def grammar_spec(req: SamplingRequest) -> tuple[GrammarSpec, str] | None:
     return found[0] if found else None
 
 
+def _checked_and_compiled(grammars, spec: GrammarSpec, param: str):
+    """A JSON schema checked against its draft (a 400 naming ``param``), then the grammar
+    compiled: on a worker thread, both costs growing with the schema."""
+    if spec.kind == "json":
+        check_json_schema(json.loads(spec.source), SCHEMA_WHERE.get(param, param))
+    return grammars.compile(spec)
+
+
 async def compile_grammar(serving, spec: GrammarSpec, param: str):
     """The compiled grammar (``server.structured.Grammar``), on a worker thread; a 400 naming
-    ``param`` when llguidance refuses it."""
+    ``param`` when the schema is invalid or llguidance refuses it."""
     try:
-        return await serving.blocking("compiling the grammar", param, serving.grammars.compile, spec)
+        return await serving.blocking("checking and compiling the grammar", param, _checked_and_compiled,
+                                      serving.grammars, spec, param)
     except GrammarError as exc:
         raise APIError(400, f"{param}: the grammar is invalid: {str(exc).strip()[:500]}", param) from None
 

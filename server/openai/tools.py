@@ -84,7 +84,6 @@ class ToolRequest:
             params = fn.get("parameters", EMPTY_PARAMETERS)
             if not isinstance(params, dict):
                 raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
-            check_json_schema(params, f"tools[{i}].function.parameters", "tools")
             by_name[name] = fn
         named = None
         if choice is None:
@@ -103,6 +102,12 @@ class ToolRequest:
             raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                            "tool_choice")
         return cls(list(tools), choice, named, by_name, getattr(req, "parallel_tool_calls", True))
+
+    def check_schemas(self) -> None:
+        """A 400 naming the first tool whose parameters are not a JSON schema (a cost that grows
+        with the schemas: the chat endpoint runs it on a worker thread)."""
+        for i, fn in enumerate(self.by_name.values()):
+            check_json_schema(fn.get("parameters", EMPTY_PARAMETERS), f"tools[{i}].function.parameters", "tools")
 
     @property
     def template_tools(self) -> list[dict]:

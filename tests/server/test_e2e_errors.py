@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -265,3 +267,28 @@ def test_past_limit_concurrency_a_new_connection_gets_503_before_any_work(real_s
             sock.close()
         time.sleep(0.2)
         assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 200
+
+
+def test_schemas_and_tools_over_their_caps_are_400s_naming_the_flag(side_app):
+    c = side_app(max_schema_bytes=2000, max_tools=3, max_tools_bytes=1500)
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}}
+    msgs = [{"role": "user", "content": "hi"}]
+    for body, param in [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}},
+                         "response_format"),
+                        ({"guided_json": big}, "guided_json"), ({"guided_json": json.dumps(big)}, "guided_json"),
+                        ({"structured_outputs": {"json": big}}, "structured_outputs")]:
+        err = error_of(c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, **body}), 400)
+        assert err["param"] == param and "--max-schema-bytes" in err["message"], err
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    many = [{**fn, "function": {**fn["function"], "name": f"f{i}"}} for i in range(4)]
+    err = error_of(c.post("/v1/chat/completions", json={"messages": msgs, "tools": many}), 400)
+    assert "--max-tools)" in err["message"] and err["param"] == "tools"
+    wide = [{**fn, "function": {**fn["function"], "description": "d" * 2000}}]
+    err = error_of(c.post("/v1/chat/completions", json={"messages": msgs, "tools": wide}), 400)
+    assert "--max-tools-bytes" in err["message"]
+    small = {"type": "object", "properties": {"a": {"type": "string"}}}
+    ok = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "guided_json": small,
+                                              "tools": many[:3]})
+    assert ok.status_code == 200, ok.text
+    bad = c.post("/v1/chat/completions", json={"messages": msgs, "guided_json": {"type": 3}})
+    assert "guided_json is not a valid JSON schema" in error_of(bad, 400)["message"]   # checked off the loop

@@ -38,11 +38,14 @@ def test_tool_choice_defaults_to_auto_with_tools_and_names_must_exist():
                         ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "h"}}}, "tool_choice"),
                         ({"tools": [F], "tool_choice": "sometimes"}, "tool_choice"),
                         ({"tools": [F, F]}, "tools"),
-                        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]}, "tools"),
                         ({"tools": [{"type": "retrieval"}]}, "tools")]:
         with pytest.raises(APIError) as info:
             tools_of(**body)
         assert info.value.param == param, body
+    bad_schema = tools_of(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}])
+    with pytest.raises(APIError, match=r"tools\[0\].function.parameters is not a valid JSON schema") as info:
+        bad_schema.check_schemas()          # off the event loop: the chat endpoint's worker thread
+    assert info.value.param == "tools"
 
 
 @pytest.mark.parametrize("text", ['<|tool_call|>[{"name": "f", "arguments": {"x": 1}}]',
