@@ -181,35 +181,53 @@ def parse_call_list(text: str, args_key: str) -> list[tuple[str, str]] | None:
     return out
 
 
+class ListScanner:
+    """The objects of a growing JSON list, found as the text grows: ``scan(text)`` reads only
+    what was appended since the last call (a stream's deltas cost their own length, not the
+    reply's), from the list's ``[`` at ``start``, and returns the objects completed by it."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.pos = start           # the next character to read
+        self.depth = 0
+        self.in_string = self.escaped = False
+        self.item_start: int | None = None
+        self.closed = False        # the list's ``]`` was read
+
+    def scan(self, text: str) -> list[str]:
+        items = []
+        for i in range(self.pos, len(text)):
+            if self.closed:
+                break
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                if self.depth == 1 and ch == "{":
+                    self.item_start = i
+                self.depth += 1
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.closed = True
+                elif self.depth == 1 and self.item_start is not None:
+                    items.append(text[self.item_start:i + 1])
+                    self.item_start = None
+        self.pos = len(text)
+        return items
+
+
 def complete_items(body: str) -> tuple[list[str], bool]:
     """The objects of a JSON list ``body`` (starting at its ``[``) that are complete so far,
     as texts, and whether the list is closed."""
-    items = []
-    depth = 0
-    in_string = escaped = False
-    item_start = None
-    for i, ch in enumerate(body):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            if depth == 1 and ch == "{":
-                item_start = i
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-            if depth == 0:
-                return items, True
-            if depth == 1 and item_start is not None:
-                items.append(body[item_start:i + 1])
-                item_start = None
-    return items, False
+    scanner = ListScanner()
+    return scanner.scan(body), scanner.closed
 
 
 class ToolStream:
@@ -220,9 +238,8 @@ class ToolStream:
         self.text = ""
         self.mode = "named" if tools.choice == "named" else ("text" if tools.choice == "none" else None)
         self.sent = 0             # calls sent so far
-        self.seen = 0             # complete objects of the list read so far
         self.sent_text = 0        # characters of text sent as content
-        self.closed = False
+        self.scanner: ListScanner | None = None   # the list of calls, once the text is one
 
     @property
     def called(self) -> bool:
@@ -239,6 +256,8 @@ class ToolStream:
             if undecided and not final:
                 return None, []
             self.mode = "list" if body.startswith("[") else "text"
+            if self.mode == "list":
+                self.scanner = ListScanner(len(self.text) - len(body))
         if self.mode == "text":
             out = self.text[self.sent_text:]
             self.sent_text = len(self.text)
@@ -254,10 +273,9 @@ class ToolStream:
         return None, [{"index": 0, "function": {"arguments": delta}}]
 
     def _list(self, final: bool) -> list[dict]:
-        items, self.closed = complete_items(_after_bot(self.text))
+        new = self.scanner.scan(self.text)
         key = "parameters" if self.tools.choice == "required" else "arguments"
         out = []
-        new, self.seen = items[self.seen:], len(items)
         if not self.tools.parallel:
             new = new[:max(0, 1 - self.sent)]
         for item in new:

@@ -147,3 +147,24 @@ def test_parallel_tool_calls_false_allows_one_call():
     assert [c["function"]["name"] for c in calls] == ["f"]
     chunks = stream(tools_of(tools=[F, G], parallel_tool_calls=False), [text[:20], text[20:]])
     assert [d["function"]["name"] for c in chunks for d in c["delta"].get("tool_calls", [])] == ["f"]
+
+
+def test_a_streamed_list_of_calls_is_read_once_however_many_deltas_it_comes_in():
+    """Each delta costs its own length (the list's scanner keeps its place), not the reply's:
+    a 60,000-character reply fed one character at a time reads as the same calls as fed whole,
+    in well under the time a rescan per delta would take (~1.8e9 character steps)."""
+    import time
+
+    calls = [{"name": "f", "arguments": {"x": "y" * 100, "i": i}} for i in range(500)]
+    text = "<|tool_call|>" + json.dumps(calls)
+    whole = tools_of(tools=[F]).stream()
+    _, want = whole.feed(text, final=True)
+    stream = tools_of(tools=[F]).stream()
+    got = []
+    t0 = time.perf_counter()
+    for ch in text:
+        got += stream.feed(ch)[1]
+    got += stream.feed("", final=True)[1]
+    assert time.perf_counter() - t0 < 5
+    assert len(got) == len(want) == 500 and [c["function"] for c in got] == [c["function"] for c in want]
+    assert json.loads(got[7]["function"]["arguments"])["i"] == 7
