@@ -187,23 +187,16 @@ class Engine:
         if params is not None:
             check_params(params)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: list[GenerationParams],
-        on_update: Callable[[SeqUpdate], None],
-    ) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: list[GenerationParams],
+                    on_update: Callable[[SeqUpdate], None]) -> None:
         """Queue a request with one ``GenerationParams`` per choice (``n`` of them).
         ``RequestRejected`` if it can never run; ``EngineUnavailable`` if the engine takes no
         more requests (dead, dying, shut down): never queued where nobody will answer it."""
         self.check_request(len(prompt_ids), max((p.max_tokens for p in params), default=0),
                            params, prompt_ids)
         now = time.monotonic()
-        seqs = [
-            Sequence(next(self._seq_ids), request_id, i, list(prompt_ids), p, now)
-            for i, p in enumerate(params)
-        ]
+        seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_ids), p, now)
+                for i, p in enumerate(params)]
         if not self._inbox.add(EngineRequest(request_id, seqs, on_update, now)):
             raise EngineUnavailable(self._life.unavailable_reason())
         self._wake.set()
@@ -236,8 +229,8 @@ class Engine:
                 t0 = time.perf_counter()
                 c0 = device_seconds(self.card)
                 self._drain_inbox()
-                if self._failures.suspects:
-                    if inflight is not None:          # drain: suspects run on a quiet pipeline
+                if self._failures.suspects or self._failures.unverified:
+                    if inflight is not None:          # drain: probes run on a quiet pipeline
                         self._collect_pair(inflight, None)
                         inflight = None
                     self._probe()
@@ -375,17 +368,22 @@ class Engine:
         """A step raised, at its launch (``ran`` false: nothing of it ran) or when read back:
         the scheduler takes its chunks back, and the requests to blame fail."""
         self.stats.failed_steps += 1
-        self._failures.count(exc)
         if ran:
             self.scheduler.step_failed(chunks)
         else:
             self.scheduler.undo_launch(chunks)
-        for request_id, message in self._failures.blame(chunks, exc, ran).items():
+        blamed = self._failures.blame(chunks, exc, ran)
+        for request_id, message in blamed.items():
             self._open.fail(request_id, message)
+        if not blamed:                        # no request explains it: the card's, so far
+            self._failures.count(exc)
 
     def _probe(self) -> None:
-        """Run the next suspect alone, recomputed from position 0 (nothing is in flight): a
-        failure now is its own (a one-request step fails its request); success clears it."""
+        """Nothing in flight: the canary of a failure blamed by elimination, or the next suspect
+        alone from position 0 (a failure now is its own; success clears it)."""
+        if self._failures.unverified:
+            self._failures.check_card(self.runner, self.blocks, next(self._seq_ids))
+            return
         seq = self._failures.suspects.popleft()
         if seq.is_finished:
             return

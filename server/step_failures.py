@@ -4,8 +4,15 @@ The runner names the work items it refuses (``SeqWorkError``): when it launched 
 only their requests fail and the others are planned again. A step that fails without naming
 one fails its request if it holds only one; else each of its sequences becomes a suspect, to
 be recomputed from position 0 in a step of its own once the pipeline is drained (the
-engine's ``_probe``), so only a sequence that fails alone is failed. A run of
-``MAX_FAILED_STEPS_IN_A_ROW`` failed steps is the card's fault, not a client's: fatal.
+engine's ``_probe``), so only a sequence that fails alone is failed.
+
+A run of ``MAX_FAILED_STEPS_IN_A_ROW`` failed steps that no request explains is the card's
+fault, not a client's: fatal. A refusal the runner names (``SeqWorkError``) is explained. A
+failure put on a request by elimination (the step was its alone) is explained only once the
+card is seen to work without it: on the next quiet pipeline the engine runs a canary, one
+token of a sequence of the engine's own (``check_card``); if that fails too, the failure
+counts. So a client who sends poison requests one after another fails only its own, and
+never feeds the count, while a card that breaks still dies after the same run of failures.
 """
 
 from __future__ import annotations
@@ -13,8 +20,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from spyre_serve.models.step_io import SeqWorkError
-from spyre_serve.server.sequence import Sequence
+from spyre_serve.models.step_io import SamplingParams, SeqWork, SeqWorkError
+from spyre_serve.server.block_manager import BlockManager
+from spyre_serve.server.sequence import GenerationParams, Sequence
 from spyre_serve.server.step_work import ScheduledChunk
 from spyre_serve.server.watchdog import EngineFatal
 
@@ -27,6 +35,7 @@ class StepFailures:
     def __init__(self) -> None:
         self.suspects: deque[Sequence] = deque()  # of a failed step, each to run alone
         self.in_a_row = 0
+        self.unverified: BaseException | None = None  # blamed by elimination: canary pending
 
     def succeeded(self) -> None:
         self.in_a_row = 0
@@ -56,6 +65,7 @@ class StepFailures:
         message = f"the step failed: {type(exc).__name__}: {exc}"
         requests = {c.seq.request_id for c in chunks}
         if len(requests) == 1:
+            self.unverified = exc      # the request's, unless the card fails without it too
             return {requests.pop(): message}
         log.warning("a step of %d requests failed (%s); each runs alone until the one at fault "
                     "fails alone", len(requests), message)
@@ -65,3 +75,26 @@ class StepFailures:
                 self.suspects.append(c.seq)
                 queued.add(c.seq.seq_id)
         return {}
+
+    def check_card(self, runner, blocks: BlockManager, seq_id: int) -> None:
+        """The canary after a failure put on a request by elimination (nothing in flight):
+        one token of a sequence of the engine's own, in a free block. It passes: the card
+        works, the request was at fault, and the run of failures is over. It fails: the
+        failure was the card's and counts (``EngineFatal`` at the end of a run). With no free
+        block there is nothing to run it in, and the failure stays the request's."""
+        exc, self.unverified = self.unverified, None
+        canary = Sequence(seq_id, "canary", 0, [0], GenerationParams(SamplingParams(temperature=0.0)), 0.0)
+        if exc is None or not blocks.can_grow(canary, 1):
+            return
+        blocks.grow(canary, 1)
+        try:
+            runner.launch([SeqWork(seq_id, [0], 0, list(canary.block_table), True, canary.params.sampling)]).result()
+        except Exception as canary_exc:  # noqa: BLE001 - a failed canary is the card's failure
+            log.warning("the canary step failed too (%s: %s): the card, not the request, is at fault",
+                        type(canary_exc).__name__, canary_exc)
+            self.count(exc)
+        else:
+            self.succeeded()
+        finally:
+            blocks.free(canary)
+            runner.forget(seq_id)

@@ -664,3 +664,25 @@ def test_a_request_added_after_shutdown_is_refused_instead_of_hanging(make_engin
     engine.shutdown()
     with pytest.raises(EngineUnavailable, match="shut down"):
         engine.add_request("late", TOK.encode("late"), [params()], Collector())
+
+
+def test_a_client_sending_poison_requests_one_by_one_fails_only_its_own_and_never_kills_the_engine():
+    """Each poison request's step fails alone (blamed by elimination); the canary that follows
+    passes, so none counts toward the card's fatal run: twice that run of them later, the
+    engine is alive and a good request is answered."""
+    runner = FakeRunner(fail_when_token=TOK.encode("z")[0])
+    deaths = Deaths()
+    engine = Engine(runner, TOK, on_death=deaths)
+    engine.start()
+    try:
+        for i in range(2 * MAX_FAILED_STEPS_IN_A_ROW):
+            c = Collector()
+            engine.add_request(f"poison{i}", TOK.encode("zz"), [params(max_tokens=2)], c)
+            assert c.wait(10).last.finish_reason == "error"
+        assert engine.alive and not deaths.calls
+        good = Collector()
+        engine.add_request("good", TOK.encode("ab"), [params(max_tokens=3)], good)
+        assert good.wait(10).last.finish_reason == "length"
+        assert engine.blocks.num_free == engine.blocks.num_blocks       # the canaries' block given back
+    finally:
+        engine.shutdown()

@@ -155,3 +155,27 @@ def test_too_many_failed_steps_in_a_row_are_fatal_and_a_success_resets_the_count
         failures.count(RuntimeError("x"))
     with pytest.raises(EngineFatal, match=f"{MAX_FAILED_STEPS_IN_A_ROW} steps failed in a row"):
         failures.count(RuntimeError("x"))
+
+
+def test_a_failure_blamed_by_elimination_counts_only_when_the_canary_fails_too():
+    from spyre_serve.server.block_manager import BlockManager
+    from tests.server.fakes import FakeRunner
+
+    class Broken(FakeRunner):
+        def launch(self, work):
+            raise RuntimeError("the card is gone")
+
+    blocks = BlockManager(4, 4)
+    failures = StepFailures()
+    assert failures.blame([chunk(seq(0, "a"))], RuntimeError("boom"), ran=True) == {
+        "a": "the step failed: RuntimeError: boom"}
+    assert failures.unverified is not None and failures.in_a_row == 0
+    failures.check_card(FakeRunner(), blocks, 99)                  # the card works: the request's
+    assert failures.in_a_row == 0 and failures.unverified is None and blocks.num_free == 4
+    for i in range(MAX_FAILED_STEPS_IN_A_ROW - 1):
+        failures.blame([chunk(seq(i, "a"))], RuntimeError("boom"), ran=True)
+        failures.check_card(Broken(), blocks, 100 + i)               # it does not: the card's
+    assert failures.in_a_row == MAX_FAILED_STEPS_IN_A_ROW - 1 and blocks.num_free == 4
+    failures.blame([chunk(seq(0, "a"))], RuntimeError("boom"), ran=True)
+    with pytest.raises(EngineFatal):
+        failures.check_card(Broken(), blocks, 200)
