@@ -208,6 +208,9 @@ class Settings:
     limit_concurrency: int = _flag(2048, "most connections and requests open at once (uvicorn's "
                                    "limit): past it a new one gets 503 before any work", int)
     drain_timeout: float = _flag(30.0, "seconds to finish running requests after SIGTERM", float)
+    stream_send_timeout: float = _flag(30.0, "seconds a stream's client may leave its events unread "
+                                       "while more arrive; then the request is aborted and its KV "
+                                       "blocks freed", float)
     step_timeout: float = _flag(120.0, "seconds a step may take before the engine is declared dead "
                                 "(in-flight requests fail, the server exits 1 to be restarted)", float)
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of a prompt prefix computed before "

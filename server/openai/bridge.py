@@ -6,11 +6,18 @@ handed to the event loop with ``loop.call_soon_threadsafe`` and queued, and ``ne
 folds it into its ``Choice``. ``collect`` waits for every choice of a non-streaming
 request, and aborts the engine requests if the client goes away first (polled, since a
 waiting handler hears nothing from a closed connection).
+
+A slow reader: a stream whose client stops reading blocks in the socket's send, and the
+engine would go on generating into an unbounded queue to ``max_tokens``. An update that
+arrives while the last one handed out has not been sent for ``stall_timeout`` seconds
+(``--stream-send-timeout``; the reader is not waiting in ``next``) aborts the submission:
+its KV blocks are freed and the queue stops growing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +26,7 @@ from spyre_serve.server.engine import Engine, SeqUpdate
 from spyre_serve.server.sequence import GenerationParams, TokenLogprob
 
 DISCONNECT_POLL_SECONDS = 0.05  # how often a waiting non-streaming request asks if its client left
+log = logging.getLogger("spyre_serve.api")
 
 
 @dataclass(slots=True)
@@ -42,18 +50,23 @@ class Submission:
     ``i * n + j`` is choice ``j`` of prompt ``i``. Made on the event loop; if the engine
     refuses a prompt, those added before it are aborted and the refusal raised."""
 
-    def __init__(self, engine: Engine, request_id: str, prompts: list[list[int]], params: list[GenerationParams]):
+    def __init__(self, engine: Engine, request_id: str, prompts: list[list[int]], params: list[GenerationParams],
+                 stall_timeout: float | None = None):
         self.engine = engine
         self.request_id = request_id
         self.n = len(params)
         self.choices = [Choice(ids) for ids in prompts for _ in params]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.num_finished = 0
+        self.stall_timeout = stall_timeout
+        self.reading = True               # the reader waits in next() (or has not started)
+        self.handed_at = time.monotonic()  # when next() last returned an update
+        self.stalled = False              # aborted because its reader stopped reading
         loop = asyncio.get_running_loop()
         self.sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         for i, ids in enumerate(prompts):
             def deliver(update: SeqUpdate, i=i) -> None:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (i, update))
+                loop.call_soon_threadsafe(self._put, i, update)
 
             try:
                 engine.add_request(self.sub_ids[i], ids, params, deliver)
@@ -66,9 +79,25 @@ class Submission:
     def done(self) -> bool:
         return self.num_finished == len(self.choices)
 
+    def _put(self, i: int, update: SeqUpdate) -> None:
+        """An engine update, queued (event loop); a reader stalled past ``stall_timeout``
+        aborts the submission."""
+        self.queue.put_nowait((i, update))
+        if (self.stall_timeout is not None and not self.reading and not self.stalled
+                and time.monotonic() - self.handed_at > self.stall_timeout):
+            self.stalled = True
+            log.warning("request %s: its client has read nothing for %.0f s (--stream-send-timeout): "
+                        "aborted", self.request_id, time.monotonic() - self.handed_at)
+            self.abort()
+
     async def next(self) -> tuple[int, SeqUpdate]:
         """The next update as (choice index, update), folded into ``self.choices``."""
-        i, u = await self.queue.get()
+        self.reading = True
+        try:
+            i, u = await self.queue.get()
+        finally:
+            self.reading = False
+            self.handed_at = time.monotonic()
         idx = i * self.n + u.index
         c = self.choices[idx]
         c.text += u.text

@@ -173,7 +173,7 @@ class Serving:
         the engine refuses one only if it is dying meanwhile (503) or checks more than they
         did (400); either way nothing of the request is left in it."""
         try:
-            return Submission(self.engine, request_id, prompts, params)
+            return Submission(self.engine, request_id, prompts, params, self.settings.stream_send_timeout)
         except RequestRejected as exc:
             raise APIError(400, str(exc), exc.param) from None
         except EngineUnavailable as exc:

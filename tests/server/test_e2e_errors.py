@@ -292,3 +292,41 @@ def test_schemas_and_tools_over_their_caps_are_400s_naming_the_flag(side_app):
     assert ok.status_code == 200, ok.text
     bad = c.post("/v1/chat/completions", json={"messages": msgs, "guided_json": {"type": 3}})
     assert "guided_json is not a valid JSON schema" in error_of(bad, 400)["message"]   # checked off the loop
+
+
+def test_a_stream_whose_client_stops_reading_is_aborted_and_frees_its_blocks(real_server):
+    """A client that sends a streaming request and never reads: once the sockets' buffers
+    are full (kept small here: 4 KiB each way) and the events have gone unread for
+    --stream-send-timeout, the request is aborted (its blocks freed, generation stopped)
+    instead of running to max_tokens into a queue."""
+    import socket
+    import time
+
+    built = real_server.built
+    engine = built.engine
+    app = create_app(engine, built.model, Settings(stream_send_timeout=0.5))
+    server = ServerThread(app)
+    server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)   # accepted sockets inherit it
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 900, "n": 4, "logprobs": 5, "stream": True,
+                       "ignore_eos": True}).encode()
+    aborted, steps = engine.stats.finished.get("abort", 0), engine.stats.steps
+    with server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        try:
+            deadline = time.monotonic() + 60
+            while engine.num_requests == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.num_requests == 1
+            while engine.num_requests and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.stats.finished.get("abort", 0) == aborted + 1   # long before max_tokens
+            assert engine.stats.steps - steps < 500
+            assert engine.num_requests == 0 and engine.blocks.num_used == 0
+        finally:
+            sock.close()
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
