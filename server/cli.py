@@ -224,12 +224,20 @@ def warmup(s: Settings, progress: bool = True, out=None) -> int:
     return 0
 
 
+# The last seconds of --drain-timeout: requests still running are cut (their streams end with
+# an error event), and uvicorn gets this long to send those last events and close.
+FLUSH_SECONDS = 2
+
+
 def _draining_server(config, engine, drain_timeout: float):
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """First SIGTERM/SIGINT: stop admitting (503), let running requests finish, then exit 0.
-        A second signal exits at once."""
+        """First SIGTERM/SIGINT: stop admitting (503), let running requests finish, then exit 0,
+        all within ``drain_timeout`` seconds: at ``drain_timeout - FLUSH_SECONDS`` the requests
+        still running are cut (the engine shuts down and answers each with an error: a stream
+        ends with an error event and ``[DONE]``), and uvicorn closes within the rest. A second
+        signal exits at once."""
 
         draining = False
 
@@ -245,12 +253,13 @@ def _draining_server(config, engine, drain_timeout: float):
             threading.Thread(target=self._drain, name="drain", daemon=True).start()
 
         def _drain(self) -> None:
-            deadline = time.monotonic() + drain_timeout
+            deadline = time.monotonic() + max(0.0, drain_timeout - FLUSH_SECONDS)
             while engine.num_requests and time.monotonic() < deadline:
                 time.sleep(0.05)
             left = engine.num_requests
             if left:
-                log.warning("drain timeout: %d requests still running are cut off", left)
+                log.warning("drain timeout: %d requests still running are cut off (each gets an error)", left)
+                engine.shutdown(timeout=FLUSH_SECONDS / 2)
             self.should_exit = True
 
     return DrainingServer(config)
@@ -263,8 +272,7 @@ def uvicorn_config(app, s: Settings):
     import uvicorn
 
     return uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level,
-                          timeout_graceful_shutdown=max(1, int(s.drain_timeout)),
-                          limit_concurrency=s.limit_concurrency)
+                          timeout_graceful_shutdown=FLUSH_SECONDS, limit_concurrency=s.limit_concurrency)
 
 
 def serve(s: Settings) -> int:

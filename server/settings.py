@@ -207,7 +207,9 @@ class Settings:
     max_body_bytes: int = _flag(1 << 20, "largest request body; larger gets 413", parse_size)
     limit_concurrency: int = _flag(2048, "most connections and requests open at once (uvicorn's "
                                    "limit): past it a new one gets 503 before any work", int)
-    drain_timeout: float = _flag(30.0, "seconds to finish running requests after SIGTERM", float)
+    drain_timeout: float = _flag(30.0, "seconds from SIGTERM to exit: running requests finish, and "
+                                 "those still running 2 s before the end are cut (a stream ends with "
+                                 "an error event)", float)
     stream_send_timeout: float = _flag(30.0, "seconds a stream's client may leave its events unread "
                                        "while more arrive; then the request is aborted and its KV "
                                        "blocks freed", float)

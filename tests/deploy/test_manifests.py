@@ -165,3 +165,27 @@ def test_prometheus_scrapes_every_replica_of_the_service():
     mount = _services()["prometheus"]["volumes"][0].split(":")
     assert (COMPOSE.parent / mount[0]).resolve() == PROMETHEUS.resolve()
     assert mount[1] == "/etc/prometheus/prometheus.yml"
+
+
+def test_the_pod_is_hardened_and_its_network_policy_covers_it():
+    spec = _k8s("Deployment")["spec"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    c = _container()
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert "/tmp" in mounts                                   # the one writable place
+    policy = _k8s("NetworkPolicy")["spec"]
+    labels = _k8s("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"] and policy["egress"] == []
+    (rule,) = policy["ingress"]
+    assert [p["port"] for p in rule["ports"]] == [c["ports"][0]["name"]]
+
+
+def test_nginx_buffers_little_more_than_the_server_takes_and_limits_each_client():
+    conf = (REPO / "deploy" / "nginx" / "nginx.conf").read_text()
+    (size,) = re.findall(r"client_max_body_size (\d+)m;", conf)
+    assert int(size) << 20 <= 2 * Settings().max_body_bytes
+    assert re.search(r"limit_conn per_client \d+;", conf) and re.search(r"limit_req zone=per_client_rate", conf)
+    assert "limit_conn_status 429;" in conf and "limit_req_status 429;" in conf

@@ -60,28 +60,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
+SMALL = {"SPYRE_SERVE_MAX_NUM_SEQS": "2", "SPYRE_SERVE_MAX_NUM_BATCHED_TOKENS": "4", "SPYRE_SERVE_BLOCK_SIZE": "16",
+         "SPYRE_SERVE_NUM_KV_BLOCKS": "16", "SPYRE_SERVE_MAX_MODEL_LEN": "256", "SPYRE_SERVE_DEVICE_MEMORY": "512M"}
+
+
+def started(env: dict) -> tuple[subprocess.Popen, list[str], str]:
+    """`spyre-serve serve` with ``env`` on a free port, once /health answers 200: (the process,
+    its output lines as they come, its URL)."""
     port = free_port()
-    env = {**ENV, "SPYRE_SERVE_PORT": str(port), "SPYRE_SERVE_MAX_NUM_SEQS": "2",
-           "SPYRE_SERVE_MAX_NUM_BATCHED_TOKENS": "4", "SPYRE_SERVE_BLOCK_SIZE": "16",
-           "SPYRE_SERVE_NUM_KV_BLOCKS": "16", "SPYRE_SERVE_MAX_MODEL_LEN": "256",
-           "SPYRE_SERVE_DEVICE_MEMORY": "512M", "SPYRE_SERVE_DRAIN_TIMEOUT": "300"}
-    proc = subprocess.Popen([BIN, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([BIN, "serve"], env={**ENV, **SMALL, **env, "SPYRE_SERVE_PORT": str(port)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
+    threading.Thread(target=lambda: log.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    with httpx.Client(base_url=url, timeout=600) as c:
+        while True:
+            assert proc.poll() is None, "".join(log)
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                if c.get("/health").status_code == 200:
+                    return proc, log, url
+            except httpx.TransportError:
+                time.sleep(0.2)
+
+
+def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
+    proc, log, url = started({"SPYRE_SERVE_DRAIN_TIMEOUT": "300"})
+    port = int(url.rsplit(":", 1)[1])
     try:
         with httpx.Client(base_url=url, timeout=600) as c:
-            deadline = time.monotonic() + 600
-            while True:
-                assert proc.poll() is None, "".join(log)
-                assert time.monotonic() < deadline, "server did not start"
-                try:
-                    if c.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
             maps = Path(f"/proc/{proc.pid}/maps").read_text()
             assert "libtorch" not in maps and "/torch/" not in maps   # serving runs without torch
             events: list = []
@@ -104,13 +112,39 @@ def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    reader.join(5)
     text = "".join(log)
     assert "model granite-tiny" in text
     assert "memory plan" in text and "weights" in text and "KV cache 16 blocks" not in text
     assert "16 blocks of 16 tokens" in text and "scratch" in text
     assert "compiling and preparing 5 step programs" in text and "5/5" in text  # the progress bar
     assert f"http://127.0.0.1:{port}" in text
+
+
+def test_a_stream_still_running_at_the_drains_end_is_cut_with_an_error_event_within_the_budget():
+    """--drain-timeout is the whole budget from SIGTERM to exit: a stream that would run on
+    is cut 2 s before its end with an OpenAI error event and [DONE], and the process exits 0
+    within the budget (so Kubernetes' grace period covers preStop + the drain)."""
+    proc, log, url = started({"SPYRE_SERVE_DRAIN_TIMEOUT": "4", "SPYRE_SERVE_MAX_MODEL_LEN": "4096",
+                              "SPYRE_SERVE_NUM_KV_BLOCKS": "300"})
+    try:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            body = {"prompt": "Hello there", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = (line for line in r.iter_lines() if line)
+                first = next(lines)
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                events = [first, *lines]
+        assert proc.wait(60) == 0 and time.monotonic() - t0 < 4 + 3
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][6:])
+        assert set(last) == {"error"} and last["error"]["code"] == 500 and "request id" in last["error"]["message"]
+        assert len(events) < 4000
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "drain timeout: 1 requests still running are cut off" in "".join(log)
 
 
 def test_warmup_takes_the_sizing_flags_only():
