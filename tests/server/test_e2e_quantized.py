@@ -143,3 +143,22 @@ def test_by_default_quantized_weights_take_int8_activations(checkpoints):
 def test_quantization_of_a_gguf_file_is_refused(checkpoints):
     with pytest.raises(ValueError, match="served in the formats it stores"):
         build(real_settings(model=str(checkpoints["gguf"]), quantization="int8"), progress=False)
+
+
+def test_a_compressed_tensors_fp8_checkpoint_gives_transformers_greedy_tokens_on_its_dequantized_weights(
+        checkpoints):
+    """The FP8 checkpoint served at its width, float32 activations, against transformers'
+    GraniteForCausalLM on the dequantized weights (the twin): the same greedy text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts, _, compute = serve_greedy(checkpoints["ct_fp8"])
+    twin = checkpoints["ct_fp8_twin"]
+    tok = AutoTokenizer.from_pretrained(twin)
+    ref = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    want = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = tok(p, return_tensors="pt")["input_ids"]
+            out = ref.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+            want.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert compute == "float32" and texts == want
