@@ -24,7 +24,7 @@ from spyre_serve.server.openai.openapi import GENERATION_ERRORS, route
 from spyre_serve.server.openai.prompts import chat_prompt
 from spyre_serve.server.openai.protocol import ChatCompletionRequest
 from spyre_serve.server.openai.request_id import request_ids
-from spyre_serve.server.openai.response import full_response, new_head, stream_response
+from spyre_serve.server.openai.response import encoded, full_response, new_head, stream_response
 from spyre_serve.server.openai.responses import GENERATION_RESPONSES
 from spyre_serve.server.openai.sampling import generation_params
 from spyre_serve.server.openai.serving import serving_of
@@ -43,6 +43,7 @@ async def create_chat_completion(request: Request):
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     serving.check_limits(req)
+    serving.check_text_fits(["".join(message_texts(req.messages))], "messages", req.truncate_prompt_tokens)
     tools = ToolRequest.of(req)
     if tools is not None:
         await serving.blocking("checking the tools' JSON schemas", "tools", tools.check_schemas)
@@ -66,8 +67,19 @@ async def create_chat_completion(request: Request):
     if req.stream:
         return stream_response(sub, head, req.stream_usage, partial(streamed, serving.texts, k),
                                opening_choices(len(sub.choices), role, echo))
-    return await full_response(sub, request.is_disconnected, head,
-                               partial(finished, serving.texts, k, role, echo))
+    return encoded(await full_response(sub, request.is_disconnected, head,
+                                       partial(finished, serving.texts, k, role, echo)))
+
+
+def message_texts(messages) -> list[str]:
+    """Every text of a chat's messages (contents, text parts)."""
+    out = []
+    for m in messages:
+        if isinstance(m.content, str):
+            out.append(m.content)
+        elif m.content:
+            out.extend(part.text for part in m.content)
+    return out
 
 
 def chat_prompts(*args) -> list[list[int]]:

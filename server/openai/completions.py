@@ -29,7 +29,7 @@ from spyre_serve.server.openai.openapi import GENERATION_ERRORS, route
 from spyre_serve.server.openai.prompts import completion_prompts
 from spyre_serve.server.openai.protocol import CompletionRequest
 from spyre_serve.server.openai.request_id import request_ids
-from spyre_serve.server.openai.response import full_response, new_head, stream_response
+from spyre_serve.server.openai.response import encoded, full_response, new_head, stream_response
 from spyre_serve.server.openai.responses import GENERATION_RESPONSES
 from spyre_serve.server.openai.sampling import generation_params
 from spyre_serve.server.openai.serving import serving_of
@@ -46,6 +46,8 @@ async def create_completion(request: Request):
     serving.check_admission(1)          # before the body is read: a full queue costs nothing
     req = await serving.read(request, CompletionRequest)
     serving.check_limits(req)
+    texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
+    serving.check_text_fits(texts, "prompt", req.truncate_prompt_tokens)
     prompts = await serving.prompt_ids("tokenizing the prompt", "prompt", completion_prompts, serving.tokenizer,
                                        req.prompt, req.add_special_tokens, truncate=req.truncate_prompt_tokens)
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
@@ -66,8 +68,8 @@ async def create_completion(request: Request):
     if req.stream:
         choice_of = partial(streamed_choice, serving.texts, sub, echo, req.logprobs)
         return stream_response(sub, head, req.stream_usage, choice_of)
-    return await full_response(sub, request.is_disconnected, head,
-                               partial(finished_choice, serving.texts, echo, req.logprobs, shown))
+    return encoded(await full_response(sub, request.is_disconnected, head,
+                                       partial(finished_choice, serving.texts, echo, req.logprobs, shown)))
 
 
 def echoed_texts(tokenizer, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:

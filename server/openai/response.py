@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from spyre_serve.server.engine import SeqUpdate
 from spyre_serve.server.openai.bridge import Choice, Submission, collect
@@ -43,6 +43,13 @@ async def full_response(sub: Submission, is_disconnected: Callable[[], Awaitable
         raise internal_error(sub.error, sub.request_id)
     choices = [choice_of(idx, c) for idx, c in enumerate(sub.choices)]
     return {**head, "choices": choices, "usage": sub.usage()}
+
+
+def encoded(body: dict | Response) -> Response:
+    """A finished body as the response, encoded with ``json.dumps`` at once: FastAPI would
+    first walk it with ``jsonable_encoder``, in Python, on the event loop (seconds for a body
+    of thousands of prompt logprobs, while every stream waits)."""
+    return body if isinstance(body, Response) else JSONResponse(body)
 
 
 def stream_response(sub: Submission, head: dict, include_usage: bool,

@@ -67,6 +67,7 @@ class Serving:
     offload: Offload = field(init=False)  # threads for rendering and tokenizing
     grammars: Grammars = field(init=False)  # structured output: compiled grammars (LRU)
     fingerprint: str = field(init=False)  # responses' system_fingerprint: the engine's numerics
+    longest_token: int | None = field(init=False)  # characters of the vocabulary's longest token
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
@@ -74,6 +75,7 @@ class Serving:
         self.grammars = Grammars(self.tokenizer, self.vocab_size,
                                  getattr(self.engine, "eos_token_ids", ()))
         self.fingerprint = f"spyre-serve-{version()}:{self.engine.numerics}"
+        self.longest_token = longest_token(self.tokenizer, self.vocab_size)
 
     @classmethod
     def for_model(cls, engine: Engine, model, settings: Settings) -> Serving:
@@ -107,6 +109,21 @@ class Serving:
         except TimedOut:
             raise APIError(400, f"{what} took longer than {self.offload.timeout:g} s (--render-timeout)",
                            param) from None
+
+    def check_text_fits(self, texts: list[str], param: str, truncate: int | None) -> None:
+        """400 for a text that cannot fit the context whatever its tokens: more characters
+        than ``max_model_len`` tokens of the vocabulary's longest could hold. Refused before
+        it is rendered or tokenized (that work grows with the text; a client could send
+        megabytes of it); unless the request truncates its prompt."""
+        cap = None if self.longest_token is None else self.engine.max_model_len * self.longest_token
+        if truncate is not None or cap is None:
+            return
+        for text in texts:
+            if len(text) > cap:
+                raise APIError(400, f"{param} holds {len(text)} characters: at least "
+                                    f"{len(text) // self.longest_token} tokens (no token is longer than "
+                                    f"{self.longest_token} characters), over the model's context of "
+                                    f"{self.engine.max_model_len} tokens", param)
 
     async def prompt_ids(self, what: str, param: str, render: Callable[..., list[list[int]]], *args,
                          truncate: int | None) -> list[list[int]]:
@@ -198,6 +215,16 @@ class Serving:
                 f"the limit is {limit} (--max-waiting)",
                 retry_after=RETRY_AFTER_SECONDS,
             )
+
+
+def longest_token(tokenizer, vocab_size: int) -> int | None:
+    """Characters of the tokenizer's longest token as it stores it (a byte-level or
+    SentencePiece token decodes to no more characters than that); None when it cannot say."""
+    to_tokens = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if to_tokens is None:
+        return None
+    tokens = [t for t in to_tokens(list(range(min(vocab_size, len(tokenizer))))) if t]
+    return max(map(len, tokens), default=None)
 
 
 def serving_of(request: Request) -> Serving:

@@ -330,3 +330,21 @@ def test_a_stream_whose_client_stops_reading_is_aborted_and_frees_its_blocks(rea
             sock.close()
         with httpx.Client(base_url=server.url, timeout=60) as c:
             assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_text_too_long_for_the_context_whatever_its_tokens_is_refused_before_tokenizing(side_app, real_server):
+    """More characters than max_model_len tokens of the vocabulary's longest could hold: a 400
+    at once (no rendering or tokenizing of megabytes), unless the request truncates."""
+    import time
+
+    c = side_app()
+    longest = real_server.built.app.state.serving.longest_token
+    n = real_server.built.engine.max_model_len * longest + 1
+    t0 = time.monotonic()
+    err = error_of(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * n}]}), 400)
+    assert err["param"] == "messages" and f"{n} characters" in err["message"]
+    err = error_of(c.post("/v1/completions", json={"prompt": ["ok", "b" * n], "max_tokens": 1}), 400)
+    assert err["param"] == "prompt" and "over the model's context" in err["message"]
+    assert time.monotonic() - t0 < 2
+    ok = c.post("/v1/completions", json={"prompt": "c " * 3000, "max_tokens": 1, "truncate_prompt_tokens": 8})
+    assert ok.status_code == 200, ok.text

@@ -1,0 +1,224 @@
+"""The denial-of-service benchmark: what a flood of the costliest requests a client may send
+does to everyone else's streams, on one granite-tiny server.
+
+    .venv/bin/python benchmarks/flood.py [--calm 30] [--flood 60] [--clients 4] [--streams 8]
+        [--holes all|NAME,...] [--out JSON]
+
+Two phases in one run, the same server: calm (``--streams`` normal streams, each a new
+prompt of ~64 tokens and 64 generated tokens, one after another) and flood (the same streams
+while ``--clients`` flood clients, in a process of their own, send the holes of issue 19 at
+their worst size, each hole in turn):
+
+    schema      a chat whose JSON schema is just under --max-schema-bytes (checked and
+                compiled on a worker thread)
+    errors      a 1 MiB completion body of 120,000 empty objects (one error, fail-fast)
+    tools       a chat with --max-tools functions, just under --max-tools-bytes
+    scored      a completion scoring --max-scored-prompt-tokens prompt tokens (echo, logprobs 5)
+    render      a chat of ~900 KB of messages (rendered and tokenized on a worker thread)
+    unread      a stream of 600 tokens its client never reads (aborted after
+                --stream-send-timeout)
+
+Measured per phase: the streams' inter-token latency (p50, p99: the gaps between a stream's
+chunks), ``/health``'s answer time (polled every 0.2 s: max), the server's resident memory
+(max), and what the flood clients got (status counts per hole). The targets (issue 19): ITL
+p99 under flood <= 1.5x calm, /health within 1 s throughout, memory within 10% of calm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serving import free_port, stop, text_prompt_maker, wait_ready  # noqa: E402
+
+HOLES = ("schema", "errors", "tools", "scored", "render", "unread")
+SCHEMA_BYTES, TOOLS, TOOLS_BYTES, SCORED = 32768, 128, 131072, 8192   # the servers' defaults
+
+
+def _schema(max_bytes: int) -> dict:
+    """An object schema of string properties, as large as fits in ``max_bytes``."""
+    props, n = {}, 0
+    while len(json.dumps({"type": "object", "properties": props})) < max_bytes - 64:
+        props[f"field_{n}"] = {"type": "string", "maxLength": 8}
+        n += 1
+    return {"type": "object", "properties": props}
+
+
+def payloads() -> dict[str, tuple[str, bytes, bool]]:
+    """hole -> (path, body, stream and never read)."""
+    chat = [{"role": "user", "content": "Describe the harbour."}]
+    fn = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "d" * 600, "parameters": fn}}
+             for i in range(TOOLS)]
+    while len(json.dumps(tools)) > TOOLS_BYTES:
+        tools[-1]["function"]["description"] = tools[-1]["function"]["description"][:-50]
+    words = ("the quiet harbour holds seven boats and one old mill " * 2000)
+    big_chat = [{"role": "user", "content": words[:300_000]} for _ in range(3)]
+    bodies = {
+        "schema": ("/v1/chat/completions", {"messages": chat, "max_tokens": 8, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "s", "schema": _schema(SCHEMA_BYTES)}}}),
+        "errors": ("/v1/completions", {"prompt": [{}] * 120_000}),
+        "tools": ("/v1/chat/completions", {"messages": chat, "max_tokens": 8, "tools": tools}),
+        "scored": ("/v1/completions", {"prompt": [[(i * 7) % 7000 + 500 for i in range(j, j + 2048)]
+                                                  for j in range(SCORED // 2048)],
+                                       "max_tokens": 1, "echo": True, "logprobs": 5}),
+        "render": ("/v1/chat/completions", {"messages": big_chat, "max_tokens": 1}),
+        "unread": ("/v1/completions", {"prompt": "Tell me a long story.", "max_tokens": 600,
+                                       "ignore_eos": True, "stream": True, "n": 2, "logprobs": 5}),
+    }
+    return {k: (p, json.dumps(b).encode(), k == "unread") for k, (p, b) in bodies.items()}
+
+
+def _send(port: int, path: str, body: bytes, unread: bool) -> str:
+    """One request on a raw connection; its status line's code (an unread stream: "sent")."""
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                  b"Connection: close\r\n\r\n" % (path.encode(), len(body)) + body)
+        if unread:
+            time.sleep(5)                        # holds the stream unread, then leaves
+            return "unread"
+        head = s.recv(64)
+        while True:                              # read the answer to its end, as a client does
+            if not s.recv(1 << 16):
+                break
+        return head.split(b" ")[1].decode() if head.startswith(b"HTTP/") else "none"
+
+
+def flood(port: int, clients: int, seconds: float, holes: list[str], out) -> None:
+    """The flood clients (their own process): each sends the holes in turn for ``seconds``."""
+    bodies = payloads()
+    counts: Counter = Counter()
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+
+    def client(k: int) -> None:
+        i = k
+        while time.monotonic() < end:
+            hole = holes[i % len(holes)]
+            i += 1
+            try:
+                status = _send(port, *bodies[hole])
+            except OSError as exc:
+                status = type(exc).__name__
+            with lock:
+                counts[f"{hole} {status}"] += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(dict(counts))
+
+
+async def streams(base: str, n: int, seconds: float, prompts) -> list[float]:
+    """``n`` streams of new prompts back to back for ``seconds``: every gap between chunks."""
+    gaps: list[float] = []
+    end = time.monotonic() + seconds
+
+    async def one(c: httpx.AsyncClient) -> None:
+        while time.monotonic() < end:
+            body = {"prompt": prompts(1)[0], "max_tokens": 64, "ignore_eos": True, "stream": True}
+            last = None
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+
+    async with httpx.AsyncClient(base_url=base, timeout=600) as c:
+        await asyncio.gather(*(one(c) for _ in range(n)))
+    return gaps
+
+
+def watch(base: str, pid: int, stop_at: list, health: list, rss: list) -> None:
+    """/health's answer times and the server's resident memory, every 0.2 s."""
+    with httpx.Client(base_url=base, timeout=30) as c:
+        while not stop_at:
+            t0 = time.monotonic()
+            ok = c.get("/health").status_code == 200
+            health.append((time.monotonic() - t0) if ok else float("inf"))
+            status = Path(f"/proc/{pid}/status").read_text()
+            rss.append(int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) << 10)
+            time.sleep(0.2)
+
+
+def phase(base: str, pid: int, args, prompts, holes: list[str] | None) -> dict:
+    stop_at, health, rss = [], [], []
+    watcher = threading.Thread(target=watch, args=(base, pid, stop_at, health, rss), daemon=True)
+    watcher.start()
+    results = None
+    if holes:
+        q = multiprocessing.get_context("spawn").Queue()
+        port = int(base.rsplit(":", 1)[1])
+        proc = multiprocessing.get_context("spawn").Process(target=flood, args=(port, args.clients, args.flood,
+                                                                              holes, q))
+        proc.start()
+    seconds = args.flood if holes else args.calm
+    gaps = asyncio.run(streams(base, args.streams, seconds, prompts))
+    if holes:
+        results = q.get(timeout=300)
+        proc.join(60)
+    stop_at.append(True)
+    watcher.join(10)
+    g = np.array(gaps) * 1e3
+    return {"seconds": seconds, "gaps": len(g), "itl_p50_ms": float(np.percentile(g, 50)),
+            "itl_p99_ms": float(np.percentile(g, 99)), "health_max_s": float(max(health)),
+            "health_polls": len(health), "rss_max_mb": max(rss) / 2**20, "flood": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calm", type=float, default=30)
+    ap.add_argument("--flood", type=float, default=60)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--holes", default="all")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "flood.json"))
+    args = ap.parse_args(argv)
+    holes = list(HOLES) if args.holes == "all" else args.holes.split(",")
+    port = free_port()
+    env = {**os.environ, "SPYRE_SERVE_LOG_LEVEL": "warning"}
+    server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "spyre-serve"), "serve", "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(server, base + "/health", 900)
+        prompts = text_prompt_maker(100_000, 64)
+        calm = phase(base, server.pid, args, prompts, None)
+        flooded = phase(base, server.pid, args, prompts, holes)
+    finally:
+        stop(server)
+    from spyre_serve.device.isa import current
+
+    report = {"date": time.strftime("%Y-%m-%d"), "isa": current().level, "holes": holes, "clients": args.clients,
+              "streams": args.streams, "calm": calm, "flood": flooded,
+              "itl_p99_ratio": flooded["itl_p99_ms"] / calm["itl_p99_ms"],
+              "rss_ratio": flooded["rss_max_mb"] / calm["rss_max_mb"]}
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
