@@ -2,7 +2,7 @@
 does to everyone else's streams, on one granite-tiny server.
 
     .venv/bin/python benchmarks/flood.py [--calm 30] [--flood 60] [--clients 4] [--streams 8]
-        [--holes all|NAME,...] [--out JSON]
+        [--holes all|NAME,...] [--each] [--out JSON]
 
 Two phases in one run, the same server: calm (``--streams`` normal streams, each a new
 prompt of ~64 tokens and 64 generated tokens, one after another) and flood (the same streams
@@ -11,14 +11,15 @@ their worst size, each hole in turn):
 
     schema      a chat whose JSON schema is just under --max-schema-bytes (checked and
                 compiled on a worker thread)
-    errors      a 1 MiB completion body of 120,000 empty objects (one error, fail-fast)
+    errors      a 1 MB completion body of 250,000 empty objects (one error, fail-fast)
     tools       a chat with --max-tools functions, just under --max-tools-bytes
     scored      a completion scoring --max-scored-prompt-tokens prompt tokens (echo, logprobs 5)
     render      a chat of ~900 KB of messages (rendered and tokenized on a worker thread)
     unread      a stream of 600 tokens its client never reads (aborted after
                 --stream-send-timeout)
 
-Measured per phase: the streams' inter-token latency (p50, p99: the gaps between a stream's
+``--each`` floods with one hole at a time instead (a phase per hole, after the one calm phase,
+on the same server): a figure per hole. Measured per phase: the streams' inter-token latency (p50, p99: the gaps between a stream's
 chunks), ``/health``'s answer time (polled every 0.2 s: max), the server's resident memory
 (max), and what the flood clients got (status counts per hole). The targets (issue 19): ITL
 p99 under flood <= 1.5x calm, /health within 1 s throughout, memory within 10% of calm.
@@ -48,41 +49,50 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from serving import free_port, stop, text_prompt_maker, wait_ready  # noqa: E402
 
 HOLES = ("schema", "errors", "tools", "scored", "render", "unread")
-SCHEMA_BYTES, TOOLS, TOOLS_BYTES, SCORED = 32768, 128, 131072, 8192   # the servers' defaults
+SCHEMA_BYTES, TOOLS, TOOLS_BYTES, SCORED = 16384, 128, 131072, 8192   # the servers' defaults
 
 
-def _schema(max_bytes: int) -> dict:
-    """An object schema of string properties, as large as fits in ``max_bytes``."""
+VARIANTS = 64   # different schemas and tool lists a flood client cycles through (none cached)
+
+
+def _schema(max_bytes: int, variant: int = 0) -> dict:
+    """An object schema of string properties, as large as fits in ``max_bytes``; each variant
+    names its properties differently (a new grammar to check and compile)."""
     props, n = {}, 0
     while len(json.dumps({"type": "object", "properties": props})) < max_bytes - 64:
-        props[f"field_{n}"] = {"type": "string", "maxLength": 8}
+        props[f"v{variant}_field_{n}"] = {"type": "string", "maxLength": 8}
         n += 1
     return {"type": "object", "properties": props}
 
 
-def payloads() -> dict[str, tuple[str, bytes, bool]]:
-    """hole -> (path, body, stream and never read)."""
+def payloads() -> dict[str, tuple[str, list[bytes], bool]]:
+    """hole -> (path, its bodies (variants, sent in turn), stream and never read)."""
     chat = [{"role": "user", "content": "Describe the harbour."}]
     fn = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
     tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "d" * 600, "parameters": fn}}
              for i in range(TOOLS)]
     while len(json.dumps(tools)) > TOOLS_BYTES:
         tools[-1]["function"]["description"] = tools[-1]["function"]["description"][:-50]
-    words = ("the quiet harbour holds seven boats and one old mill " * 2000)
+    words = ("the quiet harbour holds seven boats and one old mill " * 6000)
     big_chat = [{"role": "user", "content": words[:300_000]} for _ in range(3)]
+    schemas = [{"messages": chat, "max_tokens": 8, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": _schema(SCHEMA_BYTES, v)}}}
+        for v in range(VARIANTS)]
+    tool_lists = [{"messages": chat, "max_tokens": 8, "tools": [
+        {**t, "function": {**t["function"], "name": f"v{v}_{t['function']['name']}"}} for t in tools]}
+        for v in range(VARIANTS)]
     bodies = {
-        "schema": ("/v1/chat/completions", {"messages": chat, "max_tokens": 8, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "s", "schema": _schema(SCHEMA_BYTES)}}}),
-        "errors": ("/v1/completions", {"prompt": [{}] * 120_000}),
-        "tools": ("/v1/chat/completions", {"messages": chat, "max_tokens": 8, "tools": tools}),
-        "scored": ("/v1/completions", {"prompt": [[(i * 7) % 7000 + 500 for i in range(j, j + 2048)]
-                                                  for j in range(SCORED // 2048)],
-                                       "max_tokens": 1, "echo": True, "logprobs": 5}),
-        "render": ("/v1/chat/completions", {"messages": big_chat, "max_tokens": 1}),
-        "unread": ("/v1/completions", {"prompt": "Tell me a long story.", "max_tokens": 600,
-                                       "ignore_eos": True, "stream": True, "n": 2, "logprobs": 5}),
+        "schema": ("/v1/chat/completions", schemas),
+        "tools": ("/v1/chat/completions", tool_lists),
+        "scored": ("/v1/completions", [{"prompt": [[(i * 7) % 7000 + 500 for i in range(j, j + 2048)]
+                                                   for j in range(SCORED // 2048)],
+                                        "max_tokens": 1, "echo": True, "logprobs": 5}]),
+        "render": ("/v1/chat/completions", [{"messages": big_chat, "max_tokens": 1}]),
+        "errors": ("/v1/completions", [{"prompt": [{}] * 250_000}]),
+        "unread": ("/v1/completions", [{"prompt": "Tell me a long story.", "max_tokens": 600,
+                                        "ignore_eos": True, "stream": True, "n": 2, "logprobs": 5}]),
     }
-    return {k: (p, json.dumps(b).encode(), k == "unread") for k, (p, b) in bodies.items()}
+    return {k: (p, [json.dumps(b).encode() for b in bs], k == "unread") for k, (p, bs) in bodies.items()}
 
 
 def _send(port: int, path: str, body: bytes, unread: bool) -> str:
@@ -112,9 +122,10 @@ def flood(port: int, clients: int, seconds: float, holes: list[str], out) -> Non
         i = k
         while time.monotonic() < end:
             hole = holes[i % len(holes)]
+            path, variants, unread = bodies[hole]
             i += 1
             try:
-                status = _send(port, *bodies[hole])
+                status = _send(port, path, variants[(i // len(holes)) % len(variants)], unread)
             except OSError as exc:
                 status = type(exc).__name__
             with lock:
@@ -194,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--holes", default="all")
+    ap.add_argument("--each", action="store_true", help="one flood phase per hole")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "flood.json"))
     args = ap.parse_args(argv)
     holes = list(HOLES) if args.holes == "all" else args.holes.split(",")
@@ -206,15 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         wait_ready(server, base + "/health", 900)
         prompts = text_prompt_maker(100_000, 64)
         calm = phase(base, server.pid, args, prompts, None)
-        flooded = phase(base, server.pid, args, prompts, holes)
+        floods = {h: phase(base, server.pid, args, prompts, [h]) for h in holes} if args.each else \
+            {"all": phase(base, server.pid, args, prompts, holes)}
     finally:
         stop(server)
     from spyre_serve.device.isa import current
 
     report = {"date": time.strftime("%Y-%m-%d"), "isa": current().level, "holes": holes, "clients": args.clients,
-              "streams": args.streams, "calm": calm, "flood": flooded,
-              "itl_p99_ratio": flooded["itl_p99_ms"] / calm["itl_p99_ms"],
-              "rss_ratio": flooded["rss_max_mb"] / calm["rss_max_mb"]}
+              "streams": args.streams, "calm": calm, "floods": floods,
+              "itl_p99_ratio": {h: f["itl_p99_ms"] / calm["itl_p99_ms"] for h, f in floods.items()},
+              "rss_ratio": {h: f["rss_max_mb"] / calm["rss_max_mb"] for h, f in floods.items()}}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
     return 0

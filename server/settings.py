@@ -187,7 +187,7 @@ class Settings:
     max_scored_tokens_per_step: int = _flag(256, "most prompt tokens one step scores (each a row of the "
                                             "vocabulary read back from the card); prompt-logprob "
                                             "chunks are cut to fit", int)
-    max_schema_bytes: int = _flag(32768, "largest JSON schema of structured output (response_format, "
+    max_schema_bytes: int = _flag(16384, "largest JSON schema of structured output (response_format, "
                                   "guided_json, structured_outputs), as JSON text", parse_size)
     max_tools: int = _flag(128, "most functions in a chat's tools", int)
     max_tools_bytes: int = _flag(131072, "largest tools list of a chat, as JSON text", parse_size)

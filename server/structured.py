@@ -156,6 +156,11 @@ class Grammars:
                                                            eos_token=eos)
             return self._lltok
 
+    def cached(self, spec: GrammarSpec) -> bool:
+        """Whether ``spec`` was compiled (or refused) before and is still in the cache."""
+        with self._lock:
+            return spec in self._cache
+
     def compile(self, spec: GrammarSpec) -> Grammar:
         """The compiled grammar of ``spec`` (cached); ``GrammarError`` when it is invalid (also
         cached, so a bad schema sent again is refused at once)."""

@@ -147,8 +147,9 @@ def grammar_spec(req: SamplingRequest) -> tuple[GrammarSpec, str] | None:
 
 def _checked_and_compiled(grammars, spec: GrammarSpec, param: str):
     """A JSON schema checked against its draft (a 400 naming ``param``), then the grammar
-    compiled: on a worker thread, both costs growing with the schema."""
-    if spec.kind == "json":
+    compiled: on a worker thread, both costs growing with the schema. A schema whose grammar
+    is in the cache was checked when it went in."""
+    if spec.kind == "json" and not grammars.cached(spec):
         check_json_schema(json.loads(spec.source), SCHEMA_WHERE.get(param, param))
     return grammars.compile(spec)
 

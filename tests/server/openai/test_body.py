@@ -113,3 +113,34 @@ def test_json_content_types_and_none_are_read(client, content_type):
     headers = {"content-type": content_type} if content_type else {}
     r = client.post("/detokenize", content=b'{"tokens": [1]}', headers=headers)
     assert r.status_code == 200, r.text
+
+
+def _depth(value) -> int:
+    """The reference: how deep arrays and objects nest, by recursion on the parsed value."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def test_nesting_depth_of_the_text_is_the_parsed_values_depth():
+    import json
+    import random
+
+    from spyre_serve.server.openai.body import nesting_depth
+
+    rng = random.Random(0)
+    tricky = ['[', ']', '{"', '\\\\', '\\"]', '"}', 'plain', '\\u005b']
+
+    def make(level: int):
+        kind = rng.random()
+        if level > 6 or kind < 0.3:
+            return rng.choice(tricky + [1, 2.5, None, True])
+        if kind < 0.65:
+            return [make(level + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(tricky) + str(i): make(level + 1) for i in range(rng.randint(0, 3))}
+
+    for _ in range(500):
+        value = {"v": make(0)}
+        assert nesting_depth(json.dumps(value)) == _depth(value), value
