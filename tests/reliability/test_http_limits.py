@@ -11,14 +11,17 @@ import time
 import httpx
 import pytest
 
+from spyre_serve.server.openai.body import MAX_CONTAINERS
 from tests.reliability.servers import beside
 from tests.server.servers import real_settings
 
 LIMITS = real_settings()  # what the server runs with
 # (what, body, param, words the message ends with)
 OVER = [
-    ("260k one-token prompts", {"prompt": [[5]] * 260_000, "max_tokens": 1}, "prompt",
+    ("one one-token prompt over the cap", {"prompt": [[5]] * (LIMITS.max_prompts + 1), "max_tokens": 1}, "prompt",
      f"the limit is {LIMITS.max_prompts} (--max-prompts)"),
+    ("260k one-token prompts", {"prompt": [[5]] * 260_000, "max_tokens": 1}, None,
+     f"260002 arrays and objects, over the limit of {MAX_CONTAINERS}"),     # refused before parsing
     ("too many stop strings", {"prompt": "x", "stop": [f"s{i}" for i in range(LIMITS.max_stop_strings + 1)]},
      "stop", f"the limit is {LIMITS.max_stop_strings} (--max-stop-strings)"),
     ("a stop string too long", {"prompt": "x", "stop": ["y" * (LIMITS.max_stop_length + 1)]}, "stop",
@@ -56,13 +59,14 @@ def test_a_normal_request_beside_the_refused_ones_gives_its_solo_text(server, ht
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server, http):
     """A prompt of most of the body limit takes a second or more to tokenize: /health answers
-    meanwhile, and the prompt is then refused for the context it would need."""
+    meanwhile. (Without truncate_prompt_tokens it is refused at once, for the characters the
+    context could never hold; with it, it is tokenized, cut, and served.)"""
     prompt = ("The quick brown fox jumps over the lazy dog. " * 23_000)[:1_000_000]
     health_seconds: list[float] = []
 
     async def tokenize_while_polling_health():
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
-            body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+            body = json.dumps({"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 8}).encode()
             long = asyncio.create_task(client.post("/v1/completions", content=body,
                                                    headers={"content-type": "application/json"}))
             while not long.done():
@@ -73,5 +77,5 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, http):
             return await long
 
     r = asyncio.run(tokenize_while_polling_health())
-    assert r.status_code == 400 and "maximum context length is 256 tokens" in r.json()["error"]["message"]
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8, r.text
     assert len(health_seconds) >= 3 and max(health_seconds) < 0.5, health_seconds
