@@ -220,11 +220,11 @@ class Serving:
 def longest_token(tokenizer, vocab_size: int) -> int | None:
     """Characters of the tokenizer's longest token as it stores it (a byte-level or
     SentencePiece token decodes to no more characters than that); None when it cannot say."""
-    to_tokens = getattr(tokenizer, "convert_ids_to_tokens", None)
-    if to_tokens is None:
+    try:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+        return max((len(t) for t in tokens if isinstance(t, str)), default=None)
+    except (AttributeError, TypeError, IndexError, ValueError):
         return None
-    tokens = [t for t in to_tokens(list(range(min(vocab_size, len(tokenizer))))) if t]
-    return max(map(len, tokens), default=None)
 
 
 def serving_of(request: Request) -> Serving:
