@@ -61,21 +61,13 @@ from spyre_serve.server.step_work import ScheduledChunk
 
 
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        token_buckets: list[int] | None = None,
-        on_release: Callable[[Sequence], None] | None = None,
-        max_prefill_with_decodes: int | None = None,
-        max_scored_tokens_per_step: int | None = None,
-    ) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 token_buckets: list[int] | None = None, on_release: Callable[[Sequence], None] | None = None,
+                 max_prefill_with_decodes: int | None = None, max_scored_tokens_per_step: int | None = None,
+                 ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
-                f"({max_num_batched_tokens}) must be positive"
-            )
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) must be positive")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -250,14 +242,13 @@ class Scheduler:
     # ---- the step -------------------------------------------------------------
 
     @staticmethod
-    def _scored(seq: Sequence, n: int, left: int | None) -> int:
-        """Of ``n`` tokens of ``seq``'s next chunk, how many fit ``left``, what is left of the
-        step's budget of scored prompt tokens (None: no budget)."""
-        scores = seq.params.prompt_logprobs and seq.num_computed < seq.num_prompt
-        return n if left is None or not scores else min(n, left)
+    def _scores(seq: Sequence) -> bool:
+        """Whether ``seq``'s next chunk scores its tokens (prompt logprobs, still in the prompt)."""
+        return seq.params.prompt_logprobs and seq.num_computed < seq.num_prompt
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget, scored = self.max_num_batched_tokens, self.max_scored
+        budget = self.max_num_batched_tokens
+        scored = budget if self.max_scored is None else self.max_scored   # scored tokens left
         chunks: list[ScheduledChunk] = []
         done: set[int] = set()
         self._preempted_now.clear()
@@ -280,7 +271,8 @@ class Scheduler:
                 remaining = target - seq.num_computed
                 if remaining <= 0 or (remaining == 1) != decodes or not self._ready(seq):
                     continue
-                want = self._scored(seq, min(remaining, budget), scored)
+                scores = self._scores(seq)
+                want = min(remaining, budget, scored if scores else budget)
                 if want == 0:
                     continue
                 # find blocks: shrink a prefill chunk to what fits, preempt when nothing fits
@@ -298,7 +290,7 @@ class Scheduler:
                     self._preempt(seq)
                     continue
                 num_new = min(want, room)
-                scored = None if scored is None else scored - (num_new - self._scored(seq, num_new, 0))
+                scored -= num_new if scores else 0
                 chunks.append(self._take(seq, num_new, sample and num_new == remaining))
                 done.add(seq.seq_id)
                 budget -= num_new
@@ -318,7 +310,8 @@ class Scheduler:
             remaining = target - start
             if remaining <= 0:
                 break
-            num_new = self._scored(seq, min(remaining, budget), scored)
+            scores = self._scores(seq)
+            num_new = min(remaining, budget, scored if scores else budget)
             if num_new == 0 or not self.blocks.can_share(seq, hit, start + num_new):
                 break
             self.waiting.popleft()
@@ -329,7 +322,7 @@ class Scheduler:
                 self.blocks.stats.queries += seq.num_tokens  # looked up, nothing found
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            scored = None if scored is None else scored - (num_new - self._scored(seq, num_new, 0))
+            scored -= num_new if scores else 0
             chunks.append(self._take(seq, num_new, sample and num_new == remaining))
             done.add(seq.seq_id)
             budget -= num_new
