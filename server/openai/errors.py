@@ -79,19 +79,26 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.status, err.message, err.param), status_code=err.status, headers=headers)
 
 
-def _quoted(value) -> str | None:
-    """``value`` as JSON, cut to 100 characters, encoded only that far (a list of 100,000
-    items costs what its first ones do); None when it cannot be (too deep to encode)."""
+def json_head(value, limit: int) -> str | None:
+    """``value`` as JSON, encoded only until it is past ``limit`` characters (a list of
+    100,000 items costs what its first ones do), so at most ``limit`` + a piece; None when it
+    cannot be encoded (too deep, not JSON)."""
     out, size = [], 0
     try:
         for piece in json.JSONEncoder().iterencode(value):
             out.append(piece)
             size += len(piece)
-            if size >= 100:
+            if size > limit:
                 break
     except (RecursionError, TypeError, ValueError):
         return None
-    return "".join(out)[:100]
+    return "".join(out)
+
+
+def _quoted(value) -> str | None:
+    """``value`` as JSON, cut to 100 characters; None when it cannot be encoded."""
+    head = json_head(value, 100)
+    return None if head is None else head[:100]
 
 
 def validation_error(exc: ValidationError) -> APIError:

@@ -16,9 +16,7 @@ Whether the queue has room now is the 503 of ``Serving.check_admission``.
 
 from __future__ import annotations
 
-import json
-
-from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.errors import APIError, json_head
 from spyre_serve.server.openai.protocol import CompletionRequest, SamplingRequest
 from spyre_serve.server.settings import Settings
 
@@ -37,15 +35,8 @@ def json_over(value, limit: int) -> bool:
     length); encoded only as far as the limit, so the answer costs at most that much."""
     if isinstance(value, str):
         return len(value) > limit
-    size = 0
-    try:
-        for piece in json.JSONEncoder().iterencode(value):
-            size += len(piece)
-            if size > limit:
-                return True
-    except (RecursionError, TypeError, ValueError):
-        return False           # not JSON-encodable: the field's own check refuses it
-    return False
+    head = json_head(value, limit)
+    return head is not None and len(head) > limit   # not JSON-encodable: its own check refuses it
 
 
 def schemas_of(req: SamplingRequest) -> list[tuple[str, object]]:
