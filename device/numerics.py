@@ -27,11 +27,11 @@ DLF16_BIAS = 31
 DLF16_NAN = 0x7FFF                          # exponent and fraction all ones: NaN and infinity
 DLF16_MAX = 2.0 ** 32 * (1 + 510 / 512)     # exponent 63, fraction 510
 DLF16_MIN = 2.0 ** -31 * (1 + 1 / 512)      # the smallest nonzero magnitude (code 0x0001)
-_REBIAS = 127 - DLF16_BIAS                  # float32's exponent bias minus DLFloat16's: 96
-_HALF_ULP = 1 << 13                         # half a DLFloat16 ulp in float32's fraction bits
+DLF16_REBIAS = 127 - DLF16_BIAS                  # float32's exponent bias minus DLFloat16's: 96
+DLF16_HALF_ULP = 1 << 13                         # half a DLFloat16 ulp in float32's fraction bits
 # the largest float32 magnitude that rounds to DLF16_MAX (its bits): exponent 63, fraction 510,
 # and every lower fraction bit set short of the rounding half
-DLF16_NMAX_BITS = ((63 + _REBIAS) << 23) | (510 << 14) | (_HALF_ULP - 1)
+DLF16_NMAX_BITS = ((63 + DLF16_REBIAS) << 23) | (510 << 14) | (DLF16_HALF_ULP - 1)
 CHUNK = 1 << 20                             # values converted at a time
 
 FP8_E4M3_MAX = 448.0      # OCP 8-bit floats, E4M3 (torch's float8_e4m3fn): the largest finite
@@ -53,8 +53,8 @@ def dlfloat16_encode(x: np.ndarray) -> np.ndarray:
 def _encode_piece(u: np.ndarray) -> np.ndarray:
     """float32 bits (int32) -> DLFloat16 codes (uint16)."""
     sign = (u >> 16) & 0x8000
-    exp = ((u >> 23) & 0xFF) - _REBIAS
-    frac = (u & 0x7FFFFF) + _HALF_ULP
+    exp = ((u >> 23) & 0xFF) - DLF16_REBIAS
+    frac = (u & 0x7FFFFF) + DLF16_HALF_ULP
     carry = frac > 0x7FFFFF
     frac[carry] = 0
     exp += carry
@@ -67,7 +67,7 @@ def dlfloat16_decode(codes: np.ndarray) -> np.ndarray:
     """DLFloat16 codes (uint16) -> float32, exactly (0x7FFF / 0xFFFF: NaN)."""
     b = np.asarray(codes, np.uint16).astype(np.uint32)
     mag = b & 0x7FFF
-    bits = ((b & 0x8000) << 16) | ((mag << 14) + (_REBIAS << 23))
+    bits = ((b & 0x8000) << 16) | ((mag << 14) + (DLF16_REBIAS << 23))
     bits = np.where(mag == 0, (b & 0x8000) << 16, bits).astype(np.uint32)
     return np.where(mag == DLF16_NAN, np.float32(np.nan), bits.view(np.float32))
 

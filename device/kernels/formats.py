@@ -21,7 +21,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from spyre_serve.device.kernels.simd import F32, I32, NR, QB, const
-from spyre_serve.device.numerics import DLF16_NMAX_BITS
+from spyre_serve.device.numerics import DLF16_HALF_ULP, DLF16_NAN, DLF16_NMAX_BITS, DLF16_REBIAS
 
 FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
 FMT_BF16R = 7    # bfloat16 in plain rows (a KV cache block), not a packed weight's pairs
@@ -152,13 +152,13 @@ def _k(ty, value):
 
 def dlf16_widen_ir(builder, raw, ity, fty):
     """DLFloat16 codes (zero-extended into int32 `ity`, a scalar or vector type) -> float32
-    (`fty`), exactly: the exponent rebiased by 96 under the fraction, 0x0000/0x8000 a signed
+    (`fty`), exactly: the exponent rebiased by DLF16_REBIAS (96) under the fraction, 0x0000/0x8000 a signed
     zero, 0x7FFF/0xFFFF NaN (device/numerics.py: dlfloat16_decode)."""
     mag = builder.and_(raw, _k(ity, 0x7FFF))
     sign = builder.shl(builder.and_(raw, _k(ity, 0x8000)), _k(ity, 16))
-    normal = builder.or_(sign, builder.add(builder.shl(mag, _k(ity, 14)), _k(ity, 96 << 23)))
+    normal = builder.or_(sign, builder.add(builder.shl(mag, _k(ity, 14)), _k(ity, DLF16_REBIAS << 23)))
     bits = builder.select(builder.icmp_unsigned("==", mag, _k(ity, 0)), sign, normal)
-    nan = builder.icmp_unsigned("==", mag, _k(ity, 0x7FFF))
+    nan = builder.icmp_unsigned("==", mag, _k(ity, DLF16_NAN))
     return builder.select(nan, _k(fty, float("nan")), builder.bitcast(bits, fty))
 
 
@@ -167,15 +167,15 @@ def dlf16_narrow_ir(builder, u):
     half an ulp added to the fraction (ties away from zero), a carry into the exponent, below
     exponent 0 a signed zero, past the largest finite the NaN code (device/numerics.py)."""
     sign = builder.and_(builder.lshr(u, _k(I32, 16)), _k(I32, 0x8000))
-    exp = builder.sub(builder.and_(builder.lshr(u, _k(I32, 23)), _k(I32, 0xFF)), _k(I32, 96))
-    frac = builder.add(builder.and_(u, _k(I32, 0x7FFFFF)), _k(I32, 1 << 13))
+    exp = builder.sub(builder.and_(builder.lshr(u, _k(I32, 23)), _k(I32, 0xFF)), _k(I32, DLF16_REBIAS))
+    frac = builder.add(builder.and_(u, _k(I32, 0x7FFFFF)), _k(I32, DLF16_HALF_ULP))
     carry = builder.icmp_unsigned(">", frac, _k(I32, 0x7FFFFF))
     frac = builder.select(carry, _k(I32, 0), frac)
     exp = builder.add(exp, builder.zext(carry, I32))
     normal = builder.or_(builder.or_(sign, builder.shl(exp, _k(I32, 9))),
                          builder.lshr(frac, _k(I32, 14)))
     big = builder.icmp_unsigned(">", builder.and_(u, _k(I32, 0x7FFFFFFF)), _k(I32, DLF16_NMAX_BITS))
-    out = builder.select(big, builder.or_(sign, _k(I32, 0x7FFF)), normal)
+    out = builder.select(big, builder.or_(sign, _k(I32, DLF16_NAN)), normal)
     return builder.select(builder.icmp_signed("<", exp, _k(I32, 0)), sign, out)
 
 
