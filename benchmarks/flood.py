@@ -162,6 +162,13 @@ async def streams(base: str, n: int, seconds: float, prompts) -> list[float]:
     return gaps
 
 
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its children (the API process, the engine's, and
+    multiprocessing's resource tracker), as ``ps`` reports them."""
+    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid), "--ppid", str(pid)], capture_output=True, text=True)
+    return sum(int(v) for v in out.stdout.split()) << 10
+
+
 def watch(base: str, pid: int, stop_at: list, health: list, rss: list) -> None:
     """/health's answer times and the server's resident memory, every 0.2 s."""
     with httpx.Client(base_url=base, timeout=30) as c:
@@ -169,8 +176,7 @@ def watch(base: str, pid: int, stop_at: list, health: list, rss: list) -> None:
             t0 = time.monotonic()
             ok = c.get("/health").status_code == 200
             health.append((time.monotonic() - t0) if ok else float("inf"))
-            status = Path(f"/proc/{pid}/status").read_text()
-            rss.append(int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) << 10)
+            rss.append(tree_rss(pid))
             time.sleep(0.2)
 
 
@@ -207,11 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holes", default="all")
     ap.add_argument("--each", action="store_true", help="one flood phase per hole")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "flood.json"))
+    ap.add_argument("--server-flags", default="", help="more flags for spyre-serve serve, e.g. "
+                    "--no-engine-process (the engine in the API's process)")
     args = ap.parse_args(argv)
     holes = list(HOLES) if args.holes == "all" else args.holes.split(",")
     port = free_port()
     env = {**os.environ, "SPYRE_SERVE_LOG_LEVEL": "warning"}
-    server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "spyre-serve"), "serve", "--port", str(port)],
+    server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "spyre-serve"), "serve", "--port", str(port),
+                               *args.server_flags.split()],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -225,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     from spyre_serve.device.isa import current
 
     report = {"date": time.strftime("%Y-%m-%d"), "isa": current().level, "holes": holes, "clients": args.clients,
-              "streams": args.streams, "calm": calm, "floods": floods,
+              "streams": args.streams, "server_flags": args.server_flags, "calm": calm, "floods": floods,
               "itl_p99_ratio": {h: f["itl_p99_ms"] / calm["itl_p99_ms"] for h, f in floods.items()},
               "rss_ratio": {h: f["rss_max_mb"] / calm["rss_max_mb"] for h, f in floods.items()}}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

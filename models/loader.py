@@ -57,12 +57,15 @@ def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = Tr
     weights = place_weights(card, ckpt.config, ckpt.tensors,
                             stored_dtype if dtype == "auto" else dtype)
     del ckpt
-    tok = None
-    if tokenizer:
-        tok = load_gguf_tokenizer(path) if gguf else load_tokenizer(path)
+    tok = tokenizer_of(path) if tokenizer else None
     display = name if name in model_names() else Path(name).name
     return LoadedModel(name=display, path=Path(path), config=weights.config, tokenizer=tok,
                        weights=weights, stored_dtype=stored_dtype)
+
+
+def tokenizer_of(path: str | os.PathLike):
+    """The tokenizer of a resolved model: a checkpoint directory's, or a GGUF file's metadata's."""
+    return load_gguf_tokenizer(path) if is_gguf_file(path) else load_tokenizer(path)
 
 
 def first_layers(config: GraniteConfig, tensors: dict, n: int) -> tuple[GraniteConfig, dict]:

@@ -72,3 +72,16 @@ def check_params(params: list[GenerationParams]) -> None:
         if bad is not None:
             raise RequestRejected(f"stop_token_ids: {bad!r} is not a token id (0..{INT32_MAX})",
                                   "stop_token_ids")
+
+
+def check_request(limits, num_prompt_tokens: int, max_tokens: int,
+                  params: list[GenerationParams] | None = None, prompt_ids: list[int] | None = None) -> None:
+    """Everything above for an engine whose sizes ``limits`` has (``max_model_len``,
+    ``num_kv_blocks``, ``block_size``, ``vocab_size``: the engine, or its client in another
+    process); ``params`` and ``prompt_ids`` when given."""
+    check_lengths(num_prompt_tokens, max_tokens, max_model_len=limits.max_model_len,
+                  num_kv_blocks=limits.num_kv_blocks, block_size=limits.block_size)
+    if prompt_ids is not None:
+        check_prompt_ids(prompt_ids, limits.vocab_size)
+    if params is not None:
+        check_params(params)

@@ -103,13 +103,21 @@ def _card(s: Settings):
     return Card(memory_bytes=s.device_memory) if s.device_memory else Card()
 
 
-def build(s: Settings, progress: bool = True) -> Built:
-    """Card, model, runner (warmed up), engine (started), metrics and the app."""
-    s = s.with_numerics()
+@dataclass(slots=True)
+class Loaded:
+    engine: object
+    runner: object
+    card: object
+    model: object
+    metrics: object
+
+
+def load_engine(s: Settings, progress: bool = True) -> Loaded:
+    """Card, model, runner (warmed up), metrics and engine (started): what the engine's process
+    runs (``server/engine_process.py``), or ``build`` in one process."""
     from spyre_serve.models import load_model
     from spyre_serve.server.engine import Engine
     from spyre_serve.server.metrics import Metrics
-    from spyre_serve.server.openai.app import create_app
     from spyre_serve.server.watchdog import Fault
 
     t0 = time.monotonic()
@@ -147,12 +155,28 @@ def build(s: Settings, progress: bool = True) -> Built:
                     structured_output_wait=s.structured_output_wait)
     metrics.watch(engine)
     engine.start()
-    app = create_app(engine, model, s, metrics)
-    metrics.watch_offload(app.state.serving.offload)
-    log.info("ready in %.1f s: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, %d programs",
-             time.monotonic() - t0, runner.max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
-             len(runner.programs))
-    return Built(app, engine, runner, card, model, metrics)
+    log.info("engine ready in %.1f s: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "
+             "%d programs", time.monotonic() - t0, runner.max_model_len, s.max_num_seqs,
+             s.max_num_batched_tokens, len(runner.programs))
+    return Loaded(engine, runner, card, model, metrics)
+
+
+def build(s: Settings, progress: bool = True) -> Built:
+    """The engine (``load_engine``: in this process, or with ``--engine-process`` in its own,
+    ``server/engine_client.py``), its metrics and the app."""
+    s = s.with_numerics()
+    from spyre_serve.server.openai.app import create_app
+
+    if s.engine_process:
+        from spyre_serve.server.engine_client import build_api
+
+        engine, model, metrics = build_api(s)
+        loaded = Loaded(engine, None, None, model, metrics)
+    else:
+        loaded = load_engine(s, progress)
+    app = create_app(loaded.engine, loaded.model, s, loaded.metrics)
+    loaded.metrics.watch_offload(app.state.serving.offload)
+    return Built(app, loaded.engine, loaded.runner, loaded.card, loaded.model, loaded.metrics)
 
 
 def _runner(s: Settings, model, card):

@@ -37,12 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from spyre_serve.server.admission import (
-    RequestRejected,
-    check_lengths,
-    check_params,
-    check_prompt_ids,
-)
+from spyre_serve.server.admission import RequestRejected, check_request
 from spyre_serve.server.block_manager import BlockManager
 from spyre_serve.server.engine_death import EngineUnavailable, Lifeline
 from spyre_serve.server.engine_stats import EngineObserver, EngineStats, device_seconds
@@ -60,9 +55,8 @@ from spyre_serve.server.watchdog import EngineFatal, EngineStalled, Fault
 
 log = logging.getLogger("spyre_serve.engine")
 
-__all__ = ["MAX_FAILED_STEPS_IN_A_ROW", "Engine", "EngineFatal", "EngineObserver", "EngineRequest",
-           "EngineStalled", "EngineStats", "EngineUnavailable", "RequestRejected", "SeqUpdate",
-           "eos_token_ids"]
+__all__ = ["MAX_FAILED_STEPS_IN_A_ROW", "Engine", "EngineFatal", "EngineObserver", "EngineRequest", "EngineStalled",
+           "EngineStats", "EngineUnavailable", "RequestRejected", "SeqUpdate", "eos_token_ids"]
 
 
 class Engine:
@@ -119,6 +113,7 @@ class Engine:
                                         lambda: self.observer, self._requests)
         self.accepting = True  # false while draining for shutdown
         self._failures = StepFailures()
+        self.on_flush: Callable[[], None] | None = None  # after each iteration's updates (engine_process.py)
         self._fault = fault  # a test's injected fault (server/watchdog.py), None when serving
         # published by the engine thread: (running, waiting) requests, waiting sequences
         self._counts, self._waiting_seqs = (0, 0), 0
@@ -173,6 +168,12 @@ class Engine:
         waiting = {s.request_id for s in self.scheduler.waiting} - running
         self._counts = (len(running), len(waiting))
         self._waiting_seqs = len(self.scheduler.waiting)
+        self._flush()
+
+    def _flush(self) -> None:
+        """The updates of this iteration are all out: ``on_flush`` sends them on (a process's pipe)."""
+        if self.on_flush is not None:
+            self.on_flush()
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int,
                       params: list[GenerationParams] | None = None,
@@ -180,12 +181,7 @@ class Engine:
         """Refuse up front what can never run: raise ``RequestRejected`` with the numbers.
         With ``params`` (one per choice) and ``prompt_ids``, every value a step would carry
         is checked too (what ``add_request`` checks)."""
-        check_lengths(num_prompt_tokens, max_tokens, max_model_len=self.max_model_len,
-                      num_kv_blocks=self.num_kv_blocks, block_size=self.block_size)
-        if prompt_ids is not None:
-            check_prompt_ids(prompt_ids, self.vocab_size)
-        if params is not None:
-            check_params(params)
+        check_request(self, num_prompt_tokens, max_tokens, params, prompt_ids)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: list[GenerationParams],
                     on_update: Callable[[SeqUpdate], None]) -> None:
@@ -396,3 +392,4 @@ class Engine:
         """Answer every request with an error and take no new ones (the loop is over)."""
         queued = [item for kind, item in self._inbox.close() if kind == "add"]
         self._open.fail_all(message, queued)
+        self._flush()

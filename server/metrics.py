@@ -114,6 +114,60 @@ class Metrics(EngineObserver):
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
+    async def render_async(self) -> tuple[bytes, str]:
+        return self.render()
+
+
+class ApiMetrics:
+    """/metrics of an API process whose engine runs in its own process: the engine process's
+    metrics (asked for over its pipe, ``EngineClient.metrics_text``) and this process's own (the
+    worker threads). When the engine process does not answer, ``spyre_engine_alive`` is 0."""
+
+    def __init__(self, client, model_name: str) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.offload = None
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_OffloadCollector(self))
+
+    def watch_offload(self, offload) -> None:
+        self.offload = offload
+
+    async def render_async(self) -> tuple[bytes, str]:
+        engine = await self.client.metrics_text()
+        if not engine:
+            engine = (f'# HELP spyre_engine_alive 1 while the engine loop runs.\n# TYPE spyre_engine_alive gauge\n'
+                      f'spyre_engine_alive{{model_name="{self.model_name}"}} 0.0\n').encode()
+        return engine + generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _OffloadCollector:
+    def __init__(self, metrics: ApiMetrics) -> None:
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield from offload_families(self.m.model_name, self.m.offload)
+
+
+def offload_families(model_name: str, offload):
+    """The gauges of the API's worker threads (``server/openai/offload.py``); none without them."""
+    if offload is None:
+        return
+    pool = offload.stats()
+    for metric, doc, value, kind in (
+        ("spyre_api_offload_workers", "Threads that render chat templates and tokenize.", pool["workers"], "g"),
+        ("spyre_api_offload_busy", "Of them, busy now (a stuck one until its thread ends).", pool["busy"], "g"),
+        ("spyre_api_offload_waiting", "Requests waiting for one of them.", pool["waiting"], "g"),
+        ("spyre_api_offload_refused", "Requests refused (503) after --offload-wait with every thread busy.",
+         pool["refused"], "c"),
+    ):
+        family = (GaugeMetricFamily if kind == "g" else CounterMetricFamily)(metric, doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
+
 
 class _LiveCollector:
     """Gauges read at scrape time from the engine and the card."""
@@ -171,15 +225,7 @@ class _LiveCollector:
                 yield gauge("spyre_runner_held_sequences", "Sequences the model runner keeps state for "
                             "between steps (prompt-logprob rows, penalty slots); 0 when idle.",
                             float(sum(held().values())))
-        if m.offload is not None:
-            pool = m.offload.stats()
-            yield gauge("spyre_api_offload_workers", "Threads that render chat templates and tokenize.",
-                        pool["workers"])
-            yield gauge("spyre_api_offload_busy", "Of them, busy now (a stuck one until its thread ends).",
-                        pool["busy"])
-            yield gauge("spyre_api_offload_waiting", "Requests waiting for one of them.", pool["waiting"])
-            yield counter("spyre_api_offload_refused", "Requests refused (503) after --offload-wait with "
-                          "every thread busy.", pool["refused"])
+        yield from offload_families(m.model_name, m.offload)
         from spyre_serve.device.isa import current
 
         kernel_isa = current()

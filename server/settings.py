@@ -223,6 +223,10 @@ class Settings:
                                          "each step, the card idles while the host plans) instead of "
                                          "running grammar sequences every other step beside the overlap",
                                          parse_bool)
+    engine_process: bool = _flag(True, "run the engine (the card, the scheduler, the step loop) in a "
+                                 "process of its own, as vLLM's engine core, so that HTTP, JSON, "
+                                 "tokenizing and templates never take its GIL; false: one process",
+                                 parse_bool)
     warmup: bool = _flag(True, "compile and prepare every step program before listening", parse_bool)
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
 

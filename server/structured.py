@@ -74,6 +74,10 @@ class Grammar:
         self._words = words
         self._lock = threading.Lock()
 
+    def __reduce__(self):
+        """Pickled (to the engine's process): its spec, compiled there again (``serve_grammars``)."""
+        return (_compiled, (self.spec,))
+
     def matcher(self) -> Matcher:
         with self._lock:
             return Matcher(self._start.deep_copy(), self._words)
@@ -204,3 +208,17 @@ def grammar_stop(seq, token: int) -> tuple[str, None] | None:
         log.warning("seq %s: the grammar cannot go on: %s", seq.seq_id, seq.matcher.failed)
     seq.append_text(seq.detok.flush())
     return "stop", None
+
+
+_SERVED: list[Grammars] = []   # this process's grammars, compiling those that arrive pickled
+
+
+def serve_grammars(grammars: Grammars) -> None:
+    """Compile every grammar unpickled in this process (the engine's) with ``grammars``."""
+    _SERVED[:] = [grammars]
+
+
+def _compiled(spec: GrammarSpec) -> Grammar:
+    if not _SERVED:
+        raise GrammarError("this process compiles no grammars (serve_grammars was not called)")
+    return _SERVED[0].compile(spec)

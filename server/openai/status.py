@@ -73,5 +73,5 @@ async def metrics(request: Request):
     source = request.app.state.metrics
     if source is None:
         return Response("", media_type="text/plain")
-    body, content_type = source.render()
+    body, content_type = await source.render_async()
     return Response(body, media_type=content_type)

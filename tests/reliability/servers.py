@@ -94,12 +94,23 @@ class ServerProcess:
         return self.proc.pid
 
     def rss_bytes(self) -> int:
-        """The process's resident set size now (VmRSS)."""
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise AssertionError(f"no VmRSS for pid {self.pid}")
+        """The resident set size now (VmRSS) of the server and its engine process."""
+        total = 0
+        for pid in (self.pid, *descendants(self.pid)):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+            except FileNotFoundError:
+                continue     # ended meanwhile
+        return total
+
+    @property
+    def engine_pid(self) -> int:
+        """The engine's process (serve's --engine-process; multiprocessing's resource tracker
+        is a child too)."""
+        kids = [k for k in descendants(self.pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        assert len(kids) == 1, f"not one engine process under the server {self.pid}: {kids}"
+        return kids[0]
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -110,6 +121,19 @@ class ServerProcess:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the server did not exit within {timeout} s:\n{self.log_tail()}") from None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux's /proc/PID/task/*/children), children first."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = [int(k) for k in (task / "children").read_text().split()]
+        except (FileNotFoundError, ValueError):
+            continue
+        for k in kids:
+            out += [k, *descendants(k)]
+    return out
 
 
 @contextmanager

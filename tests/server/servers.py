@@ -58,6 +58,7 @@ def real_settings(**overrides):
         warmup=False,
         max_n=4,
         max_waiting=256,
+        engine_process=False,  # the engine in this process: tests read its parts (engine_process tests: True)
     )
     base.update(overrides)
     return Settings(**base)
