@@ -19,9 +19,13 @@ their worst size, each hole in turn):
                 --stream-send-timeout)
 
 ``--each`` floods with one hole at a time instead (a phase per hole, after the one calm phase,
-on the same server): a figure per hole. Measured per phase: the streams' inter-token latency (p50, p99: the gaps between a stream's
-chunks), ``/health``'s answer time (polled every 0.2 s: max), the server's resident memory
-(max), and what the flood clients got (status counts per hole). The targets (issue 19): ITL
+on the same server): a figure per hole. Before the calm phase one request of each hole is sent
+alone (``prime``). Measured per phase: the streams' inter-token latency (p50, p99: the gaps
+between a stream's chunks), ``/health``'s answer time (polled every 0.2 s: max), the server's
+resident memory (max; the API process's and the engine's), the cores each process used (the
+API's, the engine's, the flood clients', the streams' client), and what the flood clients got
+(status counts per hole). ``--server-flags --no-engine-process`` measures the engine in the
+API's process. The targets (issue 19): ITL
 p99 under flood <= 1.5x calm, /health within 1 s throughout, memory within 10% of calm.
 """
 
@@ -136,7 +140,30 @@ def flood(port: int, clients: int, seconds: float, holes: list[str], out) -> Non
         t.start()
     for t in threads:
         t.join()
-    out.put(dict(counts))
+    t = os.times()
+    out.put((dict(counts), t.user + t.system))
+
+
+def prime(port: int, holes: list[str]) -> None:
+    """One request of each hole (an unread stream read to its end), before the calm phase: what
+    a server that has served them once holds (llguidance's token trie, the allocator's arenas)
+    is in the calm figure; what a flood adds is not."""
+    bodies = payloads()
+    for hole in holes:
+        path, variants, _ = bodies[hole]
+        _send(port, path, variants[0], False)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds of ``pids`` so far (/proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 async def streams(base: str, n: int, seconds: float, prompts) -> list[float]:
@@ -162,11 +189,16 @@ async def streams(base: str, n: int, seconds: float, prompts) -> list[float]:
     return gaps
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its children (the API process, the engine's, and
-    multiprocessing's resource tracker), as ``ps`` reports them."""
-    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid), "--ppid", str(pid)], capture_output=True, text=True)
-    return sum(int(v) for v in out.stdout.split()) << 10
+def tree_rss(pid: int) -> dict[str, int]:
+    """Resident bytes of the server's processes, as ``ps`` reports them: ``api`` (``pid``),
+    ``engine`` (its children: the engine's process and multiprocessing's resource tracker)."""
+    out = subprocess.run(["ps", "-o", "pid=,rss=", "-p", str(pid), "--ppid", str(pid)], capture_output=True,
+                         text=True)
+    rss = {"api": 0, "engine": 0}
+    for line in out.stdout.splitlines():
+        p, kb = map(int, line.split())
+        rss["api" if p == pid else "engine"] += kb << 10
+    return rss
 
 
 def watch(base: str, pid: int, stop_at: list, health: list, rss: list) -> None:
@@ -184,7 +216,11 @@ def phase(base: str, pid: int, args, prompts, holes: list[str] | None) -> dict:
     stop_at, health, rss = [], [], []
     watcher = threading.Thread(target=watch, args=(base, pid, stop_at, health, rss), daemon=True)
     watcher.start()
-    results = None
+    results, flood_cpu = None, 0.0
+    engine_pids = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+    cpu0 = {"api": cpu_seconds([pid]), "engine": cpu_seconds(engine_pids), "streams": cpu_seconds([os.getpid()])}
+    t0 = time.monotonic()
     if holes:
         q = multiprocessing.get_context("spawn").Queue()
         port = int(base.rsplit(":", 1)[1])
@@ -194,14 +230,20 @@ def phase(base: str, pid: int, args, prompts, holes: list[str] | None) -> dict:
     seconds = args.flood if holes else args.calm
     gaps = asyncio.run(streams(base, args.streams, seconds, prompts))
     if holes:
-        results = q.get(timeout=300)
+        results, flood_cpu = q.get(timeout=300)
         proc.join(60)
     stop_at.append(True)
     watcher.join(10)
+    wall = time.monotonic() - t0
+    cpu1 = {"api": cpu_seconds([pid]), "engine": cpu_seconds(engine_pids), "streams": cpu_seconds([os.getpid()])}
+    cores = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0}
+    cores["flood_clients"] = flood_cpu / wall
     g = np.array(gaps) * 1e3
-    return {"seconds": seconds, "gaps": len(g), "itl_p50_ms": float(np.percentile(g, 50)),
+    return {"cores": cores, "seconds": seconds, "gaps": len(g), "itl_p50_ms": float(np.percentile(g, 50)),
             "itl_p99_ms": float(np.percentile(g, 99)), "health_max_s": float(max(health)),
-            "health_polls": len(health), "rss_max_mb": max(rss) / 2**20, "flood": results}
+            "health_polls": len(health), "rss_max_mb": max(sum(r.values()) for r in rss) / 2**20,
+            "rss_api_max_mb": max(r["api"] for r in rss) / 2**20,
+            "rss_engine_max_mb": max(r["engine"] for r in rss) / 2**20, "flood": results}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_ready(server, base + "/health", 900)
         prompts = text_prompt_maker(100_000, 64)
+        prime(port, holes)
         calm = phase(base, server.pid, args, prompts, None)
         floods = {h: phase(base, server.pid, args, prompts, [h]) for h in holes} if args.each else \
             {"all": phase(base, server.pid, args, prompts, holes)}

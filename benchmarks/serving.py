@@ -376,6 +376,7 @@ def spyre_server(name: str, model: str, served: str, args, extra_flags: list[str
 # name -> (kind, what): spyre-serve flags, a llama.cpp GGUF (paths() key), a vLLM dtype
 SMOLLM2_SERVERS = {
     "spyre-fp32": ("spyre", []),
+    "spyre-fp32-1proc": ("spyre", ["--no-engine-process"]),   # the engine in the API process
     "spyre-bf16w": ("spyre", ["--dtype", "bfloat16", "--compute-dtype", "float32"]),
     "spyre-bf16": ("spyre", ["--dtype", "bfloat16"]),
     "spyre-q8_0": ("spyre-gguf", "gguf_q8_0"),

@@ -77,11 +77,12 @@ class Record:
 
 
 def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    """The server's resident bytes: its process and its children (the engine's process, and
+    multiprocessing's resource tracker), as ``ps`` reports them."""
+    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid), "--ppid", str(pid)], capture_output=True, text=True)
+    if not out.stdout.split():
+        raise RuntimeError(f"no RSS for pid {pid}")
+    return sum(int(v) for v in out.stdout.split()) << 10
 
 
 def metric(text: str, name: str) -> float:

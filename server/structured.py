@@ -35,6 +35,10 @@ import numpy as np
 log = logging.getLogger("spyre_serve.engine")
 
 CACHE_SIZE = 128  # compiled grammars kept (each a few KB to a few MB for large schemas)
+# ... and at most this much of their sources: a compiled JSON schema holds ~70x its source's
+# bytes (a 16 KB schema, granite-tiny's vocabulary: 1.1 MB), so 128 large schemas would hold
+# ~140 MB; this keeps ~18 MB of them. Measured by benchmarks/flood.py's schema hole.
+CACHE_SOURCE_BYTES = 256 << 10
 # JSON as the grammar writes it: no free whitespace between tokens (a model that may put
 # any amount of whitespace can spend its whole budget on it), ", " and ": " as separators.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -138,12 +142,15 @@ def grammar_text(spec: GrammarSpec) -> str:
 class Grammars:
     """The server's grammar compiler and cache (thread-safe)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, cache_size: int = CACHE_SIZE) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, cache_size: int = CACHE_SIZE,
+                 cache_source_bytes: int = CACHE_SOURCE_BYTES) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = sorted(int(t) for t in eos_ids)
         self.words = (vocab_size + 31) // 32
         self.cache_size = cache_size
+        self.cache_source_bytes = cache_source_bytes
+        self._source_bytes = 0   # of the cached specs' sources
         self._cache: OrderedDict[GrammarSpec, Grammar | GrammarError] = OrderedDict()
         self._lock = threading.Lock()
         self._lltok = None
@@ -175,10 +182,13 @@ class Grammars:
         if hit is None:
             hit = self._compile(spec)
             with self._lock:
+                if spec not in self._cache:
+                    self._source_bytes += len(spec.source)
                 self._cache[spec] = hit
                 self._cache.move_to_end(spec)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+                while len(self._cache) > 1 and (len(self._cache) > self.cache_size
+                                                or self._source_bytes > self.cache_source_bytes):
+                    self._source_bytes -= len(self._cache.popitem(last=False)[0].source)
         if isinstance(hit, GrammarError):
             raise hit
         return hit

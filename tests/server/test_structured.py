@@ -98,3 +98,35 @@ def test_mask_building_is_fast_for_the_vocabulary(grammars):
         if m.advance(tok):
             break
     assert np.median(times) < 0.005, times
+
+
+def test_the_cache_keeps_no_more_than_its_budget_of_grammar_source(tokenizer):
+    g = Grammars(tokenizer, 8192, [0], cache_size=100, cache_source_bytes=40)
+    specs = [GrammarSpec("regex", f"{c}{'x' * 15}") for c in "abcd"]   # 16 bytes each
+    for spec in specs:
+        g.compile(spec)
+    assert [g.cached(s) for s in specs] == [False, False, True, True]  # 2 x 16 <= 40 < 3 x 16
+    big = GrammarSpec("regex", "y" * 100)                              # over the budget alone: kept
+    g.compile(big)
+    assert g.cached(big) and not any(g.cached(s) for s in specs)
+
+
+def test_a_grammar_crosses_a_process_as_its_spec_and_is_compiled_there(tokenizer):
+    import pickle
+
+    from spyre_serve.server import structured
+
+    ours = Grammars(tokenizer, 8192, [0])
+    grammar = ours.compile(GrammarSpec("regex", "ab|cd"))
+    theirs = Grammars(tokenizer, 8192, [0])
+    saved = list(structured._SERVED)
+    try:
+        structured._SERVED.clear()
+        with pytest.raises(GrammarError, match="serve_grammars"):
+            pickle.loads(pickle.dumps(grammar))
+        structured.serve_grammars(theirs)
+        copy = pickle.loads(pickle.dumps(grammar))
+    finally:
+        structured._SERVED[:] = saved
+    assert copy is not grammar and copy.spec == grammar.spec and theirs.compiles == 1
+    assert allowed(copy.matcher().mask()).tolist() == allowed(grammar.matcher().mask()).tolist()

@@ -36,7 +36,7 @@ def test_health_is_a_503_with_retry_after_while_draining():
 
 
 class Rendered:
-    def render(self):
+    async def render_async(self):    # an API process's metrics ask the engine's: async
         return b"# metrics\n", "text/plain; version=0.0.4"
 
 
@@ -48,3 +48,24 @@ def test_metrics_are_what_the_metrics_render():
 def test_metrics_are_empty_without_metrics():
     r = client_for().get("/metrics")
     assert r.status_code == 200 and r.content == b""
+
+
+def test_an_api_process_metrics_say_the_engine_is_down_when_its_process_does_not_answer():
+    import asyncio
+
+    from spyre_serve.server.metrics import ApiMetrics
+
+    class Silent:           # an EngineClient whose engine process is gone
+        async def metrics_text(self):
+            return b""
+
+    class Pool:
+        def stats(self):
+            return {"workers": 4, "busy": 1, "waiting": 0, "refused": 2}
+
+    metrics = ApiMetrics(Silent(), "m")
+    metrics.watch_offload(Pool())
+    text = asyncio.run(metrics.render_async())[0].decode()
+    assert 'spyre_engine_alive{model_name="m"} 0.0' in text
+    assert 'spyre_api_offload_busy{model_name="m"} 1.0' in text
+    assert 'spyre_api_offload_refused_total{model_name="m"} 2.0' in text
