@@ -300,11 +300,21 @@ def uvicorn_config(app, s: Settings):
 
 
 def serve(s: Settings) -> int:
-
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if s.api_server_count > 1:
+        from spyre_serve.server.api_servers import serve_many
+
+        return serve_many(s)
     built = build(s, progress=True)
-    config = uvicorn_config(built.app, s)
-    server = _draining_server(config, built.engine, s.drain_timeout)
+    log.info("serving %s on http://%s:%d/v1", built.metrics.model_name, s.host, s.port)
+    return run(built.app, built.engine, s)
+
+
+def run(app, engine, s: Settings, sockets=None) -> int:
+    """Serve ``app`` until a drain ends (0) or ``engine`` dies (1); ``sockets``: listen on
+    these (shared by several API processes) instead of binding ``--host``/``--port``."""
+    config = uvicorn_config(app, s)
+    server = _draining_server(config, engine, s.drain_timeout)
     died: list[BaseException] = []
 
     def on_death(exc: BaseException) -> None:
@@ -313,12 +323,11 @@ def serve(s: Settings) -> int:
         died.append(exc)
         server.should_exit = True
 
-    built.engine.on_death = on_death
-    if built.engine.error is not None:      # died before the callback was set
-        on_death(built.engine.error)
-    log.info("serving %s on http://%s:%d/v1", built.metrics.model_name, s.host, s.port)
-    server.run()
-    built.engine.shutdown()
+    engine.on_death = on_death
+    if engine.error is not None:      # died before the callback was set
+        on_death(engine.error)
+    server.run(sockets=sockets)
+    engine.shutdown(timeout=FLUSH_SECONDS / 2)   # after the drain: within its budget
     if died:
         log.critical("exiting 1: the engine died (%s)", died[0])
         return 1

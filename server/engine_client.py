@@ -43,7 +43,9 @@ class _Open:
 
 
 class EngineClient:
-    """An ``Engine`` in another process, seen from an API process (one pipe)."""
+    """An ``Engine`` in another process, seen from an API process (one pipe). ``process`` is the
+    engine's ``multiprocessing.Process`` when this process started it, None when a sibling runs
+    it (``--api-server-count``: the pipe alone says it is gone)."""
 
     def __init__(self, conn, process, info: EngineInfo) -> None:
         self.conn = conn
@@ -80,7 +82,8 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return not self._dead and not self._closed and self._counts.alive and self.process.is_alive()
+        return (not self._dead and not self._closed and self._counts.alive
+                and (self.process is None or self.process.is_alive()))
 
     @property
     def num_requests(self) -> int:
@@ -152,11 +155,14 @@ class EngineClient:
             self._stopping = True
             self._outgoing.append(("shutdown", timeout))
             self._cond.notify()
-        self.process.join(timeout + 2.0)
-        if self.process.is_alive():
-            log.warning("the engine process did not stop within %.0f s: killed", timeout + 2.0)
-            self.process.kill()
-            self.process.join(5.0)
+        if self.process is None:             # a sibling's: it answers, then says "closed"
+            self._threads[1].join(timeout + 2.0)
+        else:
+            self.process.join(timeout + 2.0)
+            if self.process.is_alive():
+                log.warning("the engine process did not stop within %.0f s: killed", timeout + 2.0)
+                self.process.kill()
+                self.process.join(5.0)
         for t in self._threads:
             t.join(2.0)
         with self._cond:
@@ -208,6 +214,8 @@ class EngineClient:
             if message[0] == "dead":
                 why = message[1]
                 break
+            if message[0] == "closed":
+                break
             _, updates, counts, replies = message
             self.traffic["batches_in"] += 1
             self.traffic["updates_in"] += len(updates)
@@ -218,10 +226,11 @@ class EngineClient:
                 future = self._replies.get(token)
                 if future is not None and not future.done():
                     future.set_result(body)
-        self.process.join(1.0)
         if self._stopping:
             return
-        code = self.process.exitcode
+        if self.process is not None:
+            self.process.join(1.0)
+        code = "unknown" if self.process is None else self.process.exitcode
         self._die(why or f"the engine process exited (exit code {code})")
 
     def _deliver(self, request_id: str, update: SeqUpdate) -> None:
@@ -261,42 +270,44 @@ class EngineClient:
                         log.exception("failing a request")
 
 
-def spawn_engine(settings) -> tuple:
-    """Start the engine process for ``settings``: (its pipe, the process); ``wait_ready`` waits."""
+def spawn_engine(settings, api_processes: int = 1) -> tuple[list, object]:
+    """Start the engine process for ``settings`` with a pipe for each of ``api_processes``:
+    (the pipes' API ends, the process); ``wait_ready`` waits on a pipe."""
     from spyre_serve.server import engine_process
 
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked Numba threads
-    parent, child = ctx.Pipe(duplex=True)
-    process = ctx.Process(target=engine_process.main, args=(settings, [child]), name="spyre-engine")
+    pairs = [ctx.Pipe(duplex=True) for _ in range(api_processes)]
+    process = ctx.Process(target=engine_process.main, args=(settings, [c for _, c in pairs]), name="spyre-engine")
     process.start()
-    child.close()
-    return parent, process
+    for _, child in pairs:
+        child.close()
+    return [p for p, _ in pairs], process
 
 
-def wait_ready(parent, process, timeout: float = 3600.0) -> EngineClient:
+def wait_ready(conn, process=None, timeout: float = 3600.0) -> EngineClient:
     """Wait until the engine process is ready (loaded, warmed up): its client. ``RuntimeError``
     with the engine process's reason when it could not start."""
     deadline = time.monotonic() + timeout
-    while not parent.poll(0.5):
-        if not process.is_alive():
+    while not conn.poll(0.5):
+        if process is not None and not process.is_alive():
             raise RuntimeError(f"the engine process exited while starting (exit code {process.exitcode})")
         if time.monotonic() > deadline:
-            process.kill()
+            if process is not None:
+                process.kill()
             raise RuntimeError(f"the engine process was not ready within {timeout:.0f} s")
     try:
-        message = parent.recv()
+        message = conn.recv()
     except EOFError:
-        process.join(5.0)
-        raise RuntimeError(f"the engine process exited while starting (exit code {process.exitcode})") from None
+        raise RuntimeError("the engine process exited while starting") from None
     if message[0] != "ready":
-        process.join(5.0)
         raise RuntimeError(f"the engine process could not start: {message[1]}")
-    return EngineClient(parent, process, message[1])
+    return EngineClient(conn, process, message[1])
 
 
-def build_api(settings):
-    """The API process's engine (a client of the engine process), model (its tokenizer, no
-    weights) and metrics: the tokenizer loads while the engine process loads the weights."""
+def build_api(settings, conn=None):
+    """The API process's engine (a client of the engine process: started here, or a sibling's
+    on ``conn``), model (its tokenizer, no weights) and metrics: the tokenizer loads while the
+    engine process loads the weights."""
     from pathlib import Path
 
     from spyre_serve.models.loader import LoadedModel, tokenizer_of
@@ -304,12 +315,14 @@ def build_api(settings):
     from spyre_serve.server.metrics import ApiMetrics
 
     path = resolve_model(settings.model)      # an unknown model is refused here, before a process
-    parent, process = spawn_engine(settings)
+    process = None
+    if conn is None:
+        (conn,), process = spawn_engine(settings)
     try:
         tokenizer = tokenizer_of(path)
-        client = wait_ready(parent, process)
+        client = wait_ready(conn, process)
     except BaseException:
-        if process.is_alive():
+        if process is not None and process.is_alive():
             process.kill()
         raise
     info = client.info

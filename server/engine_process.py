@@ -125,6 +125,8 @@ class Outbox:
                     self.conn.send(("batch", updates, self.counts(), replies))
                 for message in last:
                     self.conn.send(message)
+                if closed and not last:
+                    self.conn.send(("closed",))     # nothing more for this API process
             except (OSError, EOFError, BrokenPipeError):
                 return          # the API process is gone: nobody to tell
             if closed:
@@ -139,6 +141,8 @@ class EngineHost:
         self.metrics = metrics
         self.conns = conns
         self.received = [(0, 0)] * len(conns)  # requests and sequences taken from each API process
+        # request id -> (its API process, choices not finished): whose requests go when one leaves
+        self.owners: dict[str, tuple[int, int]] = {}
         self.outboxes = [Outbox(c, lambda i=i: self._counts(i)) for i, c in enumerate(conns)]
         self.died = threading.Event()
         engine.on_flush = self.flush
@@ -160,8 +164,9 @@ class EngineHost:
         self.died.set()
 
     def serve(self) -> int:
-        """Take messages until every API process is gone, a shutdown, or the engine's death: the
-        process's exit code."""
+        """Take messages until every API process has left (its "shutdown", or its pipe's end) or
+        the engine dies: the process's exit code. An API process that leaves while others stay
+        takes its requests with it (aborted here; it answers them itself)."""
         open_conns = list(self.conns)
         while open_conns and not self.died.is_set():
             for conn in wait(open_conns, timeout=0.1):
@@ -169,11 +174,14 @@ class EngineHost:
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    open_conns.remove(conn)       # that API process is gone
+                    message = ("shutdown", 10.0)      # that API process is gone
+                if message[0] != "shutdown":
+                    self._take(i, message[1])
                     continue
-                if message[0] == "shutdown":
+                open_conns.remove(conn)
+                if not open_conns:
                     return self._stop(float(message[1]))
-                self._take(i, message[1])
+                self._leave(i)
         if self.died.is_set():
             why = self.engine.error
             text = f"{type(why).__name__}: {why}" if why is not None else "the engine died"
@@ -181,6 +189,14 @@ class EngineHost:
                 box.close(("dead", text))
             return 1
         return self._stop(10.0)
+
+    def _leave(self, i: int) -> None:
+        """API process ``i`` is gone or going: its requests are aborted, its outbox closed."""
+        for request_id, (owner, _) in list(self.owners.items()):
+            if owner == i:
+                self.engine.abort(request_id)
+                self.owners.pop(request_id, None)
+        self.outboxes[i].close()
 
     def _stop(self, timeout: float) -> int:
         self.engine.shutdown(timeout)
@@ -195,6 +211,7 @@ class EngineHost:
                 self._add(i, *item[1:])
             elif kind == "abort":
                 self.engine.abort(item[1])
+                self.owners.pop(item[1], None)
             elif kind == "metrics":
                 body, _ = self.metrics.render()
                 self.outboxes[i].reply(("metrics", item[1], body))
@@ -205,12 +222,24 @@ class EngineHost:
         box = self.outboxes[i]
         reqs, seqs = self.received[i]
         self.received[i] = (reqs + 1, seqs + n)
+        owners = self.owners
+        owners[request_id] = (i, n)
+
+        def on_update(update, rid=request_id) -> None:
+            box.update(rid, update)
+            if update.finish_reason is not None:     # the last of its choices: no owner any more
+                owner, left = owners.get(rid, (i, 1))
+                if left <= 1:
+                    owners.pop(rid, None)
+                else:
+                    owners[rid] = (owner, left - 1)
+
         try:
             params = pickle.loads(params_bytes)
-            self.engine.add_request(request_id, prompt_ids, params,
-                                    lambda u, rid=request_id: box.update(rid, u))
+            self.engine.add_request(request_id, prompt_ids, params, on_update)
         except Exception as exc:  # refused here (dying, or a grammar that would not compile)
             message = str(exc) or type(exc).__name__
+            owners.pop(request_id, None)
             for index in range(n):
                 box.update(request_id, SeqUpdate(index, "", [], [], "error", None, None, message))
             box.flush()

@@ -227,6 +227,9 @@ class Settings:
                                  "process of its own, as vLLM's engine core, so that HTTP, JSON, "
                                  "tokenizing and templates never take its GIL; false: one process",
                                  parse_bool)
+    api_server_count: int = _flag(1, "API processes serving HTTP on the one port (vLLM's), each "
+                                  "with its own event loop and threads, all before one engine "
+                                  "process (needs --engine-process)", int)
     warmup: bool = _flag(True, "compile and prepare every step program before listening", parse_bool)
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
 
@@ -235,6 +238,9 @@ class Settings:
         ``--numerics`` applied: spyre sets the weights' and the KV
         cache's widths (and the GEMM inputs' through --compute-dtype auto) to DLFloat16; a
         width given as something else contradicts it (ValueError naming both)."""
+        if self.api_server_count < 1 or (self.api_server_count > 1 and not self.engine_process):
+            raise ValueError(f"--api-server-count {self.api_server_count}: give 1, or more with "
+                             "--engine-process (the API processes share one engine process)")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty (or SPYRE_SERVE_API_KEY is set to nothing): an "
                              "empty bearer token would pass it; set a key or leave it unset")

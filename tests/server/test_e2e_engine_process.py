@@ -145,3 +145,38 @@ def test_killing_the_engine_process_ends_every_stream_with_an_error_and_the_serv
         assert error["code"] == 500, error            # what failed is in the log, not the answer
         assert server.wait(30) == 1
         assert "the engine process died: the engine process exited (exit code -9)" in server.log_tail(80)
+
+
+# ---- several API processes before one engine process -----------------------------------------
+
+def test_two_api_processes_share_the_port_and_the_engine_and_drain_on_sigterm():
+    from pathlib import Path
+
+    from tests.reliability.servers import descendants
+
+    with server_process("--api-server-count", "2") as server:
+        spawned = [k for k in descendants(server.pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        assert len(spawned) == 3                           # the engine and two API processes
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                alone = (await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8,
+                                                               "temperature": 0})).json()["choices"][0]["text"]
+                many = await asyncio.gather(*(stream_text(c, PROMPT, 8) for _ in range(12)))
+                # connections of their own: the kernel hands them to either API process
+                return alone, many
+
+        alone, many = asyncio.run(main())
+        assert all(text == alone and finish == "length" for text, finish in many)
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "vllm:generation_tokens_total" in metrics and "spyre_api_offload_workers" in metrics
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+        assert not any(Path(f"/proc/{k}").exists() for k in spawned)
+
+
+def test_an_api_server_count_without_the_engine_process_is_refused():
+    from spyre_serve.server.cli import parse_command
+
+    with pytest.raises(SystemExit):
+        parse_command(["serve", "--api-server-count", "2", "--no-engine-process"])
