@@ -152,6 +152,7 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
                     step_timeout=s.step_timeout, enable_prefix_caching=s.enable_prefix_caching,
                     max_prefill_with_decodes=s.max_prefill_tokens_with_decodes,
                     max_scored_tokens_per_step=s.max_scored_tokens_per_step,
+                    scheduling_policy=s.scheduling_policy,
                     structured_output_wait=s.structured_output_wait)
     metrics.watch(engine)
     engine.start()

@@ -74,6 +74,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         max_prefill_with_decodes: int | None = None,
         max_scored_tokens_per_step: int | None = None,
+        scheduling_policy: str = "fcfs",
         structured_output_wait: bool = False,
         fault: Fault | None = None,
     ) -> None:
@@ -95,7 +96,8 @@ class Engine:
                                    token_buckets=runner.t_buckets,
                                    on_release=lambda seq: runner.forget(seq.seq_id),
                                    max_prefill_with_decodes=max_prefill_with_decodes,
-                                   max_scored_tokens_per_step=max_scored_tokens_per_step)
+                                   max_scored_tokens_per_step=max_scored_tokens_per_step,
+                                   policy=scheduling_policy)
         self.stats = EngineStats()
         # a grammar's mask needs its previous token: wait for it (True) or skip a step (False)
         self.structured_output_wait = structured_output_wait

@@ -83,6 +83,7 @@ class Outbox:
         self._last: list = []             # a final message ("dead", why)
         self._flush = False
         self._closed = False
+        self._sent_counts = None
         self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
         self._thread.start()
 
@@ -97,8 +98,9 @@ class Outbox:
             self._cond.notify()
 
     def flush(self) -> None:
+        """Send what is queued, or the counts alone when they changed (admission reads them)."""
         with self._cond:
-            if self._updates and not self._flush:
+            if not self._flush and (self._updates or self.counts() != self._sent_counts):
                 self._flush = True
                 self._cond.notify()
 
@@ -121,8 +123,8 @@ class Outbox:
                 last, self._last = self._last, []
                 self._flush, closed = False, self._closed
             try:
-                if updates or replies or closed:
-                    self.conn.send(("batch", updates, self.counts(), replies))
+                counts = self._sent_counts = self.counts()
+                self.conn.send(("batch", updates, counts, replies))
                 for message in last:
                     self.conn.send(message)
                 if closed and not last:

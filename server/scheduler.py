@@ -4,7 +4,8 @@ Policy (the block manager does the accounting):
 
 1. every running sequence that has one token to compute (a decode) gets it, oldest first;
 2. running sequences still prefilling get the next chunk of their prompt;
-3. waiting sequences are admitted first come, first served while the token budget,
+3. waiting sequences are admitted in the queue's order (first come, first served, or by
+   priority: ``server/waiting.py``) while the token budget,
    ``max_num_seqs`` and the free KV blocks allow; one that starts from position 0 starts
    instead from the longest prefix of its tokens whose full KV blocks are cached
    (server/block_manager.py), sharing them, unless it asks for prompt logprobs or
@@ -28,8 +29,8 @@ and in a step without decodes, the step takes what it wants and pads. A step sco
 read back), the chunks of those sequences cut to fit.
 
 When a running sequence needs a KV block and none is free, the most recently admitted
-running sequence not yet in this step is preempted: its blocks are freed and it goes back to
-the head of the waiting queue, to be recomputed from its known tokens. The oldest sequence
+running sequence not yet in this step is preempted (by priority: the lowest): its blocks are
+freed and it goes back to the head of the waiting queue, to be recomputed from its known tokens. The oldest sequence
 therefore always makes progress (no starvation), and a request was only admitted if it fits
 the whole cache alone (the engine refuses the others up front), so preemption always ends.
 
@@ -52,19 +53,19 @@ too: the card keeps their penalty state and counts the token it reads
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 
 from spyre_serve.server.block_manager import BlockManager
 from spyre_serve.server.sequence import SeqStatus, Sequence
 from spyre_serve.server.step_work import ScheduledChunk
+from spyre_serve.server.waiting import WaitingQueue
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  token_buckets: list[int] | None = None, on_release: Callable[[Sequence], None] | None = None,
                  max_prefill_with_decodes: int | None = None, max_scored_tokens_per_step: int | None = None,
-                 ) -> None:
+                 policy: str = "fcfs") -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be positive")
@@ -78,7 +79,7 @@ class Scheduler:
         # prompt tokens one step scores (prompt logprobs: a [rows, vocab] readback each)
         self.max_scored = max_scored_tokens_per_step
         self.on_release = on_release
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []  # in admission order
         self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
         self.num_preemptions = 0
@@ -88,7 +89,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take ``seq`` out of the queues; free its blocks now, or when the last launched
@@ -216,7 +217,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.num_preemptions += 1
         self._preempted_now.add(seq.seq_id)
-        self.waiting.appendleft(seq)
+        self.waiting.push_preempted(seq)
         self._release_when_idle(seq)  # recomputed from 0: the runner's state goes too
 
     # ---- what a sequence needs ----------------------------------------------
@@ -255,10 +256,10 @@ class Scheduler:
         bs = self.blocks.block_size
 
         def victim_for(seq: Sequence) -> Sequence | None:
-            for cand in reversed(self.running):
-                if cand is not seq and cand.seq_id not in done:
-                    return cand
-            return None
+            return self.waiting.victim(self.running, seq, lambda c: c.seq_id in done)
+
+        if len(self.running) >= self.max_num_seqs and (last := self.waiting.outranked(self.running)):
+            self._preempt(last)             # priority: the waiting head takes its slot
 
         def run_pass(decodes: bool) -> None:
             nonlocal budget, scored
@@ -281,7 +282,7 @@ class Scheduler:
                     if room >= 1:
                         break
                     victim = victim_for(seq)
-                    if victim is None:
+                    if victim is None or victim is seq:
                         break
                     self._preempt(victim)
                 if room < 1:
@@ -299,11 +300,11 @@ class Scheduler:
         budget = self._prefill_budget(self.max_num_batched_tokens - budget, budget)
         run_pass(decodes=False)
 
-        # admit waiting sequences, first come first served
+        # admit waiting sequences in the queue's order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.seq_id in self._preempted_now or not self._ready(seq) or seq.num_pending:
-                break  # FCFS: the head waits, nobody overtakes it
+                break  # the head waits, nobody overtakes it
             target, sample = self._target(seq)
             hit = self._cached_prefix(seq, target)
             start = len(hit) * bs if hit else seq.num_computed

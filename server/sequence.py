@@ -39,6 +39,7 @@ class GenerationParams:
     include_stop_str_in_output: bool = False  # keep the stop string (a stop token's text) in the text
     skip_special_tokens: bool = True  # leave special tokens out of the text
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within one salt
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority (server/waiting.py)
 
     @property
     def uses_penalties(self) -> bool:

@@ -73,6 +73,14 @@ def parse_numerics(text: str) -> str:
     return value
 
 
+def parse_policy(text: str) -> str:
+    """--scheduling-policy: fcfs or priority (server/waiting.py)."""
+    value = text.strip().lower()
+    if value not in ("fcfs", "priority"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of fcfs, priority")
+    return value
+
+
 QUANTIZATIONS = ("none", "int8")   # models/quantize.py
 
 
@@ -218,6 +226,9 @@ class Settings:
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of a prompt prefix computed before "
                                         "(full blocks, content-addressed, least recently used "
                                         "evicted first)", parse_bool)
+    scheduling_policy: str = _flag("fcfs", "fcfs: requests run in arrival order; priority: by the request's "
+                                   "priority (lower first, then arrival), a waiting request taking the "
+                                   "slot of a running one of lower priority (vLLM's)", parse_policy)
     structured_output_wait: bool = _flag(False, "structured output: read back a step holding a grammar's "
                                          "sample before planning the next (every sequence gets a token "
                                          "each step, the card idles while the host plans) instead of "

@@ -118,7 +118,11 @@ class Submission:
     def error(self) -> str | None:
         return next((c.error for c in self.choices if c.error), None)
 
-    def usage(self) -> dict:
+    def usage(self, choice: int | None = None) -> dict:
+        """The request's token counts so far, or one choice's (its prompt and its tokens)."""
+        if choice is not None:
+            prompt, completion = len(self.choices[choice].prompt_ids), len(self.choices[choice].token_ids)
+            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         prompt = sum(len(self.choices[i * self.n].prompt_ids) for i in range(len(self.sub_ids)))
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

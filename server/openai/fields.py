@@ -30,12 +30,11 @@ FLOORS = {"n": (1, "at least 1"), "min_tokens": (0, ">= 0")}
 # neutral values (what leaving it out means) and refused otherwise, naming it. Implement a
 # field, then delete its row here (structured output, tool calls and logit_bias went so).
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "continuous_usage_stats": ((False,), "usage in every chunk (continuous_usage_stats)"),  # stream_options'
     "suffix": ((None, ""), "suffix (insertion)"),
 }
 
 # the rows above that are not the request's own fields but a chat message's or stream_options'
-NESTED_FIELDS = ("continuous_usage_stats",)
+NESTED_FIELDS: tuple[str, ...] = ()
 
 
 def refuse_unless_neutral(v, info):

@@ -83,6 +83,9 @@ def check_limits(req: SamplingRequest, prompts: int, settings: Settings) -> None
         if len(text) > s.max_stop_length:
             raise APIError(400, f"stop string {i} is {len(text)} characters long, the limit is "
                                 f"{s.max_stop_length} (--max-stop-length)", "stop")
+    if req.priority and s.scheduling_policy != "priority":   # vLLM refuses it so too
+        raise APIError(400, f"priority {req.priority} asks for priority scheduling, which this server "
+                            f"does not do (--scheduling-policy {s.scheduling_policy})", "priority")
     ids = req.stop_token_ids or []
     if len(ids) > s.max_stop_token_ids:
         raise APIError(400, f"stop_token_ids has {len(ids)} ids, the limit is {s.max_stop_token_ids} "

@@ -54,13 +54,8 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
-
-    continuous_usage_stats: Annotated[bool, neutral("continuous_usage_stats")] = False
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _unsupported(cls, v, info):
-        return refuse_unless_neutral(v, info)
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 MAX_CACHE_SALT = 1024  # characters of a cache_salt
@@ -111,6 +106,8 @@ class SamplingRequest(StrictModel):
     logit_bias: Annotated[dict[str, Any] | None, schema(additionalProperties={"type": "number"})] = None
     # vLLM's: requests share prefix-cache blocks only when their salts are equal (none: unsalted)
     cache_salt: Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT)] = None
+    # vLLM's: lower runs first under --scheduling-policy priority; anything but 0 is a 400 without it
+    priority: Integer = 0
 
     @field_validator(*(f for f in UNSUPPORTED if f not in NESTED_FIELDS), check_fields=False)
     @classmethod
@@ -203,8 +200,14 @@ class SamplingRequest(StrictModel):
         return v
 
     @property
-    def stream_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+    def stream_usage(self) -> str:
+        """What usage a stream reports: "" (none), "final" (a last chunk of the whole request's,
+        include_usage) or "continuous" (that too, and each chunk its choice's so far, as vLLM's
+        continuous_usage_stats: only with include_usage)."""
+        o = self.stream_options
+        if not (self.stream and o and o.include_usage):
+            return ""
+        return "continuous" if o.continuous_usage_stats else "final"
 
 
 class CompletionRequest(SamplingRequest):

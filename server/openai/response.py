@@ -52,7 +52,7 @@ def encoded(body: dict | Response) -> Response:
     return body if isinstance(body, Response) else JSONResponse(body)
 
 
-def stream_response(sub: Submission, head: dict, include_usage: bool,
+def stream_response(sub: Submission, head: dict, usage: str,
                     choice_of: Callable[[int, SeqUpdate], dict], opening: Iterable[dict] = ()) -> StreamingResponse:
     """The events of ``sse.sse_stream`` as the response."""
-    return StreamingResponse(sse_stream(sub, head, include_usage, choice_of, opening), media_type=MEDIA_TYPE)
+    return StreamingResponse(sse_stream(sub, head, usage, choice_of, opening), media_type=MEDIA_TYPE)

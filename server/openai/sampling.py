@@ -101,6 +101,7 @@ def generation_params(req: SamplingRequest, max_tokens: int, logprobs: int | Non
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 cache_salt=req.cache_salt,
+                priority=req.priority,
             )
         )
     return out

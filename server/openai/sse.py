@@ -23,29 +23,35 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def sse_stream(sub: Submission, head: dict, include_usage: bool,
+async def sse_stream(sub: Submission, head: dict, usage: str,
                      choice_of: Callable[[int, SeqUpdate], dict], opening: Iterable[dict] = ()) -> AsyncIterator[str]:
     """A streaming response's events.
 
     One chunk ``{**head, "choices": [choice]}`` per choice of ``opening``, then one per
-    engine update with the choice ``choice_of(index, update)`` makes; then the usage
-    chunk when ``include_usage``, and ``[DONE]``. An update carrying an error, or a chunk
+    engine update with the choice ``choice_of(index, update)`` makes (with ``usage``
+    "continuous", each with its choice's ``usage`` so far, as vLLM's continuous_usage_stats);
+    then, with any ``usage``, the usage chunk of the whole request, and ``[DONE]``. An update carrying an error, or a chunk
     that cannot be made, ends the stream with an error chunk naming the request id (no
     usage; what failed goes to the log) and ``[DONE]``: the response has started, so a
     status can no longer say it. Whatever ends the stream early (an error, the client
     going away) aborts what is left of the submission."""
     try:
         try:
+            continuous = usage == "continuous"
+
+            def chunk(choice: dict, idx: int) -> str:
+                return sse({**head, "choices": [choice], **({"usage": sub.usage(idx)} if continuous else {})})
+
             for choice in opening:
-                yield sse({**head, "choices": [choice]})
+                yield chunk(choice, choice["index"])
             while not sub.done:
                 idx, u = await sub.next()
                 if u.error:
                     yield error_event(internal_error(u.error, sub.request_id))
                     break
-                yield sse({**head, "choices": [choice_of(idx, u)]})
+                yield chunk(choice_of(idx, u), idx)
             else:
-                if include_usage:
+                if usage:
                     yield sse({**head, "choices": [], "usage": sub.usage()})
         except Exception as exc:  # a chunk that cannot be made: the client still gets an end
             yield error_event(internal_error("a stream chunk failed", sub.request_id, exc))

@@ -150,6 +150,29 @@ def test_stream_chunks_add_up_to_the_greedy_text_then_usage_then_done(client, gr
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(client):
+    # vLLM's stream_options.continuous_usage_stats, as guidellm sends it on every stream
+    body = {"prompt": [PROMPT, "Hi"], "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    prompts = [len(client.post("/tokenize", json={"prompt": p}).json()["tokens"]) for p in body["prompt"]]
+    seen = [0] * 4
+    for e in events[:-2]:
+        i = e["choices"][0]["index"]
+        seen[i] += 1                      # a token per chunk here (granite-tiny, short words)
+        assert e["usage"]["prompt_tokens"] == prompts[i // 2]
+        assert e["usage"]["completion_tokens"] >= seen[i] - 1 and e["usage"]["completion_tokens"] <= 4
+        assert e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+    finals = {}
+    for e in events[:-2]:
+        finals[e["choices"][0]["index"]] = e["usage"]["completion_tokens"]
+    assert finals == {0: 4, 1: 4, 2: 4, 3: 4}
+    assert events[-2]["usage"] == {"prompt_tokens": sum(prompts), "completion_tokens": 16,
+                                   "total_tokens": sum(prompts) + 16}
+
+
 def test_a_streamed_echo_with_logprobs_sends_the_prompt_first(client):
     body = {"prompt": "Hello there", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1,
             "stream": True, "ignore_eos": True}

@@ -161,12 +161,20 @@ def test_tokenize_takes_chat_template_kwargs_and_special_tokens_per_form():
     assert loc == ("return_token_strs",)
 
 
-def test_a_suffix_and_usage_in_every_chunk_are_refused_as_not_supported():
+def test_a_suffix_is_refused_as_not_supported():
     loc, msg = refusal(CompletionRequest, prompt="x", suffix="end")
     assert loc == ("suffix",) and msg.startswith("suffix (insertion) is not supported yet")
     assert CompletionRequest(prompt="x", suffix="").suffix == ""
-    loc, _ = refusal(CompletionRequest, prompt="x", stream=True, stream_options={"continuous_usage_stats": True})
-    assert loc == ("stream_options", "continuous_usage_stats")
+
+
+@pytest.mark.parametrize(("options", "usage"), [
+    ({"include_usage": True, "continuous_usage_stats": True}, "continuous"),
+    ({"include_usage": True}, "final"),
+    ({"continuous_usage_stats": True}, ""),            # vLLM's: only with include_usage
+    ({}, ""),
+])
+def test_stream_options_say_what_usage_a_stream_reports(options, usage):
+    assert CompletionRequest(prompt="x", stream=True, stream_options=options).stream_usage == usage
 
 
 def test_a_value_in_range_that_leaves_it_as_a_32_bit_float_is_refused():
