@@ -46,7 +46,7 @@ def test_sigterm_drains_accepted_requests_while_new_ones_go_to_the_other(replica
     addr_a, addr_b = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
     front = nginx([addr_a, addr_b])
     out = tmp_path / "r.json"
-    n, out_len = 16, 8
+    n, out_len = 32, 16   # long enough that requests still arrive after the signal (~1 s at 2 cores)
     run = subprocess.Popen(
         [sys.executable, "-m", "spyre_serve.deploy.loadtest", "--disable-tqdm", "--base-url", front.url,
          "--num-prompts", str(n), "--concurrency", "4", "--input-len", "16",
