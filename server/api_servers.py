@@ -88,13 +88,9 @@ def api_process(s: Settings, conn, sock: socket.socket, k: int) -> None:
     os.setsid()      # a terminal's Ctrl-C reaches the supervisor alone, which passes it on once
     logging.basicConfig(level=s.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api {k}]: %(message)s")
-    from spyre_serve.server.cli import run
-    from spyre_serve.server.engine_client import build_api
-    from spyre_serve.server.openai.app import create_app
+    from spyre_serve.server.cli import build, run
 
-    engine, model, metrics = build_api(s, conn)
-    app = create_app(engine, model, s, metrics)
-    metrics.watch_offload(app.state.serving.offload)
-    code = run(app, engine, s, sockets=[sock])
+    built = build(s, conn=conn)
+    code = run(built.app, built.engine, s, sockets=[sock])
     logging.shutdown()
     os._exit(code)

@@ -162,16 +162,17 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
     return Loaded(engine, runner, card, model, metrics)
 
 
-def build(s: Settings, progress: bool = True) -> Built:
+def build(s: Settings, progress: bool = True, conn=None) -> Built:
     """The engine (``load_engine``: in this process, or with ``--engine-process`` in its own,
-    ``server/engine_client.py``), its metrics and the app."""
+    ``server/engine_client.py``; ``conn``: a pipe to one a sibling started, --api-server-count),
+    its metrics and the app."""
     s = s.with_numerics()
     from spyre_serve.server.openai.app import create_app
 
     if s.engine_process:
         from spyre_serve.server.engine_client import build_api
 
-        engine, model, metrics = build_api(s)
+        engine, model, metrics = build_api(s, conn)
         loaded = Loaded(engine, None, None, model, metrics)
     else:
         loaded = load_engine(s, progress)

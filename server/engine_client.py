@@ -1,7 +1,8 @@
 """The API process's side of the engine process (``server/engine_process.py``): ``EngineClient``
 answers what the API layer asks of an ``Engine`` (sizes, counts, ``check_request``,
-``add_request``, ``abort``, ``alive``, ``shutdown``) from what the engine process sent, and
-``start_engine`` spawns that process and waits until it is ready.
+``add_request``, ``abort``, ``alive``, ``shutdown``) from what the engine process sent;
+``spawn_engine`` starts that process, ``wait_ready`` waits until it is ready, and ``build_api``
+does both for ``cli.build``.
 
 Two threads of its own: the sender takes the requests and aborts queued since it last sent and
 sends them as one message (the event loop never writes to the pipe); the receiver takes each
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from spyre_serve.server.admission import check_request
 from spyre_serve.server.engine_death import EngineUnavailable
 from spyre_serve.server.engine_process import EngineCounts, EngineInfo
-from spyre_serve.server.outputs import SeqUpdate
+from spyre_serve.server.outputs import SeqUpdate, error_update
 from spyre_serve.server.sequence import GenerationParams
 
 log = logging.getLogger("spyre_serve.api")
@@ -265,7 +266,7 @@ class EngineClient:
             for index in range(entry.n):
                 if index not in entry.finished:
                     try:
-                        entry.on_update(SeqUpdate(index, "", [], [], "error", None, None, message))
+                        entry.on_update(error_update(index, message))
                     except Exception:
                         log.exception("failing a request")
 

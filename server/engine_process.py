@@ -2,9 +2,10 @@
 step loop, with no HTTP, JSON, tokenizing or templating beside them to take their GIL.
 
     API process(es)                          engine process (this module's ``main``)
-    EngineClient.add_request/abort  --->     Receiver: one thread per API process, each message
-      (batched by its sender thread)           a batch of ("add", id, prompt, params bytes) and
-                                               ("abort", id), handed to Engine.add_request/abort
+    EngineClient.add_request/abort  --->     EngineHost.serve (the main thread, waiting on every
+      (batched by its sender thread)           API process's pipe): each message a batch of ("add",
+                                               id, prompt, params bytes) and ("abort", id), handed
+                                               to Engine.add_request/abort
     EngineClient's receiver thread  <---     Outbox: the engine's SeqUpdates, collected as the
       (each update to its request's            loop answers, sent once per loop iteration as one
        on_update)                              ("batch", updates, counts, replies) per API process
@@ -15,9 +16,10 @@ a grammar this process cannot compile fails that request, not the batch it came 
 
 The engine process dies with its engine: ``on_death`` sends ("dead", why) after the updates
 that answered every request, and the process exits 1 (the API process sees the message, or
-the pipe's end if the process was killed, at once). It ends when an API process's pipe closes
-(its parent is gone) or when asked to ("shutdown"): the engine answers what is running with an
-error, the last batch goes out, and the process exits 0.
+the pipe's end if the process was killed, at once). It ends when its last API process has left
+(asked it to: "shutdown", or its pipe closed: its parent is gone): the engine answers what is
+running with an error, the last batch goes out, and the process exits 0. An API process that
+leaves while others stay takes its requests with it.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     numerics: str
-    pid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +220,7 @@ class EngineHost:
                 self.outboxes[i].reply(("metrics", item[1], body))
 
     def _add(self, i: int, request_id: str, prompt_ids: list[int], params_bytes: bytes, n: int) -> None:
-        from spyre_serve.server.outputs import SeqUpdate
+        from spyre_serve.server.outputs import error_update
 
         box = self.outboxes[i]
         reqs, seqs = self.received[i]
@@ -243,7 +244,7 @@ class EngineHost:
             message = str(exc) or type(exc).__name__
             owners.pop(request_id, None)
             for index in range(n):
-                box.update(request_id, SeqUpdate(index, "", [], [], "error", None, None, message))
+                box.update(request_id, error_update(index, message))
             box.flush()
 
 
@@ -277,7 +278,7 @@ def main(settings, conns: list[Connection]) -> None:
     engine, model, runner = loaded.engine, loaded.model, loaded.runner
     info = EngineInfo(model.name, str(model.path), model.config, model.stored_dtype, engine.max_model_len,
                       engine.num_kv_blocks, engine.block_size, engine.vocab_size,
-                      tuple(engine.eos_token_ids), engine.numerics, os.getpid())
+                      tuple(engine.eos_token_ids), engine.numerics)
     from spyre_serve.server.structured import Grammars, serve_grammars
 
     serve_grammars(Grammars(model.tokenizer, engine.vocab_size, engine.eos_token_ids))

@@ -18,6 +18,7 @@ from spyre_serve.server.engine import Engine, EngineObserver
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+ENGINE_ALIVE_HELP = "1 while the engine loop runs."  # the engine's gauge, or the API's when it is down
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -127,21 +128,22 @@ class ApiMetrics:
         self.client = client
         self.model_name = model_name
         self.offload = None
+        self.engine_down = False   # the engine process did not answer the scrape being rendered
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_OffloadCollector(self))
+        self.registry.register(_ApiCollector(self))
 
     def watch_offload(self, offload) -> None:
         self.offload = offload
 
     async def render_async(self) -> tuple[bytes, str]:
         engine = await self.client.metrics_text()
-        if not engine:
-            engine = (f'# HELP spyre_engine_alive 1 while the engine loop runs.\n# TYPE spyre_engine_alive gauge\n'
-                      f'spyre_engine_alive{{model_name="{self.model_name}"}} 0.0\n').encode()
+        self.engine_down = not engine     # read by _ApiCollector below, with no await between
         return engine + generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-class _OffloadCollector:
+class _ApiCollector:
+    """The API process's own families: its worker threads, and the engine's 0 when it is down."""
+
     def __init__(self, metrics: ApiMetrics) -> None:
         self.m = metrics
 
@@ -149,6 +151,10 @@ class _OffloadCollector:
         return []
 
     def collect(self):
+        if self.m.engine_down:
+            alive = GaugeMetricFamily("spyre_engine_alive", ENGINE_ALIVE_HELP, labels=["model_name"])
+            alive.add_metric([self.m.model_name], 0.0)
+            yield alive
         yield from offload_families(self.m.model_name, self.m.offload)
 
 
@@ -219,7 +225,7 @@ class _LiveCollector:
                         "Device compute time over wall time while the engine had work.", busy)
             yield gauge("spyre_device_idle_fraction", "1 - spyre_device_busy_fraction.", 1.0 - busy
                         if engine.stats.busy_wall_seconds > 0 else 0.0)
-            yield gauge("spyre_engine_alive", "1 while the engine loop runs.", 1.0 if engine.alive else 0.0)
+            yield gauge("spyre_engine_alive", ENGINE_ALIVE_HELP, 1.0 if engine.alive else 0.0)
             held = getattr(engine.runner, "held", None)
             if held is not None:
                 yield gauge("spyre_runner_held_sequences", "Sequences the model runner keeps state for "

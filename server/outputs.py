@@ -24,6 +24,11 @@ class SeqUpdate:
     error: str | None = None
 
 
+def error_update(index: int, message: str) -> SeqUpdate:
+    """The last update of a choice that ends with an error (``message``: what failed)."""
+    return SeqUpdate(index, "", [], [], "error", None, None, message)
+
+
 def token_logprob(out, i: int, token: int, num_top: int) -> TokenLogprob:
     """The logprob of ``token``, sampled in row ``i`` of the step output ``out``, and up to
     ``num_top`` of the row's top alternatives."""

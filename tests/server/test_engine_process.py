@@ -102,7 +102,7 @@ def test_a_dead_engine_sends_its_last_updates_then_why():
 
 def test_the_client_counts_what_it_sent_as_waiting_until_the_engine_says_it_took_it():
     api, host = multiprocessing.Pipe(duplex=True)
-    info = EngineInfo("m", "/m", None, "float32", 64, 8, 16, 100, (0,), "fp32", 1)
+    info = EngineInfo("m", "/m", None, "float32", 64, 8, 16, 100, (0,), "fp32")
     client = EngineClient(api, None, info)
     got: list[SeqUpdate] = []
     client.add_request("r", [1, 2], PARAMS * 2, got.append)
