@@ -32,7 +32,7 @@ from spyre_serve.device import Card, DeviceTensor, Program, Slot
 from spyre_serve.device.abi import ENTRY_ARGS, f32_at, i32_at, i64_at
 from spyre_serve.device.kernels.activation import swiglu
 from spyre_serve.device.kernels.attention import paged_attention, write_kv
-from spyre_serve.device.kernels.gather import gather_columns_at
+from spyre_serve.device.kernels.gather import gather_columns_at, gather_rows
 from spyre_serve.device.kernels.gemm import gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
 from spyre_serve.device.kernels.residual import residual_add
@@ -48,7 +48,6 @@ from spyre_serve.models.step_program import (
     CONST_RES_MULT,
     N_CONSTS,
     SAMPLE_ROW,
-    _gather_rows,
 )
 from spyre_serve.models.threads import use_every_core
 from spyre_serve.models.weights import compute_code, resolve_compute_dtype
@@ -150,7 +149,7 @@ def op_swiglu(f32, i32, i64, u16, t):
 def op_gather_rows(f32, i32, i64, u16, t):
     # out, x, rows | R, T, H
     r, n, h = t[3], t[4], t[5]
-    _gather_rows(f32_at(f32, t[0], r * h).reshape(r, h), f32_at(f32, t[1], n * h).reshape(n, h),
+    gather_rows(f32_at(f32, t[0], r * h).reshape(r, h), f32_at(f32, t[1], n * h).reshape(n, h),
                  i32_at(i32, t[2], r))
 
 

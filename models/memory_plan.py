@@ -65,7 +65,7 @@ class StepMemory:
         try:
             self.workspace = self._alloc(self.workspace_placement.nbytes, zero=True)
             self.inputs = self._alloc(INPUTS.place(cap.input_dims()).nbytes)
-            out_bytes = OUTPUTS.place({"S": cap.smax, "K": KMAX}).nbytes
+            out_bytes = OUTPUTS.place({"S": cap.smax, "K": KMAX, "P": cap.smax, "H": cfg.hidden_size}).nbytes
             self.outputs = [self._alloc(out_bytes, zero=True) for _ in range(2)]
             self.kv = KVCache(card, cfg, block_size, num_kv_blocks, kv_cache_fraction,
                               kv_cache_dtype)

@@ -26,6 +26,7 @@ import numpy as np
 
 from spyre_serve.device import Card, DeviceTensor, LaunchHandle
 from spyre_serve.device.isa import current
+from spyre_serve.device.kernels.pooling import POOLING_TYPES
 from spyre_serve.device.profile import ticks_per_second
 from spyre_serve.models.buffer_layout import Placement, length_slot
 from spyre_serve.models.kv_cache import resolve_dtype as resolve_kv_dtype
@@ -34,7 +35,7 @@ from spyre_serve.models.penalty_slots import PenaltySlots
 from spyre_serve.models.programs import StepPrograms, bucket, buckets
 from spyre_serve.models.prompt_logprobs import PromptLogprobs
 from spyre_serve.models.step_inputs import PackedStep, StepLimits, check_work, mask_words, pack_step
-from spyre_serve.models.step_io import SeqWork, StepOutput
+from spyre_serve.models.step_io import SeqWork, SeqWorkError, StepOutput
 from spyre_serve.models.step_program import TIMERS
 from spyre_serve.models.threads import use_every_core
 from spyre_serve.models.weights import compute_code, resolve_compute_dtype
@@ -83,7 +84,11 @@ class ModelRunner:
                  block_size: int = 64, num_kv_blocks: int | None = None,
                  kv_cache_fraction: float = 0.9, max_model_len: int | None = None,
                  seed: int | None = None, compute_dtype: str = "auto",
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", pooling: tuple[str, bool] | None = None):
+        """`pooling`: (type, normalize) serves embeddings instead of generating (`--runner
+        pooling`): each work item is a whole prompt (`SeqWork.pool`), and the step returns its
+        rows pooled (device.kernels.pooling: LAST, MEAN or CLS) in `StepOutput.pooled`; a
+        context never exceeds one step's tokens."""
         cfg = model.config
         self.compute_dtype = resolve_compute_dtype(compute_dtype, model.weights)
         self.kv_cache_dtype = resolve_kv_dtype(kv_cache_dtype, self.compute_dtype)
@@ -103,6 +108,10 @@ class ModelRunner:
         self.t_buckets = buckets(max_num_batched_tokens)
         self.s_buckets = buckets(max_num_seqs)
         want_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
+        self.pooling = pooling
+        self.pooling_type, self.normalize = pooling if pooling else (None, False)
+        if pooling:                          # a prompt is pooled from one step's rows
+            want_len = min(want_len, max_num_batched_tokens)
         tmax, smax = self.t_buckets[-1], self.s_buckets[-1]
         cap = Capacity(tmax=tmax, smax=smax, rmax=tmax + smax, mbmax=-(-want_len // block_size),
                        nban_max=smax * cfg.vocab_size,
@@ -150,6 +159,8 @@ class ModelRunner:
             "L": cfg.num_hidden_layers, "NBT": self.kv.num_blocks + 1, "BS": self.block_size,
             "EMBED_FMT": w.embed.fmt, "LM_HEAD_FMT": w.lm_head.fmt,
             "CFMT": compute_code(self.compute_dtype), "KV_FMT": self.kv.fmt,
+            "POOL": 1 + POOLING_TYPES[self.pooling_type] if self.pooling else 0,
+            "POOL_NORM": int(self.normalize),
             "embed": w.embed.tensor, "norm": w.norm, "lm_head": w.lm_head.tensor,
             "inv_freq": w.inv_freq, "consts": w.consts, "layers": self.memory.layer_table,
             "timers": 0, length_slot("timers"): 0,            # timing off (see `profile`)
@@ -186,6 +197,11 @@ class ModelRunner:
     def launch(self, work: list[SeqWork], return_logits: bool = False) -> StepHandle:
         """Launch one step for `work`; returns at once. Results come from `handle.result()`."""
         n_tok = check_work(work, self.limits, self._last_rows)
+        wrong = {w.seq_id: f"seq {w.seq_id}: pool={w.pool} from position {w.start_pos} on a runner "
+                 f"that {'pools whole prompts' if self.pooling else 'generates'}"
+                 for w in work if w.pool != bool(self.pooling) or (w.pool and w.start_pos)}
+        if wrong:
+            raise SeqWorkError(wrong)
         pen_slots = self._pen_slots.assign(work)
         t = bucket(self.t_buckets, n_tok)
         s = bucket(self.s_buckets, len(work))
@@ -200,7 +216,8 @@ class ModelRunner:
         dims = packed.dims
         stream.copy_h2d(mem.inputs_prefix(packed.placement.nbytes), packed.host)
         out_dev = mem.outputs[self._launches & 1]
-        outputs = mem.outputs_layout.place({"S": s, "K": dims["K"]})
+        outputs = mem.outputs_layout.place({"S": s, "K": dims["K"], "P": s if self.pooling else 0,
+                                            "H": self.config.hidden_size})
         out = np.empty(outputs.nbytes, np.uint8)
         readback = [(out, DeviceTensor(out_dev.address, (outputs.nbytes,), np.uint8, self.card))]
         lsm = logits = None
@@ -278,6 +295,9 @@ def step_output(step: _Launched, prompt_logprobs: PromptLogprobs) -> StepOutput:
     out = StepOutput(seq_ids=p.sample_seq_ids, token_ids=v["sampled"][:ns].copy(),
                      logprobs=v["logprob"][:ns].copy(), top_ids=v["top_ids"][:ns].copy(),
                      top_logprobs=v["top_logprobs"][:ns].copy())
+    if "pooled" in v and v["pooled"].shape[0]:       # a pooling runner: every item, in order
+        out.seq_ids = [w.seq_id for w in step.work]
+        out.pooled = v["pooled"][:len(step.work)].copy()
     if step.lsm is None:
         return out
     s = p.dims["S"]

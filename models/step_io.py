@@ -113,6 +113,8 @@ class SeqWork:                    # one sequence's share of a step
     token_mask: np.ndarray | None = None        # int32[ceil(V/32)]: the only tokens this step's
                                                 # sample may pick (a grammar's bitmask, bit t%32
                                                 # of word t//32), or None
+    pool: bool = False            # an embedding: the whole prompt in this chunk, pooled (a
+                                  # pooling runner's work; it samples nothing)
 
 
 @dataclass
@@ -128,4 +130,5 @@ class StepOutput:
     # by the previous chunk's last row, so results must be read in launch order), its top-K,
     # and its rank (models/prompt_logprobs.py `of_chunk`).
     logits: dict | None = None    # seq_id -> float32[n, V] of every row, when launch(return_logits=True)
+    pooled: np.ndarray | None = None   # a pooling runner's: float32[S, H], one row per seq_ids entry
 

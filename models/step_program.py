@@ -12,6 +12,7 @@ A step (T token rows, S sequences, R logit rows, NS of them sampling):
     per layer: rmsnorm, qkv = h @ Wqkv, split, rope(q, k), write_kv, paged attention,
                x += res * (attn @ Wo), rmsnorm, gu = h @ Wgu, swiglu, x += res * (act @ Wdown)
     hsel[R, H] = rmsnorm(x[logit_rows]);   logits[R, V] = hsel @ lm_head / logits_scaling
+    (a pooling runner, POOL > 0, instead: pooled[S, H] = each sequence's rows of rmsnorm(x) pooled)
     count each penalized sequence's tokens into its slot of the penalty tables (on the card)
     sample rows 0..NS-1 (logit bias, penalties, bans, grammar mask, temperature, top-k/p,
     min-p, seeded draw) with the
@@ -42,9 +43,10 @@ from spyre_serve.device.abi import f32_at, i32_at, i64_at, u16_at
 from spyre_serve.device.kernels.activation import swiglu
 from spyre_serve.device.kernels.attention import paged_attention, write_kv
 from spyre_serve.device.kernels.formats import FMT_F32
-from spyre_serve.device.kernels.gather import gather_columns_at
+from spyre_serve.device.kernels.gather import gather_columns_at, gather_rows
 from spyre_serve.device.kernels.gemm import gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
+from spyre_serve.device.kernels.pooling import pool_rows
 from spyre_serve.device.kernels.residual import residual_add
 from spyre_serve.device.kernels.rope import rope_tables, split_rope
 from spyre_serve.device.kernels.sampling import count_tokens, sample_rows
@@ -118,6 +120,7 @@ OUTPUTS = Layout("outputs", [
     Field("logprob", F32, ("S",)),              # of the sampled id, raw distribution
     Field("top_ids", I32, ("S", "K")),
     Field("top_logprobs", F32, ("S", "K")),
+    Field("pooled", F32, ("P", "H")),           # a pooling runner's (P = S; else 0) vectors
 ])
 
 # The step's activations, placed once for the largest bucket and shared by every bucket
@@ -157,6 +160,8 @@ SLOTS = [
     # step shapes
     ("T", "dim"), ("S", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
     ("NBAN", "dim"), ("NMW", "dim"), ("NBIAS", "dim"),
+    # pooling (embedding models): 0 generates, else 1 + device.kernels.pooling.POOL_*; unit norm
+    ("POOL", "dim"), ("POOL_NORM", "dim"),
     # model shapes
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
     ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
@@ -205,15 +210,6 @@ def _i32(i32, table, slot, n):
 def _sample_rows(i64, table, n):
     """SAMPLE_ROW[n] view of the sample_rows field."""
     return i64_at(i64, _bounded(table, Slot.sample_rows, n), n * _ROW_WORDS).view(_ROW_DTYPE)
-
-
-@njit(nogil=True, cache=True)
-def _gather_rows(out, x, rows):
-    # out [R, H] <- x [T, H] rows
-    for r in range(rows.shape[0]):
-        src = rows[r]
-        for j in range(x.shape[1]):
-            out[r, j] = x[src, j]
 
 
 @njit(nogil=True, cache=True)
@@ -368,9 +364,14 @@ def step_entry(f32, i32, i64, u16, table):
         residual_add(x, y, res_mult)
         t = lap(timers, K_RESIDUAL, t)
 
-    # ---- logits only for the rows that need them
     norm = f32_at(f32, table[Slot.norm], H)
-    _gather_rows(hsel, x, logit_rows)
+    if table[Slot.POOL] > 0:             # an embedding model: each sequence's pooled rows
+        rmsnorm(hbuf, x, norm, eps)
+        pool_rows(_f32(f32, table, Slot.pooled, S * H).reshape(S, H), hbuf, query_start,
+                  table[Slot.POOL] - 1, table[Slot.POOL_NORM])
+        return
+    # ---- logits only for the rows that need them
+    gather_rows(hsel, x, logit_rows)
     rmsnorm(hn, hsel, norm, eps)
     gemm_at(logits, hn, f32, u16, table[Slot.lm_head], H, V, table[Slot.LM_HEAD_FMT], cfmt)
     lf = logits.reshape(R * V)

@@ -119,3 +119,12 @@ def gather_columns_at(out, f32, u16, address, cols, scale, k, n, fmt):
         gather_columns(out, u8_at(u16, address, size), cols, scale, k, n, fmt)
     else:
         gather_columns(out, u16_at(u16, address, size), cols, scale, k, n, fmt)
+
+
+@njit(nogil=True, cache=True)
+def gather_rows(out, x, rows):
+    """out[R, H] <- the rows `rows` of x[T, H]."""
+    for r in range(rows.shape[0]):
+        src = rows[r]
+        for j in range(x.shape[1]):
+            out[r, j] = x[src, j]
