@@ -11,6 +11,8 @@ from pathlib import Path
 from spyre_serve.device import Card
 from spyre_serve.models.checkpoint import load_checkpoint
 from spyre_serve.models.config import GraniteConfig
+from spyre_serve.models.encoder_config import is_encoder_config
+from spyre_serve.models.encoder_weights import load_encoder
 from spyre_serve.models.gguf import is_gguf_file, load_gguf_checkpoint
 from spyre_serve.models.gguf_tokenizer import load_gguf_tokenizer
 from spyre_serve.models.profiles import model_names, resolve_model
@@ -42,6 +44,8 @@ def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = Tr
     benchmarks/numerics.py uses to see where an error grows)."""
     name = os.fspath(path_or_name)
     path = resolve_model(name)
+    if is_encoder_config(path):        # a RoBERTa-family encoder (models/encoder_weights.py)
+        return load_encoder(path, card, tokenizer, dtype, quantization, num_layers, name)
     gguf = is_gguf_file(path)   # a GGUF file: tokenizer from its metadata
     if gguf and quantization:
         raise ValueError(f"--quantization {quantization} applies to a float checkpoint; the GGUF "
