@@ -17,7 +17,7 @@ from functools import partial
 from fastapi import APIRouter, Request
 
 from spyre_serve.server.engine import SeqUpdate
-from spyre_serve.server.openai.bridge import Choice
+from spyre_serve.server.openai.bridge import Choice, Submission
 from spyre_serve.server.openai.errors import APIError
 from spyre_serve.server.openai.logprobs import TokenTexts, chat_logprobs
 from spyre_serve.server.openai.openapi import GENERATION_ERRORS, route
@@ -27,8 +27,9 @@ from spyre_serve.server.openai.request_id import request_ids
 from spyre_serve.server.openai.response import encoded, full_response, new_head, stream_response
 from spyre_serve.server.openai.responses import GENERATION_RESPONSES
 from spyre_serve.server.openai.sampling import generation_params
-from spyre_serve.server.openai.serving import serving_of
+from spyre_serve.server.openai.serving import Serving, serving_of
 from spyre_serve.server.openai.tools import ToolRequest, chat_structure, tool_choices
+from spyre_serve.server.structured import GrammarSpec
 
 router = APIRouter()
 
@@ -40,28 +41,11 @@ async def create_chat_completion(request: Request):
     response_id, engine_id = request_ids(request, "chatcmpl")
     serving.check_admission(1)          # before the body is read: a full queue costs nothing
     req = await serving.read(request, ChatCompletionRequest)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    serving.check_limits(req)
-    serving.check_text_fits(["".join(message_texts(req.messages))], "messages", req.truncate_prompt_tokens)
-    tools = ToolRequest.of(req)
-    if tools is not None:
-        await serving.blocking("checking the tools' JSON schemas", "tools", tools.check_schemas)
-    [ids] = await serving.prompt_ids("rendering the chat template for these messages", "messages",
-                                     chat_prompts, serving.tokenizer, req.messages, req.add_generation_prompt,
-                                     req.chat_template_kwargs, req.add_special_tokens,
-                                     tools.template_tools if tools is not None else None,
-                                     truncate=req.truncate_prompt_tokens)
-    max_tokens = serving.max_tokens(req.output_limit, [ids])
-    k = (req.top_logprobs or 0) if req.logprobs else None  # top alternatives per token; None: no logprobs
-    params = generation_params(req, max_tokens, k, prompt_logprobs=False, vocab_size=serving.vocab_size,
-                               defaults=serving.defaults)
-    await chat_structure(serving, req, tools, params)
-    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    sub, tools = await start_chat(serving, req, engine_id)
+    k = top_logprobs(req)
     finished, streamed = tool_choices(tools, finished_choice, streamed_choice)
     head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name,
                     serving.fingerprint, response_id)
-    sub = serving.start(engine_id, [ids], params, {"prompt": "messages", "max_tokens": limit_param})
     role = reply_role(req)
     echo = echoed(req, role)
     if req.stream:
@@ -69,6 +53,41 @@ async def create_chat_completion(request: Request):
                                opening_choices(len(sub.choices), role, echo))
     return encoded(await full_response(sub, request.is_disconnected, head,
                                        partial(finished, serving.texts, k, role, echo)))
+
+
+async def start_chat(serving: Serving, req: ChatCompletionRequest, engine_id: str, input_param: str = "messages",
+                     limit_param: str | None = None,
+                     found: tuple[GrammarSpec, str] | None = None) -> tuple[Submission, ToolRequest | None]:
+    """A chat's submission and its tools (None without): the request checked against the caps,
+    its messages rendered by the chat template and tokenized, its choices' parameters (its
+    grammar: a forced tool call's, or ``found`` when the caller read the structured output
+    itself, else the request's fields), then started. The errors name ``input_param`` for the
+    messages and ``limit_param`` for the output limit (the Responses API's ``input`` and
+    ``max_output_tokens``)."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    serving.check_limits(req)
+    serving.check_text_fits(["".join(message_texts(req.messages))], input_param, req.truncate_prompt_tokens)
+    tools = ToolRequest.of(req)
+    if tools is not None:
+        await serving.blocking("checking the tools' JSON schemas", "tools", tools.check_schemas)
+    [ids] = await serving.prompt_ids("rendering the chat template for these messages", input_param,
+                                     chat_prompts, serving.tokenizer, req.messages, req.add_generation_prompt,
+                                     req.chat_template_kwargs, req.add_special_tokens,
+                                     tools.template_tools if tools is not None else None,
+                                     truncate=req.truncate_prompt_tokens)
+    max_tokens = serving.max_tokens(req.output_limit, [ids])
+    params = generation_params(req, max_tokens, top_logprobs(req), prompt_logprobs=False,
+                               vocab_size=serving.vocab_size, defaults=serving.defaults)
+    await chat_structure(serving, req, tools, params, found)
+    if limit_param is None:
+        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return serving.start(engine_id, [ids], params, {"prompt": input_param, "max_tokens": limit_param}), tools
+
+
+def top_logprobs(req: ChatCompletionRequest) -> int | None:
+    """How many top alternatives each token's logprobs list; None: no logprobs."""
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def message_texts(messages) -> list[str]:

@@ -37,9 +37,10 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 NESTED_FIELDS: tuple[str, ...] = ()
 
 
-def refuse_unless_neutral(v, info):
-    """Refuse a value of an ``UNSUPPORTED`` field other than its neutral ones."""
-    neutral, what = UNSUPPORTED[info.field_name]
+def refuse_unless_neutral(v, info, table: dict[str, tuple[tuple, str]] = UNSUPPORTED):
+    """Refuse a value of an ``UNSUPPORTED`` field (or of ``table``'s, a body's own such
+    fields) other than its neutral ones."""
+    neutral, what = table[info.field_name]
     if any(v == n and type(v) is type(n) for n in neutral):
         return v
     shown = [json.dumps(n) for n in neutral if n is not None]
@@ -58,9 +59,10 @@ def range_schema(name: str) -> Any:
     return schema(**{"minimum" if low_included else "exclusiveMinimum": low, "maximum": high})
 
 
-def neutral(name: str) -> Any:
-    """The JSON schema of an ``UNSUPPORTED`` field: only its neutral values (null = left out)."""
-    values, what = UNSUPPORTED[name]
+def neutral(name: str, table: dict[str, tuple[tuple, str]] = UNSUPPORTED) -> Any:
+    """The JSON schema of an ``UNSUPPORTED`` field (or of ``table``'s): only its neutral
+    values (null = left out)."""
+    values, what = table[name]
 
     def only_neutral(field_schema: dict) -> None:
         field_schema.clear()
@@ -85,6 +87,12 @@ def _integral(v):
 
 
 Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+def integer_at_least(low: int) -> Any:
+    """An ``Integer`` of at least ``low``: pydantic checks the bound (its own message) and
+    writes it into the JSON schema as ``minimum``."""
+    return Annotated[StrictInt, Field(ge=low), BeforeValidator(_integral)]
 # A token id: below the vocabulary's size, which the OpenAPI document writes in.
 TokenId = Annotated[Integer, schema(minimum=0, **served(maximum="last_token_id"))]
 

@@ -54,12 +54,17 @@ def schemas_of(req: SamplingRequest) -> list[tuple[str, object]]:
     return out
 
 
+def check_schema_size(schema, param: str, s: Settings) -> None:
+    """400 naming ``param`` for a JSON schema over ``--max-schema-bytes``."""
+    if json_over(schema, s.max_schema_bytes):
+        raise APIError(400, f"{param}: the JSON schema is over {s.max_schema_bytes} bytes "
+                            f"(--max-schema-bytes)", param)
+
+
 def check_sizes(req: SamplingRequest, s: Settings) -> None:
     """400 for a JSON schema or a tools list over its cap."""
     for param, schema in schemas_of(req):
-        if json_over(schema, s.max_schema_bytes):
-            raise APIError(400, f"{param}: the JSON schema is over {s.max_schema_bytes} bytes "
-                                f"(--max-schema-bytes)", param)
+        check_schema_size(schema, param, s)
     tools = req.tools or []
     if len(tools) > s.max_tools:
         raise APIError(400, f"tools lists {len(tools)} functions, the limit is {s.max_tools} (--max-tools)", "tools")

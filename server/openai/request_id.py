@@ -19,16 +19,17 @@ HEADER = "X-Request-Id"
 MAX_LENGTH = 256  # characters of a client's id: it goes into every log line of the request
 
 
-def request_ids(request: Request, prefix: str) -> tuple[str, str]:
-    """(the response's id, the engine's id) of a generation; 400 for an id that is empty,
-    over ``MAX_LENGTH`` or not printable."""
+def request_ids(request: Request, prefix: str, sep: str = "-") -> tuple[str, str]:
+    """(the response's id, the engine's id) of a generation: ``<prefix><sep><id>`` (the
+    Responses API's ``resp_<id>``); 400 for an id that is empty, over ``MAX_LENGTH`` or not
+    printable."""
     given = request.headers.get(HEADER)
     if given is None:
-        response_id = engine_id = f"{prefix}-{uuid.uuid4().hex}"
+        response_id = engine_id = f"{prefix}{sep}{uuid.uuid4().hex}"
     else:
         if not (0 < len(given) <= MAX_LENGTH and given.isprintable()):
             raise APIError(400, f"the {HEADER} header must be 1 to {MAX_LENGTH} printable characters", HEADER)
-        response_id = f"{prefix}-{given}"
+        response_id = f"{prefix}{sep}{given}"
         engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
     request.state.request_id = response_id
     return response_id, engine_id

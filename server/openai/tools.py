@@ -346,11 +346,14 @@ def tool_choices(tools: ToolRequest | None, finished, streamed):
     return finished_with_calls, streamed_with_calls
 
 
-async def chat_structure(serving, req, tools: ToolRequest | None, params: list) -> list:
-    """A chat request's grammar (a forced tool call's, or its structured-output fields') and
-    logit bias into its choices' params; a 400 for both a forced call and a response format."""
+async def chat_structure(serving, req, tools: ToolRequest | None, params: list,
+                         found: tuple[GrammarSpec, str] | None = None) -> list:
+    """A chat request's grammar (a forced tool call's, or its structured output: ``found``, the
+    spec and its field when the caller read it from a field of its own, else the request's
+    structured-output fields') and logit bias into its choices' params; a 400 for both a
+    forced call and a response format."""
     spec = tools.grammar_spec() if tools is not None else None
-    found = structured.grammar_spec(req)
+    found = found if found is not None else structured.grammar_spec(req)
     if spec is not None and found is not None:
         raise APIError(400, f"tool_choice {tools.choice!r} constrains the reply to tool calls: leave "
                             f"{found[1]} out", found[1])
