@@ -199,6 +199,10 @@ class Settings:
                                   "guided_json, structured_outputs), as JSON text", parse_size)
     max_tools: int = _flag(128, "most functions in a chat's tools", int)
     max_tools_bytes: int = _flag(131072, "largest tools list of a chat, as JSON text", parse_size)
+    max_stored_responses: int = _flag(1000, "most responses the Responses API keeps (store: true, its "
+                                      "default) for GET /v1/responses/ID and previous_response_id, in "
+                                      "this API process's memory; the oldest is dropped first; 0 keeps "
+                                      "none", int)
     max_stop_strings: int = _flag(32, "most stop strings in one request", int)
     max_stop_length: int = _flag(256, "longest stop string, in characters", int)
     max_stop_token_ids: int = _flag(64, "most stop_token_ids in one request", int)

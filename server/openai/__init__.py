@@ -12,6 +12,8 @@
 - ``bridge``: engine thread -> event loop (``Submission``, ``collect``);
 - ``response``: one JSON body or a stream; ``sse``: the stream's events;
   ``logprobs``: logprobs as each API writes them;
-- endpoints: ``completions``, ``chat``, ``tokenization`` (/tokenize, /detokenize),
+- endpoints: ``completions``, ``chat``, ``responses_api`` (/v1/responses, made as a chat:
+  ``responses_request`` its body, ``responses_output`` the response and its events,
+  ``responses_store`` the stored ones), ``tokenization`` (/tokenize, /detokenize),
   ``status`` (/v1/models, /health, /ping, /version, /metrics).
 """

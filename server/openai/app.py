@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 
 from spyre_serve.server.engine import Engine
-from spyre_serve.server.openai import chat, completions, status, tokenization
+from spyre_serve.server.openai import chat, completions, responses_api, status, tokenization
 from spyre_serve.server.openai.auth import GuardPaths, api_key_guard
 from spyre_serve.server.openai.errors import install_error_handlers
 from spyre_serve.server.openai.openapi import install_openapi, served_values
@@ -25,6 +25,7 @@ from spyre_serve.server.openai.protocol import (
 )
 from spyre_serve.server.openai.request_id import RequestIdMiddleware
 from spyre_serve.server.openai.responses import GENERATION_RESPONSES
+from spyre_serve.server.openai.responses_request import ResponsesRequest
 from spyre_serve.server.openai.serving import Serving
 from spyre_serve.server.settings import Settings
 
@@ -42,12 +43,12 @@ def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastA
         app.add_middleware(GuardPaths, api_key=settings.api_key)
     install_error_handlers(app)
     guarded = [Depends(api_key_guard(settings.api_key))]
-    for module in (completions, chat, tokenization, status):
+    for module in (completions, chat, responses_api, tokenization, status):
         app.include_router(module.router, dependencies=guarded)
     app.include_router(status.open_router)
     serving = app.state.serving
     values = served_values(serving.model_name, serving.vocab_size, settings, free_variables(serving.tokenizer))
     answers = [m for pair in GENERATION_RESPONSES.values() for m in pair]
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, *answers],
-                    values)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                          DetokenizeRequest, *answers], values)
     return app

@@ -47,8 +47,8 @@ def route(model: type[BaseModel], statuses: tuple[int, ...], streams: bool = Fal
                           "content": {"application/json": body, "text/event-stream": chunk}}
         extra["parameters"] = [{"name": HEADER, "in": "header", "required": False,
                                 "schema": {"type": "string", "minLength": 1, "maxLength": MAX_LENGTH},
-                                "description": "the request's id (vLLM's): the answer's id is `cmpl-<id>` or "
-                                               "`chatcmpl-<id>`, and the response carries the header back"}]
+                                "description": "the request's id (vLLM's): the answer's id is `cmpl-<id>`, "
+                                               "`chatcmpl-<id>` or `resp_<id>`, and the response carries the header back"}]
     return {"openapi_extra": extra, "responses": responses}
 
 

@@ -8,9 +8,9 @@ token); these models are the declaration those dicts keep to, not a conversion s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 
 class Declared(BaseModel):
@@ -133,6 +133,133 @@ class CompletionChunk(CompletionResponse):
     """A stream's chunk: the body's shape (one choice's new text per chunk)."""
 
 
-# what each generation endpoint answers: (the JSON body, a stream's chunk)
+# ---- the Responses API (/v1/responses: responses_api.py) ------------------------------------
+
+class OutputText(Declared):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class OutputMessage(Declared):
+    type: Literal["message"]
+    id: str
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(Declared):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+
+
+class ResponsesUsage(Declared):
+    input_tokens: int
+    input_tokens_details: dict[Literal["cached_tokens", "cache_write_tokens"], int]
+    output_tokens: int
+    output_tokens_details: dict[Literal["reasoning_tokens"], int]
+    total_tokens: int
+
+
+class ResponsesResponse(Declared):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: dict[Literal["reason"], Literal["max_output_tokens"]] | None
+    error: None
+    output: list[OutputItem]
+    usage: ResponsesUsage | None  # None while in progress
+    instructions: str | None
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    temperature: float
+    top_p: float
+    tools: list[dict[str, Any]]
+    tool_choice: Literal["none", "auto", "required"] | dict[str, str]
+    parallel_tool_calls: bool
+    text: dict[Literal["format"], dict[str, Any]]
+    store: bool
+    metadata: dict[str, str]
+    user: str | None
+    truncation: Literal["disabled"]
+    background: Literal[False]
+
+
+class Event(Declared):
+    sequence_number: int
+
+
+class ResponseLifecycleEvent(Event):
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete"]
+    response: ResponsesResponse
+
+
+class OutputItemEvent(Event):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    output_index: int
+    item: OutputItem
+
+
+class ItemEvent(Event):
+    item_id: str
+    output_index: int
+
+
+class ContentPartEvent(ItemEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    content_index: int
+    part: OutputText
+
+
+class TextDeltaEvent(ItemEvent):
+    type: Literal["response.output_text.delta"]
+    content_index: int
+    delta: str
+    logprobs: list[Any]
+
+
+class TextDoneEvent(ItemEvent):
+    type: Literal["response.output_text.done"]
+    content_index: int
+    text: str
+    logprobs: list[Any]
+
+
+class ArgumentsDeltaEvent(ItemEvent):
+    type: Literal["response.function_call_arguments.delta"]
+    delta: str
+
+
+class ArgumentsDoneEvent(ItemEvent):
+    type: Literal["response.function_call_arguments.done"]
+    arguments: str
+
+
+class ErrorEvent(Event):
+    type: Literal["error"]
+    code: str
+    message: str
+    param: str | None
+
+
+class ResponseStreamEvent(RootModel[Annotated[
+        ResponseLifecycleEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent
+        | ArgumentsDeltaEvent | ArgumentsDoneEvent | ErrorEvent, Field(discriminator="type")]]):
+    """One event of a streamed response (``event: <type>``, its data this)."""
+
+
+# what each generation endpoint answers: (the JSON body, a stream's chunk or event)
 GENERATION_RESPONSES = {"completions": (CompletionResponse, CompletionChunk),
-                        "chat": (ChatCompletionResponse, ChatCompletionChunk)}
+                        "chat": (ChatCompletionResponse, ChatCompletionChunk),
+                        "responses": (ResponsesResponse, ResponseStreamEvent)}

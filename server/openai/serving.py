@@ -2,9 +2,10 @@
 
 One ``Serving`` per app (``app.state.serving``, read with ``serving_of``): the engine, the
 tokenizer (with ``--chat-template`` if given), the name clients use for the model, the
-settings' limits, and the threads that render and tokenize off the event loop
-(``blocking``). A generation endpoint reads its body (``read``, ``check_limits``), gets its
-prompts (``prompt_ids``), builds its parameters, and ``start``s. Its checks refuse a request
+settings' limits, the Responses API's stored responses (``responses_store``), and the
+threads that render and tokenize off the event loop (``blocking``). A generation endpoint
+reads its body (``read``, ``check_limits``), gets its prompts (``prompt_ids``), builds its
+parameters, and ``start``s. Its checks refuse a request
 before the engine sees it, each with the status
 and numbers that say why: an unknown model (404), a request over a cap (``limits``), a
 token id outside the vocabulary, a request that can never fit the context or the KV cache,
@@ -31,6 +32,7 @@ from spyre_serve.server.openai.logprobs import TokenTexts
 from spyre_serve.server.openai.offload import Offload, PoolFull, TimedOut
 from spyre_serve.server.openai.prompts import truncated, with_chat_template
 from spyre_serve.server.openai.protocol import SamplingRequest
+from spyre_serve.server.openai.responses_store import ResponseStore
 from spyre_serve.server.openai.sampling import generation_defaults
 from spyre_serve.server.sequence import GenerationParams
 from spyre_serve.server.settings import Settings
@@ -66,6 +68,7 @@ class Serving:
     texts: TokenTexts = field(init=False)  # token id -> text, for logprobs
     offload: Offload = field(init=False)  # threads for rendering and tokenizing
     grammars: Grammars = field(init=False)  # structured output: compiled grammars (LRU)
+    responses: ResponseStore = field(init=False)  # the Responses API's stored responses (--max-stored-responses)
     fingerprint: str = field(init=False)  # responses' system_fingerprint: the engine's numerics
     longest_token: int | None = field(init=False)  # characters of the vocabulary's longest token
 
@@ -74,6 +77,7 @@ class Serving:
         self.offload = Offload(OFFLOAD_THREADS, self.settings.render_timeout, self.settings.offload_wait)
         self.grammars = Grammars(self.tokenizer, self.vocab_size,
                                  getattr(self.engine, "eos_token_ids", ()))
+        self.responses = ResponseStore(self.settings.max_stored_responses)
         self.fingerprint = f"spyre-serve-{version()}:{self.engine.numerics}"
         self.longest_token = longest_token(self.tokenizer, self.vocab_size)
 

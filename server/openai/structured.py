@@ -30,7 +30,7 @@ from spyre_serve.server.structured import GrammarError, GrammarSpec, json_spec
 LOGIT_BIAS_MAX = 100.0   # vLLM clamps each bias to [-100, 100] (OpenAI's range)
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # where in a field its JSON schema sits, for the messages about it
-SCHEMA_WHERE = {"response_format": "response_format.json_schema.schema"}
+SCHEMA_WHERE = {"response_format": "response_format.json_schema.schema", "text.format": "text.format.schema"}
 
 
 def _schema_of(value, param: str):
