@@ -131,9 +131,10 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
         card.close()
         raise
     cfg = model.config
-    log.info("model %s from %s: %d layers, hidden %d, %d heads (%d KV), vocab %d, stored %s",
-             model.name, model.path, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-             cfg.num_key_value_heads, cfg.vocab_size, model.stored_dtype)
+    log.info("model %s (%s) from %s: %d layers, hidden %d, %d heads (%s KV), vocab %d, stored %s",
+             model.name, cfg.architecture, model.path, cfg.num_hidden_layers, cfg.hidden_size,
+             cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", "no"), cfg.vocab_size,
+             model.stored_dtype)
     runner = _runner(s, model, card)
     log.info("weights on the card: %s (float tensors %s), GEMM inputs in %s, KV cache in %s",
              ", ".join(sorted(model.weights.formats)), model.weights.dtype, runner.compute_dtype,
@@ -177,16 +178,14 @@ def build(s: Settings, progress: bool = True, conn=None) -> Built:
     else:
         loaded = load_engine(s, progress)
     app = create_app(loaded.engine, loaded.model, s, loaded.metrics)
-    loaded.metrics.watch_offload(app.state.serving.offload)
+    loaded.metrics.watch_offload(app.state.serving.offload, app.state.request_counts)
     return Built(app, loaded.engine, loaded.runner, loaded.card, loaded.model, loaded.metrics)
 
 
 def _runner(s: Settings, model, card):
-    from spyre_serve.models import ModelRunner
+    from spyre_serve.server.pooling import make_runner
 
-    return ModelRunner(model, card, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                       block_size=s.block_size, num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len,
-                       compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype)
+    return make_runner(s, model, card)
 
 
 def memory_plan_text(card, model, runner) -> str:

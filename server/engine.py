@@ -86,6 +86,7 @@ class Engine:
         self.num_kv_blocks = runner.num_kv_blocks
         self.max_model_len = runner.max_model_len
         self.numerics = runner.numerics       # what a step computes with (system_fingerprint)
+        self.pooling = runner.pooling         # (type, normalize) of an embedding model, or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.card = card
@@ -113,8 +114,7 @@ class Engine:
         self._requests = self._open.by_id  # taken from the inbox, not answered in full
         self._outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
                                         lambda: self.observer, self._requests)
-        self.accepting = True  # false while draining for shutdown
-        self._failures = StepFailures()
+        self.accepting, self._failures = True, StepFailures()  # accepting: false while draining
         self.on_flush: Callable[[], None] | None = None  # after each iteration's updates (engine_process.py)
         self._fault = fault  # a test's injected fault (server/watchdog.py), None when serving
         # published by the engine thread: (running, waiting) requests, waiting sequences
@@ -344,6 +344,9 @@ class Engine:
                 if stop is not None:
                     self._open.finish_seq(seq, *stop)
                 num_new_tokens += 1
+            elif seq.params.pooling and seq.seq_id in row and not seq.is_finished:
+                self._outputs.on_pooled(seq, out, row[seq.seq_id], now)
+                self._open.finish_seq(seq, "stop")
             elif seq.params.max_tokens == 0 and c.start + c.num_new >= seq.num_prompt:
                 if not seq.is_finished:
                     self._open.finish_seq(seq, "length")

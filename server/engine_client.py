@@ -58,6 +58,7 @@ class EngineClient:
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids
         self.numerics = info.numerics
+        self.pooling = info.pooling
         self.accepting = True   # false while draining for shutdown
         self.error: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None

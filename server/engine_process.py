@@ -53,6 +53,7 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     numerics: str
+    pooling: tuple[str, bool] | None = None   # an embedding model's (type, normalize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +279,7 @@ def main(settings, conns: list[Connection]) -> None:
     engine, model, runner = loaded.engine, loaded.model, loaded.runner
     info = EngineInfo(model.name, str(model.path), model.config, model.stored_dtype, engine.max_model_len,
                       engine.num_kv_blocks, engine.block_size, engine.vocab_size,
-                      tuple(engine.eos_token_ids), engine.numerics)
+                      tuple(engine.eos_token_ids), engine.numerics, engine.pooling)
     from spyre_serve.server.structured import Grammars, serve_grammars
 
     serve_grammars(Grammars(model.tokenizer, engine.vocab_size, engine.eos_token_ids))

@@ -42,6 +42,7 @@ class Metrics(EngineObserver):
         self.compiles_at_ready = compiles_at_ready
         self.engine: Engine | None = None
         self.offload = None   # the API's worker threads (server/openai/offload.py), once watched
+        self.requests = None  # the API's request counts (server/openai/request_counts.py), once watched
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
@@ -84,9 +85,10 @@ class Metrics(EngineObserver):
             raise ValueError("Metrics.watch: build the engine with observer=metrics first")
         self.engine = engine
 
-    def watch_offload(self, offload) -> None:
-        """Report `offload`'s pool (an ``Offload``: stats()) in the gauges too."""
-        self.offload = offload
+    def watch_offload(self, offload, requests=None) -> None:
+        """Report `offload`'s pool (an ``Offload``: stats()) in the gauges too, and `requests`
+        (a ``RequestCounts``) when given."""
+        self.offload, self.requests = offload, requests
 
     # ---- EngineObserver (engine thread) ----
     def on_scheduled(self, queue_seconds: float, num_prompt_tokens: int) -> None:
@@ -127,13 +129,13 @@ class ApiMetrics:
     def __init__(self, client, model_name: str) -> None:
         self.client = client
         self.model_name = model_name
-        self.offload = None
+        self.offload = self.requests = None
         self.engine_down = False   # the engine process did not answer the scrape being rendered
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_ApiCollector(self))
 
-    def watch_offload(self, offload) -> None:
-        self.offload = offload
+    def watch_offload(self, offload, requests=None) -> None:
+        self.offload, self.requests = offload, requests
 
     async def render_async(self) -> tuple[bytes, str]:
         engine = await self.client.metrics_text()
@@ -155,11 +157,14 @@ class _ApiCollector:
             alive = GaugeMetricFamily("spyre_engine_alive", ENGINE_ALIVE_HELP, labels=["model_name"])
             alive.add_metric([self.m.model_name], 0.0)
             yield alive
-        yield from offload_families(self.m.model_name, self.m.offload)
+        yield from offload_families(self.m.model_name, self.m.offload, self.m.requests)
 
 
-def offload_families(model_name: str, offload):
-    """The gauges of the API's worker threads (``server/openai/offload.py``); none without them."""
+def offload_families(model_name: str, offload, requests=None):
+    """The gauges of the API's worker threads (``server/openai/offload.py``; none without them)
+    and its request counts (``server/openai/request_counts.py``)."""
+    if requests is not None:
+        yield from requests.families(model_name)
     if offload is None:
         return
     pool = offload.stats()
@@ -231,7 +236,7 @@ class _LiveCollector:
                 yield gauge("spyre_runner_held_sequences", "Sequences the model runner keeps state for "
                             "between steps (prompt-logprob rows, penalty slots); 0 when idle.",
                             float(sum(held().values())))
-        yield from offload_families(m.model_name, m.offload)
+        yield from offload_families(m.model_name, m.offload, m.requests)
         from spyre_serve.device.isa import current
 
         kernel_isa = current()

@@ -1,7 +1,8 @@
 """The text and stop state of each sequence, kept by one object (vLLM v1's OutputProcessor):
 the scheduler owns a sequence's tokens and blocks, this its detokenizer, grammar matcher,
 logprobs and timing. The engine calls `start` when a sequence arrives and `on_token` for every
-token the scheduler has appended; `on_token` returns why the sequence stops, or None.
+token the scheduler has appended; `on_token` returns why the sequence stops, or None; `on_pooled`
+keeps an embedding's vector.
 """
 
 from __future__ import annotations
@@ -45,3 +46,9 @@ class OutputProcessor:
         if seq.matcher is not None and stop is None:
             stop = grammar_stop(seq, token)
         return stop
+
+    def on_pooled(self, seq: Sequence, out, i: int, now: float) -> None:
+        """``seq``'s whole prompt was pooled into ``out``'s row ``i`` (an embedding): keep it, timed
+        as a first token."""
+        time_token(self._observer(), self._requests[seq.request_id], seq, now)
+        seq.embedding = out.pooled[i].copy()

@@ -22,6 +22,7 @@ class SeqUpdate:
     stop_reason: int | str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, for echo + logprobs
     error: str | None = None
+    embedding: object | None = None  # float32[H]: an embedding request's vector, with its finish
 
 
 def error_update(index: int, message: str) -> SeqUpdate:
@@ -75,4 +76,5 @@ def take_update(seq: Sequence) -> SeqUpdate | None:
         stop_reason=seq.stop_reason if seq.is_finished else None,
         prompt_logprobs=prompt_lps,
         error=seq.error,
+        embedding=seq.embedding if seq.is_finished else None,
     )

@@ -291,6 +291,8 @@ class Scheduler:
                     self._preempt(seq)
                     continue
                 num_new = min(want, room)
+                if seq.params.pooling and num_new < remaining:
+                    continue  # an embedding is pooled from one step: its whole prompt or nothing
                 scored -= num_new if scores else 0
                 chunks.append(self._take(seq, num_new, sample and num_new == remaining))
                 done.add(seq.seq_id)
@@ -313,7 +315,8 @@ class Scheduler:
                 break
             scores = self._scores(seq)
             num_new = min(remaining, budget, scored if scores else budget)
-            if num_new == 0 or not self.blocks.can_share(seq, hit, start + num_new):
+            if num_new == 0 or (seq.params.pooling and num_new < remaining) or \
+                    not self.blocks.can_share(seq, hit, start + num_new):
                 break
             self.waiting.popleft()
             if hit:
@@ -339,7 +342,7 @@ class Scheduler:
         remaining = target - seq.num_computed
         room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - seq.num_computed
         num_new = min(remaining, self.max_num_batched_tokens, room)
-        if num_new <= 0:
+        if num_new <= 0 or (seq.params.pooling and num_new < remaining):
             return []
         return [self._take(seq, num_new, sample and num_new == remaining)]
 

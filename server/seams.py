@@ -33,6 +33,7 @@ class StepRunner(Protocol):
     max_model_len: int
     t_buckets: list[int] | None   # the token counts a step is padded to (None: any)
     numerics: str                 # what a step computes with (responses' system_fingerprint)
+    pooling: tuple[str, bool] | None   # (type, normalize): an embedding model pools, else None
 
     def launch(self, work: list[SeqWork]) -> PendingStep: ...
 

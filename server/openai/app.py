@@ -12,10 +12,18 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 
 from spyre_serve.server.engine import Engine
-from spyre_serve.server.openai import chat, completions, responses_api, status, tokenization
+from spyre_serve.server.openai import (
+    chat,
+    completions,
+    embeddings,
+    responses_api,
+    status,
+    tokenization,
+)
 from spyre_serve.server.openai.auth import GuardPaths, api_key_guard
 from spyre_serve.server.openai.errors import install_error_handlers
 from spyre_serve.server.openai.openapi import install_openapi, served_values
+from spyre_serve.server.openai.pooling_protocol import EmbeddingRequest, ScoreRequest
 from spyre_serve.server.openai.prompts import free_variables
 from spyre_serve.server.openai.protocol import (
     ChatCompletionRequest,
@@ -23,6 +31,7 @@ from spyre_serve.server.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from spyre_serve.server.openai.request_counts import CountRequests, RequestCounts
 from spyre_serve.server.openai.request_id import RequestIdMiddleware
 from spyre_serve.server.openai.responses import GENERATION_RESPONSES
 from spyre_serve.server.openai.responses_request import ResponsesRequest
@@ -39,16 +48,19 @@ def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastA
     app.state.serving = Serving.for_model(engine, model, settings)
     app.state.metrics = metrics
     app.add_middleware(RequestIdMiddleware)
+    app.state.request_counts = RequestCounts()     # spyre_api_requests_total in /metrics
+    app.add_middleware(CountRequests, counts=app.state.request_counts)
     if settings.api_key is not None and settings.guard_metrics_and_docs:
         app.add_middleware(GuardPaths, api_key=settings.api_key)
     install_error_handlers(app)
     guarded = [Depends(api_key_guard(settings.api_key))]
-    for module in (completions, chat, responses_api, tokenization, status):
+    for module in (completions, chat, responses_api, embeddings, tokenization, status):
         app.include_router(module.router, dependencies=guarded)
     app.include_router(status.open_router)
     serving = app.state.serving
     values = served_values(serving.model_name, serving.vocab_size, settings, free_variables(serving.tokenizer))
     answers = [m for pair in GENERATION_RESPONSES.values() for m in pair]
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
-                          DetokenizeRequest, *answers], values)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest, ScoreRequest,
+                          TokenizeRequest, DetokenizeRequest, *answers],
+                    values)
     return app

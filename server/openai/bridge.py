@@ -43,6 +43,7 @@ class Choice:
     error: str | None = None
     started: bool = False  # a streamed completion sent its first chunk (the echo goes in it)
     text_offset: int = 0  # characters of text sent so far (streaming logprobs offsets)
+    embedding: object | None = None  # float32[H]: an embedding request's vector
 
 
 class Submission:
@@ -107,6 +108,7 @@ class Submission:
             c.prompt_logprobs = u.prompt_logprobs
         if u.finish_reason is not None:
             c.finish_reason, c.stop_reason, c.error = u.finish_reason, u.stop_reason, u.error
+            c.embedding = u.embedding
             self.num_finished += 1
         return idx, u
 

@@ -72,6 +72,13 @@ def check_sizes(req: SamplingRequest, s: Settings) -> None:
         raise APIError(400, f"tools is over {s.max_tools_bytes} bytes as JSON (--max-tools-bytes)", "tools")
 
 
+def check_priority(priority: int, s: Settings) -> None:
+    """400 for a priority other than 0 under fcfs scheduling (vLLM refuses it so too)."""
+    if priority and s.scheduling_policy != "priority":
+        raise APIError(400, f"priority {priority} asks for priority scheduling, which this server "
+                            f"does not do (--scheduling-policy {s.scheduling_policy})", "priority")
+
+
 def check_limits(req: SamplingRequest, prompts: int, settings: Settings) -> None:
     """400 for the first cap ``req`` (with ``prompts`` prompts) goes over."""
     s = settings
@@ -88,9 +95,7 @@ def check_limits(req: SamplingRequest, prompts: int, settings: Settings) -> None
         if len(text) > s.max_stop_length:
             raise APIError(400, f"stop string {i} is {len(text)} characters long, the limit is "
                                 f"{s.max_stop_length} (--max-stop-length)", "stop")
-    if req.priority and s.scheduling_policy != "priority":   # vLLM refuses it so too
-        raise APIError(400, f"priority {req.priority} asks for priority scheduling, which this server "
-                            f"does not do (--scheduling-policy {s.scheduling_policy})", "priority")
+    check_priority(req.priority, s)
     ids = req.stop_token_ids or []
     if len(ids) > s.max_stop_token_ids:
         raise APIError(400, f"stop_token_ids has {len(ids)} ids, the limit is {s.max_stop_token_ids} "

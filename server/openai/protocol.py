@@ -11,7 +11,7 @@ so that ``/docs`` and API tools show them.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import (
@@ -46,6 +46,20 @@ from spyre_serve.server.openai.fields import (  # noqa: F401  (INT64, MAX_LOGPRO
 FAIL_FAST = Field(fail_fast=True)
 
 
+def truncate_prompt_tokens(v):
+    """vLLM's truncate_prompt_tokens: -1 (the context length) or at least 1."""
+    if v is not None and v != -1 and v < 1:
+        raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got {v}")
+    return v
+
+
+def not_empty(v, info):
+    """A prompt (or input) that is not an empty list."""
+    if isinstance(v, list) and len(v) == 0:
+        raise ValueError(f"{info.field_name} must not be an empty list")
+    return v
+
+
 class StrictModel(BaseModel):
     """A request body or part of one: a field it does not declare is refused, not ignored."""
 
@@ -64,6 +78,7 @@ MAX_CACHE_SALT = 1024  # characters of a cache_salt
 class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
 
+    task: ClassVar[str] = "generate"    # served by a generating runner only (Serving.read)
     model: str | None = None
     temperature: Annotated[float | None, range_schema("temperature")] = None
     top_p: Annotated[float | None, range_schema("top_p")] = None
@@ -179,9 +194,7 @@ class SamplingRequest(StrictModel):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncate(cls, v):
-        if v is not None and v != -1 and v < 1:
-            raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got {v}")
-        return v
+        return truncate_prompt_tokens(v)
 
     @field_validator("stop")
     @classmethod
@@ -225,10 +238,8 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v):
-        if isinstance(v, list) and len(v) == 0:
-            raise ValueError("prompt must not be an empty list")
-        return v
+    def _prompt(cls, v, info):
+        return not_empty(v, info)
 
     @field_validator("max_tokens")
     @classmethod

@@ -181,6 +181,14 @@ class ResponsesRequest(StrictModel):
                              Annotated[str, Field(max_length=MAX_METADATA[2])]] | None,
                         Field(max_length=MAX_METADATA[0])] = None
     user: str | None = None  # OpenAI's end-user id, for the caller's own records: no effect
+    # vLLM's extra fields, as a chat takes them (guidellm sends stop and ignore_eos on every
+    # request to get exactly max_output_tokens); checked by the chat they are handed to
+    priority: Integer = 0
+    cache_salt: str | None = None
+    top_k: Integer | None = None
+    seed: Integer | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
     background: Annotated[bool | None, neutral("background", UNSUPPORTED)] = None
     conversation: Annotated[Any, neutral("conversation", UNSUPPORTED)] = None
     include: Annotated[list[str] | None, neutral("include", UNSUPPORTED)] = None
@@ -241,7 +249,9 @@ def as_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionR
         choice = None
     body = {"messages": system + history + turns, "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "user": req.user, "stream": req.stream,
-            "tools": tools or None, "tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls}
+            "tools": tools or None, "tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls,
+            "priority": req.priority, "cache_salt": req.cache_salt, "top_k": req.top_k, "seed": req.seed,
+            "stop": req.stop, "ignore_eos": req.ignore_eos}
     try:
         return ChatCompletionRequest.model_validate(body), turns
     except ValidationError as exc:

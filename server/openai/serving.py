@@ -63,6 +63,7 @@ class Serving:
     model_name: str  # what clients put in "model"
     model_root: str  # where the model came from (/v1/models' "root")
     vocab_size: int
+    hidden_size: int  # an embedding's dimensions
     # the model's sampling defaults (generation_config.json, ``--generation-config``)
     defaults: dict = field(default_factory=dict)
     texts: TokenTexts = field(init=False)  # token id -> text, for logprobs
@@ -86,13 +87,23 @@ class Serving:
         """For a loaded model (``models.LoadedModel``: name, path, config, tokenizer)."""
         tokenizer = with_chat_template(model.tokenizer, settings.chat_template)
         return cls(engine, tokenizer, settings, settings.served_name(model), str(model.path),
-                   model.config.vocab_size, generation_defaults(model.path, settings.generation_config))
+                   model.config.vocab_size, model.config.hidden_size,
+                   generation_defaults(model.path, settings.generation_config))
 
     async def read(self, request: Request, model: type[Body]) -> Body:
         """The request's body as ``model``, within ``--max-body-bytes``, for the model this
-        server serves (every body may name it)."""
+        server serves (every body may name it) and an endpoint of its kind: a body whose
+        ``task`` is "generate" or "pooling" is a 400 on a model that does the other."""
         body = await read_request(request, model, self.settings.max_body_bytes)
         self.check_model(body.model)
+        task = getattr(model, "task", None)
+        pools = self.engine.pooling is not None
+        if task is not None and (task == "pooling") != pools:
+            path = request.url.path
+            raise APIError(400, f"{path} is not served by this model: it "
+                                + ("serves embeddings (/v1/embeddings, /score; --runner pooling)" if pools else
+                                   "generates (start the server with --runner pooling, or an embedding "
+                                   "model, for embeddings and scores)"))
         return body
 
     def check_limits(self, req: SamplingRequest) -> int:

@@ -31,13 +31,15 @@ SECONDS = 110  # the whole run's bound (cases, then the server settling)
 def short(case) -> object:
     """``case`` with its output limits held to ``MAX_TOKENS`` (where it has them as integers),
     if it is a generation's."""
-    body = case.body
-    if isinstance(body, dict) and case.operation.path.startswith("/v1/"):
-        for key in ("max_tokens", "max_completion_tokens"):
+    body, path = case.body, case.operation.path
+    if isinstance(body, dict) and path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(key)
             if key in body and (value is None or (isinstance(value, int) and not isinstance(value, bool))):
                 body[key] = MAX_TOKENS if value is None else min(value, MAX_TOKENS)
-        if "/chat/" not in case.operation.path or "max_completion_tokens" not in body:
+        if path == "/v1/responses":             # its only output limit
+            body.setdefault("max_output_tokens", MAX_TOKENS)
+        elif "/chat/" not in path or "max_completion_tokens" not in body:
             body.setdefault("max_tokens", MAX_TOKENS)
     return case
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.servers import PROMPT, ServerThread, real_settings
+from tests.server.servers import POOLING_CONTEXT, PROMPT, ServerThread, http_client, real_settings
 
 
 @pytest.fixture(scope="session")
@@ -22,10 +22,7 @@ def real_server():
 
 @pytest.fixture(scope="session")
 def client(real_server):
-    import httpx
-
-    with httpx.Client(base_url=real_server.url, timeout=600) as c:
-        yield c
+    yield from http_client(real_server)
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +36,16 @@ def greedy(client):
     body = r.json()
     assert len(set(body["choices"][0]["logprobs"]["tokens"])) > 6, "granite-tiny's greedy output should vary"
     return body
+
+
+@pytest.fixture(scope="session")
+def pooling_server():
+    """granite-tiny served with --runner pooling (embeddings and scores), once per session."""
+    from spyre_serve.server.cli import build
+
+    built = build(real_settings(runner="pooling", max_num_batched_tokens=POOLING_CONTEXT, max_num_seqs=8),
+                  progress=False)
+    with ServerThread(built.app) as server:
+        server.built = built
+        yield server
+    built.engine.shutdown()

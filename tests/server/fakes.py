@@ -109,6 +109,7 @@ class FakeRunner:
                                                                             eos_token_id=None))
     t_buckets: list[int] | None = None   # any token count
     numerics: str = "fake"
+    pooling: tuple | None = None         # a generating runner
 
     def __post_init__(self) -> None:
         self.kv = np.full((self.num_kv_blocks, self.block_size), -2, dtype=np.int64)

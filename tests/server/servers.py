@@ -43,6 +43,14 @@ class ServerThread:
         self.thread.join(10)
 
 
+def http_client(server, timeout: float = 600):
+    """An httpx client of ``server`` (a ServerThread), for a fixture to yield from."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=timeout) as c:
+        yield c
+
+
 def real_settings(**overrides):
     """granite-tiny, sized so tests are quick on 2 cores: small buckets, lazy programs."""
     from spyre_serve.server.cli import Settings
@@ -65,6 +73,7 @@ def real_settings(**overrides):
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then"
+POOLING_CONTEXT = 64   # the pooling server's --max-num-batched-tokens: a pooled prompt is one step's
 
 
 def sse_events(response) -> list:

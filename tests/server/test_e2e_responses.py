@@ -195,3 +195,20 @@ def test_bad_input_is_a_400_and_the_server_serves_the_next_request(oai, client, 
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
     assert client.get("/v1/responses/resp_x", params={"stream": "true"}).json()["error"]["param"] == "stream"
     assert oai.responses.create(model=model, input="Hi.", max_output_tokens=2).status == "incomplete"
+
+
+def test_vllms_extra_fields_act_as_on_a_chat(oai, client, model):
+    """stop, ignore_eos, top_k, seed (guidellm sends stop: null and ignore_eos on each request):
+    the response's text is the chat's with the same fields."""
+    extra = {"ignore_eos": True, "stop": None, "top_k": 5, "seed": 11}
+    r = checked(oai.responses.create(model=model, input="Count.", max_output_tokens=8, temperature=0.7,
+                                     extra_body=extra))
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Count."}],
+                                                     "max_completion_tokens": 8, "temperature": 0.7, **extra})
+    assert r.output_text == chat.json()["choices"][0]["message"]["content"] and r.usage.output_tokens == 8
+    stop = r.output_text[3:6]
+    cut = checked(oai.responses.create(model=model, input="Count.", max_output_tokens=8, temperature=0.7,
+                                       extra_body={**extra, "stop": [stop]}))
+    assert cut.status == "completed" and cut.output_text == r.output_text[:r.output_text.index(stop)]
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        oai.responses.create(model=model, input="x", extra_body={"priority": 3})

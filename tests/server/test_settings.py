@@ -24,7 +24,8 @@ def test_every_field_has_help_and_a_parser():
 def test_warmup_takes_the_flags_that_size_the_programs_and_memory():
     assert SIZING == ("model", "max_num_seqs", "max_num_batched_tokens", "dtype", "numerics", "compute_dtype",
                       "quantization",
-                      "kv_cache_dtype", "block_size", "num_kv_blocks", "max_model_len", "device_memory",
+                      "kv_cache_dtype", "runner", "pooler_config", "block_size", "num_kv_blocks", "max_model_len",
+                      "device_memory",
                       "log_level")
 
 

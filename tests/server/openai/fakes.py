@@ -53,6 +53,7 @@ class ScriptedEngine:
         self.reply = reply
         self.max_model_len = max_model_len
         self.numerics = "scripted"
+        self.pooling = None          # a generating engine
         self.alive = True
         self.accepting = True
         self.error = None
@@ -100,7 +101,7 @@ def update(index: int, text: str, ids: list[int], finish: str | None = None, err
 def fake_model(name: str = "tiny") -> SimpleNamespace:
     """What create_app reads of a loaded model."""
     return SimpleNamespace(name=name, path=Path("/models") / name, tokenizer=CharTokenizer(),
-                           config=SimpleNamespace(vocab_size=VOCAB))
+                           config=SimpleNamespace(vocab_size=VOCAB, hidden_size=16))
 
 
 def client_for(engine=None, metrics=None, raise_server_exceptions=True, **settings) -> TestClient:

@@ -1,0 +1,62 @@
+"""What an embedding server runs (vLLM's ``--runner`` and ``--pooler-config``).
+
+``--runner auto`` (the default) pools with an encoder checkpoint (RoBERTa's family:
+``models/encoder_runner.py``) and generates with a decoder; ``--runner pooling`` serves a
+decoder's embeddings too (``ModelRunner(pooling=...)``). How a prompt's rows become one vector
+is vLLM's default for the model, unless ``--pooler-config`` says otherwise:
+    a decoder: the last token's final hidden state (LAST), normalized
+    an encoder: its sentence-transformers config's pooling (CLS or MEAN), else CLS, normalized
+(The two flags' texts are parsed in server/settings.py.)
+"""
+
+from __future__ import annotations
+
+
+def is_encoder(model) -> bool:
+    """Whether ``model`` (models.LoadedModel) is an encoder checkpoint (bidirectional)."""
+    from spyre_serve.models.encoder_config import EncoderConfig
+
+    return isinstance(model.config, EncoderConfig)
+
+
+def runner_kind(runner: str, model) -> str:
+    """"generate" or "pooling" for ``--runner`` and the model; ValueError for an encoder asked
+    to generate."""
+    if is_encoder(model):
+        if runner == "generate":
+            raise ValueError(f"--runner generate: {model.config.architecture} is an encoder "
+                             "(no LM head); serve it with --runner pooling (or auto)")
+        return "pooling"
+    return "pooling" if runner == "pooling" else "generate"
+
+
+def pooling_of(pooler_config: dict | None, model) -> tuple[str, bool]:
+    """(pooling type, normalize): the model's default (module docstring), then --pooler-config's."""
+    kind, normalize = "LAST", True
+    if is_encoder(model):
+        from spyre_serve.models.encoder_config import pooler_defaults
+
+        kind, normalize = pooler_defaults(model.path)
+    given = pooler_config or {}
+    return str(given.get("pooling_type", kind)).upper(), bool(given.get("normalize", normalize))
+
+
+def make_runner(s, model, card):
+    """The runner ``s`` (Settings) asks for: ModelRunner (generating or pooling a decoder), or
+    an encoder's EncoderRunner. A pooled prompt is computed in one step, so its context is at
+    most --max-num-batched-tokens."""
+    from spyre_serve.models import ModelRunner
+
+    sizes = dict(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                 max_model_len=s.max_model_len, block_size=s.block_size)
+    if runner_kind(s.runner, model) == "generate":
+        return ModelRunner(model, card, **sizes, num_kv_blocks=s.num_kv_blocks,
+                           compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype)
+    kind, normalize = pooling_of(s.pooler_config, model)
+    if is_encoder(model):
+        from spyre_serve.models.encoder_runner import EncoderRunner
+
+        return EncoderRunner(model, card, **sizes, pooling_type=kind, normalize=normalize)
+    return ModelRunner(model, card, **sizes, num_kv_blocks=s.num_kv_blocks,
+                       compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype,
+                       pooling=(kind, normalize))
