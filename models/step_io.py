@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KMAX = 5  # most top logprobs per sampled token (OpenAI's limit for completions)
+KMAX = 20  # most top logprobs per sampled token (vLLM's default max_logprobs; OpenAI's chat top_logprobs)
 MAX_LOGPROBS = KMAX
 INT32_MAX = 2**31 - 1             # the step's integer fields (top_k, token ids, ...) are int32
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -62,7 +62,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int = 0             # top-n alternatives per sampled token (0..5)
+    logprobs: int = 0             # top-n alternatives per sampled token (0..20)
     logit_bias: dict[int, float] | None = None   # OpenAI's: token id -> bias in [-100, 100],
                                                  # added to its logit before the penalties
 

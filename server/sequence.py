@@ -32,7 +32,7 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: no logprobs; 0..5: sampled token + top-n
+    logprobs: int | None = None  # None: no logprobs; 0..20: sampled token + top-n
     grammar: object | None = None  # server.structured.Grammar: structured output (each choice
     # gets its own matcher from it); its sequences never decode from_device
     prompt_logprobs: bool = False  # echo with logprobs, or prompt_logprobs: score the prompt too

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, StrictInt
 
-MAX_LOGPROBS = 5
+MAX_LOGPROBS = 20
 INT64 = (-(2**63), 2**63 - 1)
 
 # The sampling fields with a range: (low, high, whether low itself is allowed); high is.

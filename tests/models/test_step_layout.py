@@ -131,7 +131,7 @@ def test_the_buffers_on_the_card_are_the_tables_placed_at_capacity(runner):
     cap = memory_plan.Capacity(tmax=32, smax=4, rmax=32 + 4, mbmax=4096 // BLOCK,
                                nban_max=4 * 256, nmw_max=4 * 8, nbias_max=4 * 256)
     assert runner.memory.inputs.nbytes == sp.INPUTS.place(cap.input_dims()).nbytes
-    assert all(t.nbytes == sp.OUTPUTS.place({"S": 4, "K": sp.KMAX}).nbytes
+    assert all(t.nbytes == sp.OUTPUTS.place({"S": 4, "K": sp.KMAX, "P": 4, "H": runner.config.hidden_size}).nbytes
                for t in runner.memory.outputs)
     ws = sp.WORKSPACE.place(workspace_dims(cap, runner.config))
     assert runner.memory_plan["workspace"] == ws.nbytes

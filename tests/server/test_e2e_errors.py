@@ -34,7 +34,7 @@ def post(client, **body):
         ("top_p", 0.0, "top_p must be in (0, 1], got 0.0"),
         ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
         ("top_k", 2.5, "got 2.5"),
-        ("logprobs", 6, "logprobs must be between 0 and 5, got 6"),
+        ("logprobs", 21, "logprobs must be between 0 and 20, got 21"),
         ("max_tokens", -1, "max_tokens must be >= 0, got -1"),
         ("min_p", 2.0, "min_p must be in [0, 1], got 2.0"),
         ("presence_penalty", 3.0, "presence_penalty must be in [-2, 2], got 3.0"),

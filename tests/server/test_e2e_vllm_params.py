@@ -307,3 +307,16 @@ def test_metrics_count_iteration_tokens_max_tokens_and_preemptions(client, greed
         values[f"vllm:request_params_max_tokens_count{{{label}}}"]
     steps = values[f"vllm:iteration_tokens_total_count{{{label}}}"]
     assert steps >= 7 and values[f"vllm:iteration_tokens_total_sum{{{label}}}"] >= steps
+
+
+def test_up_to_20_logprobs_as_vllms_default_max_logprobs(client):
+    out = post(client, "/v1/completions", prompt="The sky is", max_tokens=2, **GREEDY, logprobs=20)["choices"][0]
+    # a completion's alternatives are a dict by text: two tokens of one text are one entry
+    assert all(15 < len(top) <= 20 for top in out["logprobs"]["top_logprobs"])
+    chat = post(client, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                **GREEDY, logprobs=True, top_logprobs=20)["choices"][0]["logprobs"]["content"]
+    assert [len(t["top_logprobs"]) for t in chat] == [20, 20]
+    assert all([a["logprob"] for a in t["top_logprobs"]] == sorted((a["logprob"] for a in t["top_logprobs"]),
+                                                                   reverse=True) for t in chat)
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

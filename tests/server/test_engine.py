@@ -438,7 +438,7 @@ def submit_together(engine, *requests):
     ("frequency_penalty", float("nan"), "frequency_penalty"),
     ("repetition_penalty", 0.0, "repetition_penalty"), ("top_p", 0.0, "top_p"),
     ("top_p", 5e-324, "top_p"), ("repetition_penalty", 1e-46, "repetition_penalty"),  # 0 in float32
-    ("min_p", 1.5, "min_p"), ("logprobs", 6, "logprobs"),
+    ("min_p", 1.5, "min_p"), ("logprobs", 21, "logprobs"),
 ])
 def test_a_sampling_value_the_step_cannot_hold_is_refused_with_its_field(field, value, param):
     engine = Engine(FakeRunner(), TOK)
@@ -452,7 +452,7 @@ def test_a_sampling_value_the_step_cannot_hold_is_refused_with_its_field(field, 
 @pytest.mark.parametrize("prompt,kw,param", [
     ([1, VOCAB], {}, "prompt"), ([1, -1], {}, "prompt"), ([1, 2**40], {}, "prompt"),
     ([1], {"stop_token_ids": [2**31]}, "stop_token_ids"), ([1], {"stop_token_ids": [-3]}, "stop_token_ids"),
-    ([1], {"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ([1], {"logprobs": 6}, "logprobs"),
+    ([1], {"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ([1], {"logprobs": 21}, "logprobs"),
     ([1], {"max_tokens": -1}, "max_tokens"),
 ])
 def test_token_ids_and_lengths_the_step_cannot_hold_are_refused(prompt, kw, param):

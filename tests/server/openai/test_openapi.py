@@ -43,7 +43,7 @@ def test_the_fields_carry_their_ranges_and_refuse_unknown_fields(doc):
     props = completion["properties"]
     assert (props["temperature"]["minimum"], props["temperature"]["maximum"]) == (0.0, 2.0)
     assert props["top_p"]["exclusiveMinimum"] == 0.0 and props["n"]["minimum"] == 1
-    assert props["logprobs"]["maximum"] == 5 and props["add_special_tokens"]["default"] is True
+    assert props["logprobs"]["maximum"] == 20 and props["add_special_tokens"]["default"] is True
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["required"] == ["messages"] and chat["properties"]["messages"]["minItems"] == 1
 

@@ -47,7 +47,7 @@ def test_an_empty_prompt_list_is_refused():
 
 
 def test_completion_limits_name_the_value():
-    assert "logprobs must be between 0 and 5, got 6" in message(CompletionRequest, prompt="x", logprobs=6)
+    assert "logprobs must be between 0 and 20, got 21" in message(CompletionRequest, prompt="x", logprobs=21)
     assert "max_tokens must be >= 0, got -1" in message(CompletionRequest, prompt="x", max_tokens=-1)
     assert "n must be at least 1, got 0" in message(CompletionRequest, prompt="x", n=0)
     assert "min_tokens must be >= 0, got -1" in message(CompletionRequest, prompt="x", min_tokens=-1)
@@ -190,8 +190,8 @@ def test_the_schema_of_a_field_not_acted_on_lists_its_neutral_values():
 
 def test_prompt_logprobs_are_0_to_5_and_not_for_a_stream_as_in_vllm():
     assert CompletionRequest(prompt="x", prompt_logprobs=5).prompt_logprobs == 5
-    assert "prompt_logprobs must be between 0 and 5, got 6" in message(CompletionRequest, prompt="x",
-                                                                       prompt_logprobs=6)
+    assert "prompt_logprobs must be between 0 and 20, got 21" in message(CompletionRequest, prompt="x",
+                                                                         prompt_logprobs=21)
     assert "prompt_logprobs are not available when stream is true" in message(
         CompletionRequest, prompt="x", stream=True, prompt_logprobs=1)
     assert CompletionRequest(prompt="x", stream=True, prompt_logprobs=0).prompt_logprobs == 0
