@@ -10,45 +10,21 @@
                   free block left
     layer table   each layer's weight and KV cache addresses (models/weights.py)
 
-`memory_plan` gives the bytes of each, as `spyre-serve warmup` prints them.
+`memory_plan` gives the bytes of each, as `spyre-serve warmup` prints them; their sizes come from
+models/fit.py, which `spyre-serve plan` computes from a config alone.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
 from spyre_serve.device import Card, DeviceTensor
 from spyre_serve.models.buffer_layout import Layout, Placement
 from spyre_serve.models.config import GraniteConfig
+from spyre_serve.models.fit import Capacity, buffer_bytes, workspace_dims  # noqa: F401  (Capacity, workspace_dims: this module's interface)
 from spyre_serve.models.kv_cache import KVCache
-from spyre_serve.models.step_program import INPUTS, KMAX, OUTPUTS, WORKSPACE
+from spyre_serve.models.step_program import INPUTS, OUTPUTS, WORKSPACE
 from spyre_serve.models.weights import ModelWeights, build_layer_table
-
-
-@dataclass(frozen=True, slots=True)
-class Capacity:
-    """The largest step the buffers hold, in each dim they are sized by."""
-
-    tmax: int        # token rows (the largest token bucket)
-    smax: int        # sequences (the largest sequence bucket)
-    rmax: int        # logit rows: every token row asked for, plus the sampling rows
-    mbmax: int       # block-table width (max_model_len in blocks)
-    nban_max: int    # banned ids: unique per sampling row, each < V
-    nmw_max: int = 0     # grammar-mask words: a mask of ceil(V/32) words per sampling row
-    nbias_max: int = 0   # logit-bias entries: unique per sampling row, each < V
-
-    def input_dims(self) -> dict[str, int]:
-        return {"T": self.tmax, "S": self.smax, "R": self.rmax, "MB": self.mbmax,
-                "NBAN": self.nban_max, "NMW": self.nmw_max, "NBIAS": self.nbias_max}
-
-
-def workspace_dims(cap: Capacity, cfg: GraniteConfig) -> dict[str, int]:
-    """The dims WORKSPACE is declared in, for this capacity and model."""
-    return {"TMAX": cap.tmax, "RMAX": cap.rmax, "SMAX": cap.smax,
-            "H": cfg.hidden_size, "QD": cfg.q_size, "KD": cfg.kv_size,
-            "I": cfg.intermediate_size, "V": cfg.vocab_size, "HALF_D": cfg.head_dim // 2}
 
 
 class StepMemory:
@@ -62,11 +38,11 @@ class StepMemory:
         self.outputs_layout: Layout = OUTPUTS
         self.workspace_placement: Placement = WORKSPACE.place(workspace_dims(cap, cfg))
         self._allocated: list[DeviceTensor] = []
+        sizes = buffer_bytes(cfg, cap)           # what `spyre-serve plan` counts (models/fit.py)
         try:
-            self.workspace = self._alloc(self.workspace_placement.nbytes, zero=True)
-            self.inputs = self._alloc(INPUTS.place(cap.input_dims()).nbytes)
-            out_bytes = OUTPUTS.place({"S": cap.smax, "K": KMAX, "P": cap.smax, "H": cfg.hidden_size}).nbytes
-            self.outputs = [self._alloc(out_bytes, zero=True) for _ in range(2)]
+            self.workspace = self._alloc(sizes["workspace"], zero=True)
+            self.inputs = self._alloc(sizes["inputs"])
+            self.outputs = [self._alloc(sizes["output"], zero=True) for _ in range(2)]
             self.kv = KVCache(card, cfg, block_size, num_kv_blocks, kv_cache_fraction,
                               kv_cache_dtype)
             self.layer_table = build_layer_table(card, weights, self.kv.k, self.kv.v)

@@ -29,12 +29,13 @@ from spyre_serve.device.isa import current
 from spyre_serve.device.kernels.pooling import POOLING_TYPES
 from spyre_serve.device.profile import ticks_per_second
 from spyre_serve.models.buffer_layout import Placement, length_slot
+from spyre_serve.models.fit import capacity
 from spyre_serve.models.kv_cache import resolve_dtype as resolve_kv_dtype
-from spyre_serve.models.memory_plan import Capacity, StepMemory
+from spyre_serve.models.memory_plan import StepMemory
 from spyre_serve.models.penalty_slots import PenaltySlots
 from spyre_serve.models.programs import StepPrograms, bucket, buckets
 from spyre_serve.models.prompt_logprobs import PromptLogprobs
-from spyre_serve.models.step_inputs import PackedStep, StepLimits, check_work, mask_words, pack_step
+from spyre_serve.models.step_inputs import PackedStep, StepLimits, check_work, pack_step
 from spyre_serve.models.step_io import SeqWork, SeqWorkError, StepOutput
 from spyre_serve.models.step_program import TIMERS
 from spyre_serve.models.threads import use_every_core
@@ -112,10 +113,8 @@ class ModelRunner:
         self.pooling_type, self.normalize = pooling if pooling else (None, False)
         if pooling:                          # a prompt is pooled from one step's rows
             want_len = min(want_len, max_num_batched_tokens)
-        tmax, smax = self.t_buckets[-1], self.s_buckets[-1]
-        cap = Capacity(tmax=tmax, smax=smax, rmax=tmax + smax, mbmax=-(-want_len // block_size),
-                       nban_max=smax * cfg.vocab_size,
-                       nmw_max=smax * mask_words(cfg.vocab_size), nbias_max=smax * cfg.vocab_size)
+        cap = capacity(cfg, max_num_seqs, max_num_batched_tokens, want_len, block_size)
+        smax = cap.smax
         self.memory = StepMemory(card, cfg, self.weights, cap, block_size, num_kv_blocks,
                                  kv_cache_fraction, self.kv_cache_dtype)
         self.kv = self.memory.kv
