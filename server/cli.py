@@ -2,6 +2,7 @@
 
     spyre-serve serve [--model granite-tiny] [--host 127.0.0.1] [--port 8000] ...
     spyre-serve warmup [--model granite-tiny] [--max-num-seqs 32] ...   (the sizing flags)
+    spyre-serve plan --model granite-3.3-8b --tensor-parallel-size 4 ... (server/plan.py)
 
 Every flag can also come from an environment variable (``--max-num-seqs`` from
 ``SPYRE_SERVE_MAX_NUM_SEQS``, and so on) so a container is configured without
@@ -63,17 +64,24 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_flags(warmup, SIZING)
+    plan = sub.add_parser(
+        "plan", help="will a model fit, card by card: weights, KV cache, buffers (from its config alone)",
+        description="From a model's config alone (granite-3.3-8b, a profile, a checkpoint directory, a "
+        "config.json or a GGUF file), print what each of --tensor-parallel-size cards holds and what is left "
+        "of a 128 GB card; exit 1 when it does not fit.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_flags(plan, SIZING)
     return parser
 
 
 def parse_command(argv: list[str] | None = None) -> tuple[str, Settings]:
-    """("serve" | "warmup", its Settings); flags a command does not take keep their defaults."""
+    """("serve" | "warmup" | "plan", its Settings); flags a command does not take keep their defaults."""
     args = _parser().parse_args(argv)
     defaults = Settings()
     values = secrets_from_env({f.name: getattr(args, f.name, getattr(defaults, f.name))
                                for f in fields(Settings)})
     try:
-        return args.command, Settings(**values).with_numerics()
+        s = Settings(**values).with_numerics()
+        return args.command, s if args.command == "plan" else s.one_card()
     except ValueError as exc:
         _parser().error(str(exc))
 
@@ -167,7 +175,7 @@ def build(s: Settings, progress: bool = True, conn=None) -> Built:
     """The engine (``load_engine``: in this process, or with ``--engine-process`` in its own,
     ``server/engine_client.py``; ``conn``: a pipe to one a sibling started, --api-server-count),
     its metrics and the app."""
-    s = s.with_numerics()
+    s = s.with_numerics().one_card()
     from spyre_serve.server.openai.app import create_app
 
     if s.engine_process:
@@ -205,7 +213,7 @@ def memory_plan_text(card, model, runner) -> str:
 def warmup(s: Settings, progress: bool = True, out=None) -> int:
     """`spyre-serve warmup`: load the model, compile and prepare every step program (Numba
     writes the compiled code to its on-disk cache), print them and the memory plan; 0 when done."""
-    s = s.with_numerics()
+    s = s.with_numerics().one_card()
     import numba
 
     from spyre_serve.models import load_model
@@ -353,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     command, s = parse_command(argv)
     if command == "warmup":
         return warmup(s)
+    if command == "plan":
+        from spyre_serve.server.plan import plan
+
+        return plan(s)
     code = serve(s)
     if code:
         # a dead engine may leave a thread stuck in a kernel: exit without waiting for it

@@ -14,7 +14,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
-from spyre_serve.device.kernels.pooling import POOLING_TYPES
 from spyre_serve.device.memory import DeviceError, parse_bytes
 
 ENV_PREFIX = "SPYRE_SERVE_"
@@ -88,6 +87,9 @@ def choice_of(*choices: str) -> Callable[[str], str]:
 parse_policy = choice_of("fcfs", "priority")             # --scheduling-policy (server/waiting.py)
 parse_runner = choice_of("auto", "generate", "pooling")  # --runner (server/pooling.py)
 POOLER_KEYS = ("pooling_type", "normalize")
+# device.kernels.pooling.POOLING_TYPES' names (not imported: no kernel module may load before
+# device.process.configure(); tests/server/test_settings.py checks they agree)
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
 def parse_pooler_config(text: str) -> dict:
@@ -210,6 +212,8 @@ class Settings:
                                        "LAST|MEAN|CLS, \"normalize\": true|false} (default: the model's, "
                                        "as vLLM's)", parse_pooler_config, sizing=True)
     block_size: int = _flag(64, "tokens per KV cache block", int, sizing=True)
+    tensor_parallel_size: int = _flag(1, "cards a model is split over (vLLM's): `spyre-serve plan` sizes and "
+                                      "projects 1, 2, 4 or 8; serving runs on one card", int, sizing=True)
     num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: what fits in 90%% of the free "
                                       "device memory)", int, sizing=True)
     max_model_len: int | None = _flag(None, "context length (default: the model's, capped by the KV "
@@ -304,6 +308,14 @@ class Settings:
                 raise ValueError(f"--numerics spyre computes in {SPYRE_NUMERICS}; "
                                  f"--{name.replace('_', '-')} {value} contradicts it")
         return replace(self, dtype=SPYRE_NUMERICS, kv_cache_dtype=SPYRE_NUMERICS)
+
+    def one_card(self) -> Settings:
+        """These settings, once they ask for one card (ValueError otherwise: serving and warm-up
+        run on one emulated card; ``spyre-serve plan`` sizes several)."""
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: the server runs on one "
+                             "emulated card; `spyre-serve plan` sizes several")
+        return self
 
     def served_name(self, model) -> str:
         """What clients put in ``"model"``: --served-model-name, else the loaded model's name."""

@@ -24,7 +24,8 @@ def test_every_field_has_help_and_a_parser():
 def test_warmup_takes_the_flags_that_size_the_programs_and_memory():
     assert SIZING == ("model", "max_num_seqs", "max_num_batched_tokens", "dtype", "numerics", "compute_dtype",
                       "quantization",
-                      "kv_cache_dtype", "runner", "pooler_config", "block_size", "num_kv_blocks", "max_model_len",
+                      "kv_cache_dtype", "runner", "pooler_config", "block_size", "tensor_parallel_size",
+                      "num_kv_blocks", "max_model_len",
                       "device_memory",
                       "log_level")
 
@@ -95,3 +96,10 @@ def test_generation_config_is_auto_unless_told(tmp_path, capsys):
     (tmp_path / "generation_config.json").write_text("{}")
     assert parser_for("generation_config").parse_args(["--generation-config", str(tmp_path)]).generation_config \
         == str(tmp_path)
+
+
+def test_the_pooling_types_settings_know_are_the_kernels():
+    from spyre_serve.device.kernels.pooling import POOLING_TYPES as KERNEL
+    from spyre_serve.server.settings import POOLING_TYPES
+
+    assert set(POOLING_TYPES) == set(KERNEL)

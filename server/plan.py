@@ -1,0 +1,137 @@
+"""``spyre-serve plan``: will a model fit, card by card, before any weight is read.
+
+    spyre-serve plan --model granite-3.3-8b --tensor-parallel-size 4 --max-model-len 32768 --max-num-seqs 32
+
+From a config alone: ``granite-3.3-8b`` (its published config), a profile's name, a checkpoint
+directory or a config.json, or a GGUF file (its header). For each of the ``--tensor-parallel-size``
+cards it prints the weights, the KV cache of ``--max-num-seqs`` sequences of ``--max-model-len``
+tokens, the step buffers, and what is left of a real card (128 GB, 112 GB usable); the largest
+context at that batch and the largest batch at that context; and, for the emulator, whether the
+cards' arenas fit in this machine's memory. The sizes are the runner's own (models/fit.py: the
+server's memory plan allocates by the same functions). A plan that does not fit a real card
+exits 1 with the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from spyre_serve.models.config import GraniteConfig
+from spyre_serve.models.fit import (
+    CARD_BYTES,
+    CARD_USABLE_BYTES,
+    PLUGIN_GRANITE_33_8B,
+    CardFit,
+    granite_33_8b,
+    plan_fit,
+)
+from spyre_serve.models.kv_cache import resolve_dtype as resolve_kv_dtype
+from spyre_serve.server.settings import Settings
+
+GRANITE_33_8B = "granite-3.3-8b"
+
+
+def plan_config(name: str) -> GraniteConfig:
+    """The config ``name`` names, read without its weights (ConfigError, GGUFError or
+    FileNotFoundError saying what is missing)."""
+    from spyre_serve.models.profiles import PACKAGED, PROFILES, resolve_model
+
+    if name == GRANITE_33_8B:
+        return granite_33_8b()
+    if name in PROFILES:
+        return PROFILES[name].config
+    from spyre_serve.models.gguf import gguf_config
+    from spyre_serve.models.gguf_file import is_gguf_file, read_gguf
+
+    path = resolve_model(name) if name in PACKAGED else Path(name)
+    if is_gguf_file(path):
+        return gguf_config(read_gguf(path))
+    return GraniteConfig.from_file(path)
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, or None where there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def plan_text(name: str, cfg: GraniteConfig, s: Settings, fit: CardFit, host: int | None) -> list[str]:
+    """The lines ``plan`` prints for one card's ``fit`` (every card holds the same)."""
+    tp, bs = fit.tp, s.block_size
+    max_len = s.max_model_len or cfg.max_position_embeddings
+    tokens = fit.kv_tokens(bs)
+    lines = [
+        f"plan for {name} ({cfg.architecture}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV), vocab {cfg.vocab_size}), "
+        f"weights {fit_dtype(s, cfg)}, KV cache {fit_kv_dtype(s, cfg)}, tensor parallel {tp}",
+        f"each of the {tp} card(s) holds:",
+        f"  weights                {_gb(fit.weights):>12}",
+        f"  KV cache               {_gb(fit.kv_cache):>12}   {s.max_num_seqs} sequences x {max_len:,} tokens "
+        f"({fit.kv_token_bytes / 1024:.1f} KiB a token, blocks of {bs})",
+        f"  step buffers           {_gb(fit.scratch):>12}   workspace and I/O for {s.max_num_batched_tokens} tokens, "
+        f"{s.max_num_seqs} sequences a step",
+        f"  total                  {_gb(fit.total):>12}   of {_gb(fit.usable)} usable on a {_gb(CARD_BYTES)} card: "
+        + (f"{_gb(fit.left)} left" if fit.fits else f"{_gb(-fit.left)} too much"),
+        f"  largest context at {s.max_num_seqs} sequences: {min(tokens // s.max_num_seqs, cfg.max_position_embeddings):,} "
+        f"tokens (the KV room holds {tokens:,}; the model's positions {cfg.max_position_embeddings:,}); largest batch "
+        f"at {max_len:,} tokens: {tokens // max_len:,} sequences",
+    ]
+    if host is not None:
+        need = tp * fit.total
+        lines.append(f"emulator on this machine: {tp} card arena(s) of {_gb(fit.total)} = {_gb(need)} of "
+                     f"{_gb(host)} available: " + ("fits" if need <= host else "does not fit"))
+    if name == GRANITE_33_8B and tp in PLUGIN_GRANITE_33_8B:
+        length, seqs = PLUGIN_GRANITE_33_8B[tp]
+        lines.append(f"the vLLM Spyre plugin serves Granite 3.3 8B at tensor parallel {tp} with {length:,} tokens x "
+                     f"{seqs} sequences (its model_configs.yaml): memory is not what limits it there")
+    return lines
+
+
+def fit_dtype(s: Settings, cfg: GraniteConfig) -> str:
+    """The weights' width on the card: --dtype, or the checkpoint's (auto)."""
+    return cfg.torch_dtype if s.dtype == "auto" else s.dtype
+
+
+def fit_kv_dtype(s: Settings, cfg: GraniteConfig) -> str:
+    """The KV cache's width as the runner resolves it (models/kv_cache.py)."""
+    compute = fit_dtype(s, cfg) if s.compute_dtype == "auto" else s.compute_dtype
+    return resolve_kv_dtype(s.kv_cache_dtype, compute)
+
+
+def plan(s: Settings, out=None, usable: int = CARD_USABLE_BYTES) -> int:
+    """`spyre-serve plan`: print the plan of ``s`` (its model, sizes and tensor-parallel degree);
+    0 when it fits a real card, 1 (with the numbers) when not."""
+    import sys
+
+    out = out or sys.stdout
+    cfg = plan_config(s.model)
+    max_len = s.max_model_len or cfg.max_position_embeddings
+    if max_len > cfg.max_position_embeddings:
+        print(f"--max-model-len {max_len:,} is over the model's {cfg.max_position_embeddings:,} positions", file=out)
+        return 1
+    try:
+        fit = plan_fit(cfg, dtype=fit_dtype(s, cfg), kv_dtype=fit_kv_dtype(s, cfg), tp=s.tensor_parallel_size,
+                       max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                       max_model_len=max_len, block_size=s.block_size, usable=usable)
+    except ValueError as exc:
+        print(f"cannot plan {s.model}: {exc}", file=out)
+        return 1
+    name = s.model if os.sep not in s.model else Path(s.model).name
+    for line in plan_text(name, cfg, s, fit, host_available_bytes()):
+        print(line, file=out)
+    if not fit.fits:
+        print(f"does not fit: each card needs {_gb(fit.total)} (weights {_gb(fit.weights)}, KV cache "
+              f"{_gb(fit.kv_cache)}, buffers {_gb(fit.scratch)}) and has {_gb(fit.usable)}; lower --max-model-len "
+              f"or --max-num-seqs, or raise --tensor-parallel-size", file=out)
+        return 1
+    return 0

@@ -1,0 +1,67 @@
+"""`spyre-serve plan`: from a config alone, what each card holds and what is left, the refusals
+with their numbers, and serving's refusal of more than one card."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from spyre_serve.models.fit import kv_token_bytes, plan_fit, weight_bytes
+from spyre_serve.server.cli import parse_command
+from spyre_serve.server.plan import plan, plan_config
+
+
+def run(*argv: str) -> tuple[int, str]:
+    command, s = parse_command(["plan", *argv])
+    assert command == "plan"
+    out = io.StringIO()
+    return plan(s, out), out.getvalue()
+
+
+def test_granite_33_8b_at_tp_1_and_4():
+    code, text = run("--model", "granite-3.3-8b", "--max-model-len", "3072", "--max-num-seqs", "16",
+                     "--dtype", "float16")
+    assert code == 0, text
+    cfg = plan_config("granite-3.3-8b")
+    assert f"  weights                {weight_bytes(cfg, 'float16') / 1e9:9.2f} GB" in text
+    assert "16 sequences x 3,072 tokens (160.0 KiB a token" in text
+    assert "the vLLM Spyre plugin serves Granite 3.3 8B at tensor parallel 1 with 3,072 tokens x 16" in text
+    code, text = run("--model", "granite-3.3-8b", "--tensor-parallel-size", "4", "--max-model-len", "32768",
+                     "--max-num-seqs", "32", "--dtype", "float16")
+    assert code == 0 and "each of the 4 card(s) holds" in text and "(40.0 KiB a token" in text
+    fit = plan_fit(cfg, dtype="float16", kv_dtype="float16", tp=4, max_num_seqs=32, max_num_batched_tokens=512,
+                   max_model_len=32768, block_size=64)
+    assert f"{fit.left / 1e9:.2f} GB left" in text
+    assert f"largest batch at 32,768 tokens: {fit.kv_tokens(64) // 32768:,} sequences" in text
+
+
+def test_a_plan_that_does_not_fit_exits_1_with_the_numbers():
+    code, text = run("--model", "granite-3.3-8b", "--max-model-len", "131072", "--max-num-seqs", "32",
+                     "--dtype", "float32")
+    assert code == 1
+    assert "does not fit: each card needs" in text and "and has 112.00 GB" in text
+    code, text = run("--model", "granite-3.3-8b", "--tensor-parallel-size", "3")
+    assert code == 1 and "num_attention_heads (32) is not divisible by --tensor-parallel-size 3" in text
+    code, text = run("--model", "granite-3.3-8b", "--max-model-len", "200000")
+    assert code == 1 and "over the model's 131,072 positions" in text
+
+
+def test_a_checkpoint_directory_or_its_config_alone(tmp_path):
+    from tests.models.checkpoints import granite_config
+
+    (tmp_path / "config.json").write_text(json.dumps(granite_config(hidden=256, layers=3).to_dict()))
+    code, text = run("--model", str(tmp_path), "--max-model-len", "1024", "--max-num-seqs", "4")
+    assert code == 0, text
+    cfg = plan_config(str(tmp_path / "config.json"))
+    assert json.loads((tmp_path / "config.json").read_text())["hidden_size"] == cfg.hidden_size
+    assert f"({kv_token_bytes(cfg, 'float32') / 1024:.1f} KiB a token" in text
+    assert "emulator on this machine" in text
+
+
+def test_serving_and_warmup_take_one_card():
+    with pytest.raises(SystemExit):
+        parse_command(["serve", "--tensor-parallel-size", "2"])
+    with pytest.raises(SystemExit):
+        parse_command(["warmup", "--tensor-parallel-size", "2"])
