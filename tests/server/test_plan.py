@@ -65,3 +65,15 @@ def test_serving_and_warmup_take_one_card():
         parse_command(["serve", "--tensor-parallel-size", "2"])
     with pytest.raises(SystemExit):
         parse_command(["warmup", "--tensor-parallel-size", "2"])
+
+
+def test_the_command_line_loads_no_kernel_before_configuring_the_process():
+    """A kernel module imported before device.process.configure() keeps a compile cache not keyed
+    by the sources (the process warns): plan, as serve, imports none first."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "spyre_serve.server.cli", "plan", "--model", "granite-tiny",
+                          "--max-model-len", "1024"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "kernels imported before" not in out.stderr and "each of the 1 card(s) holds" in out.stdout
