@@ -126,6 +126,7 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
     from spyre_serve.models import load_model
     from spyre_serve.server.engine import Engine
     from spyre_serve.server.metrics import Metrics
+    from spyre_serve.server.spyre_compat import for_engine
     from spyre_serve.server.watchdog import Fault
 
     t0 = time.monotonic()
@@ -144,6 +145,7 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
              cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", "no"), cfg.vocab_size,
              model.stored_dtype)
     runner = _runner(s, model, card)
+    compat = for_engine(s, runner)   # --spyre-compat: the plugin's rules (refused at start: ValueError)
     log.info("weights on the card: %s (float tensors %s), GEMM inputs in %s, KV cache in %s",
              ", ".join(sorted(model.weights.formats)), model.weights.dtype, runner.compute_dtype,
              runner.kv_cache_dtype)
@@ -161,7 +163,7 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
                     step_timeout=s.step_timeout, enable_prefix_caching=s.enable_prefix_caching,
                     max_prefill_with_decodes=s.max_prefill_tokens_with_decodes,
                     max_scored_tokens_per_step=s.max_scored_tokens_per_step,
-                    scheduling_policy=s.scheduling_policy,
+                    scheduling_policy=s.scheduling_policy, spyre_compat=compat,
                     structured_output_wait=s.structured_output_wait)
     metrics.watch(engine)
     engine.start()

@@ -48,6 +48,7 @@ from spyre_serve.server.outputs import SeqUpdate, store_prompt_logprobs
 from spyre_serve.server.scheduler import Scheduler
 from spyre_serve.server.seams import StepRunner, check_runner
 from spyre_serve.server.sequence import GenerationParams, Sequence
+from spyre_serve.server.spyre_compat import SpyreCompat
 from spyre_serve.server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
 from spyre_serve.server.step_work import ScheduledChunk, Step, holds_grammar_sample, seq_work
 from spyre_serve.server.stopping import eos_token_ids
@@ -75,6 +76,7 @@ class Engine:
         max_prefill_with_decodes: int | None = None,
         max_scored_tokens_per_step: int | None = None,
         scheduling_policy: str = "fcfs",
+        spyre_compat: SpyreCompat | None = None,
         structured_output_wait: bool = False,
         fault: Fault | None = None,
     ) -> None:
@@ -87,8 +89,7 @@ class Engine:
         self.max_model_len = runner.max_model_len
         self.numerics = runner.numerics       # what a step computes with (system_fingerprint)
         self.pooling = runner.pooling         # (type, normalize) of an embedding model, or None
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.card = card
         self.observer = observer or EngineObserver()
         self.blocks = BlockManager(self.num_kv_blocks, self.block_size,
@@ -98,7 +99,7 @@ class Engine:
                                    on_release=lambda seq: runner.forget(seq.seq_id),
                                    max_prefill_with_decodes=max_prefill_with_decodes,
                                    max_scored_tokens_per_step=max_scored_tokens_per_step,
-                                   policy=scheduling_policy)
+                                   policy=scheduling_policy, compat=spyre_compat)
         self.stats = EngineStats()
         # a grammar's mask needs its previous token: wait for it (True) or skip a step (False)
         self.structured_output_wait = structured_output_wait
@@ -259,8 +260,7 @@ class Engine:
                 self._fail_all("the engine was shut down")
         except BaseException as exc:  # the loop must never die silently
             self._life.die(exc)
-        self._counts = (0, 0)
-        self._waiting_seqs = 0
+        self._counts, self._waiting_seqs = (0, 0), 0
 
     def _drain_inbox(self) -> None:
         for kind, item in self._inbox.take():

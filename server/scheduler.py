@@ -19,14 +19,11 @@ reads them as written. When a step fails, what it registered leaves the cache an
 sequence that counted one of those blocks as computed is recomputed from position 0
 (``_drop_cached``).
 
-The device runs a step padded up to its token bucket (a power of two), so a step of 32
-decodes and a 128-token prompt would compute 256 rows for 160 tokens. When the buckets are
-known, the prefill chunks of a step are cut to end on the largest bucket at or below what
-the step wants (there 128: the prompt's other 32 tokens go in the next step, which the
-decodes make anyway), as long as that keeps at least half of the step's prefill; otherwise,
-and in a step without decodes, the step takes what it wants and pads. A step scores at most
-``max_scored_tokens_per_step`` prompt tokens (prompt logprobs: each a row of the vocabulary
-read back), the chunks of those sequences cut to fit.
+The prefill beside decodes is capped and cut to end on a token bucket (server/prefill_budget.py).
+A step scores at most ``max_scored_tokens_per_step`` prompt tokens (prompt logprobs: each a row
+of the vocabulary read back), the chunks of those sequences cut to fit. Under ``--spyre-compat``
+(``compat``: server/spyre_compat.py) a step is decodes only or one whole prefill chunk (never cut),
+one sequence prefills at a time, admission checks the volume, and prefix hits are whole chunks.
 
 When a running sequence needs a KV block and none is free, the most recently admitted
 running sequence not yet in this step is preempted (by priority: the lowest): its blocks are
@@ -56,7 +53,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from spyre_serve.server.block_manager import BlockManager
+from spyre_serve.server.prefill_budget import prefill_budget
 from spyre_serve.server.sequence import SeqStatus, Sequence
+from spyre_serve.server.spyre_compat import SpyreCompat
 from spyre_serve.server.step_work import ScheduledChunk
 from spyre_serve.server.waiting import WaitingQueue
 
@@ -65,7 +64,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  token_buckets: list[int] | None = None, on_release: Callable[[Sequence], None] | None = None,
                  max_prefill_with_decodes: int | None = None, max_scored_tokens_per_step: int | None = None,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", compat: SpyreCompat | None = None) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be positive")
@@ -79,6 +78,7 @@ class Scheduler:
         # prompt tokens one step scores (prompt logprobs: a [rows, vocab] readback each)
         self.max_scored = max_scored_tokens_per_step
         self.on_release = on_release
+        self.compat = compat  # the plugin's rules (--spyre-compat), or None: the freer default
         self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []  # in admission order
         self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
@@ -223,7 +223,7 @@ class Scheduler:
     # ---- what a sequence needs ----------------------------------------------
 
     @staticmethod
-    def _target(seq: Sequence) -> tuple[int, bool]:
+    def target(seq: Sequence) -> tuple[int, bool]:
         """(tokens the KV cache must reach, sample after reaching them)."""
         if seq.params.max_tokens == 0:  # scoring only: compute the prompt, sample nothing
             return seq.num_prompt, False
@@ -231,7 +231,8 @@ class Scheduler:
             return seq.num_computed, False  # the last token is sampled; nothing to compute
         return seq.num_tokens, True
 
-    def _ready(self, seq: Sequence) -> bool:
+    def ready(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can be in the next step (its token on the device is one it may read)."""
         if seq.num_pending > 1:
             return False
         if seq.num_pending == 1 and seq.num_computed != seq.num_tokens - 1:
@@ -247,9 +248,20 @@ class Scheduler:
         """Whether ``seq``'s next chunk scores its tokens (prompt logprobs, still in the prompt)."""
         return seq.params.prompt_logprobs and seq.num_computed < seq.num_prompt
 
+    def _kind(self, seq: Sequence, remaining: int) -> str:
+        """"decode" (one token; under compat not a prompt's) or "prefill": ``remaining`` of ``seq``."""
+        if self.compat is not None:
+            return "prefill" if self.compat.prefill_kind(seq, remaining) else "decode"
+        return "decode" if remaining == 1 else "prefill"
+
+    def _has(self, kind: str) -> bool:
+        """Whether a running sequence has a ``kind`` of chunk to compute now (ready or not)."""
+        return any(0 < (r := self.target(s)[0] - s.num_computed) and self._kind(s, r) == kind
+                   for s in self.running)
+
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_num_batched_tokens
-        scored = budget if self.max_scored is None else self.max_scored   # scored tokens left
+        budget, compat = self.max_num_batched_tokens, self.compat
+        scored = budget if self.max_scored is None or compat else self.max_scored   # scored tokens left
         chunks: list[ScheduledChunk] = []
         done: set[int] = set()
         self._preempted_now.clear()
@@ -261,31 +273,31 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs and (last := self.waiting.outranked(self.running)):
             self._preempt(last)             # priority: the waiting head takes its slot
 
-        def run_pass(decodes: bool) -> None:
+        def run_pass(kind: str) -> None:
             nonlocal budget, scored
             for seq in list(self.running):
-                if budget == 0:
-                    return
+                if budget == 0 or (compat and kind == "prefill" and chunks):
+                    return                  # compat: one prefill chunk a step
                 if seq.status is not SeqStatus.RUNNING or seq.seq_id in done:
                     continue
-                target, sample = self._target(seq)
+                target, sample = self.target(seq)
                 remaining = target - seq.num_computed
-                if remaining <= 0 or (remaining == 1) != decodes or not self._ready(seq):
+                if remaining <= 0 or self._kind(seq, remaining) != kind or not self.ready(seq):
                     continue
                 scores = self._scores(seq)
                 want = min(remaining, budget, scored if scores else budget)
                 if want == 0:
                     continue
-                # find blocks: shrink a prefill chunk to what fits, preempt when nothing fits
+                need = want if compat else 1  # find blocks: shrink a chunk to fit (compat: never)
                 while True:
                     room = (len(seq.block_table) + self.blocks.num_free) * bs - seq.num_computed
-                    if room >= 1:
+                    if room >= need:
                         break
                     victim = victim_for(seq)
                     if victim is None or victim is seq:
                         break
                     self._preempt(victim)
-                if room < 1:
+                if room < need:
                     if self.deferred_free:
                         continue  # blocks come back when the step in flight is collected
                     self._preempt(seq)
@@ -298,47 +310,62 @@ class Scheduler:
                 done.add(seq.seq_id)
                 budget -= num_new
 
-        run_pass(decodes=True)
-        budget = self._prefill_budget(self.max_num_batched_tokens - budget, budget)
-        run_pass(decodes=False)
+        def admit(most: int) -> None:
+            """Admit waiting sequences in the queue's order, at most ``most``."""
+            nonlocal budget, scored
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and most:
+                seq = self.waiting[0]
+                if seq.seq_id in self._preempted_now or not self.ready(seq) or seq.num_pending:
+                    break  # the head waits, nobody overtakes it
+                if compat and not compat.fits_volume(seq, self.running):
+                    break  # batch x max context would go over the plugin's limit
+                target, sample = self.target(seq)
+                hit = self._cached_prefix(seq, target)
+                start = len(hit) * bs if hit else seq.num_computed
+                remaining = target - start
+                if remaining <= 0:
+                    break
+                scores = self._scores(seq)
+                num_new = min(remaining, budget, scored if scores else budget)
+                if num_new == 0 or (seq.params.pooling and num_new < remaining) or \
+                        not self.blocks.can_share(seq, hit, start + num_new):
+                    break
+                self.waiting.popleft()
+                if hit:
+                    self.blocks.share(seq, hit, seq.num_tokens)
+                    seq.num_computed = start
+                elif seq.num_computed == 0 and seq.params.reads_prefix_cache and self.blocks.enable_caching:
+                    self.blocks.stats.queries += seq.num_tokens  # looked up, nothing found
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                scored -= num_new if scores else 0
+                chunks.append(self._take(seq, num_new, sample and num_new == remaining))
+                done.add(seq.seq_id)
+                budget -= num_new
+                most -= 1
 
-        # admit waiting sequences in the queue's order
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.seq_id in self._preempted_now or not self._ready(seq) or seq.num_pending:
-                break  # the head waits, nobody overtakes it
-            target, sample = self._target(seq)
-            hit = self._cached_prefix(seq, target)
-            start = len(hit) * bs if hit else seq.num_computed
-            remaining = target - start
-            if remaining <= 0:
+        if compat is None:
+            run_pass("decode")
+            budget = prefill_budget(self, self.max_num_batched_tokens - budget, budget)
+            run_pass("prefill")
+            admit(self.max_num_seqs)
+            return chunks
+        for kind in compat.order(self._has("decode")):   # a prefill step or a decode step
+            run_pass(kind)
+            if kind == "prefill" and not chunks and not self._has("prefill"):
+                admit(1)                                  # one prefill at a time
+            if chunks:
+                compat.last_prefill = kind == "prefill"
                 break
-            scores = self._scores(seq)
-            num_new = min(remaining, budget, scored if scores else budget)
-            if num_new == 0 or (seq.params.pooling and num_new < remaining) or \
-                    not self.blocks.can_share(seq, hit, start + num_new):
-                break
-            self.waiting.popleft()
-            if hit:
-                self.blocks.share(seq, hit, seq.num_tokens)
-                seq.num_computed = start
-            elif seq.num_computed == 0 and seq.params.reads_prefix_cache and self.blocks.enable_caching:
-                self.blocks.stats.queries += seq.num_tokens  # looked up, nothing found
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            scored -= num_new if scores else 0
-            chunks.append(self._take(seq, num_new, sample and num_new == remaining))
-            done.add(seq.seq_id)
-            budget -= num_new
         return chunks
 
     def schedule_solo(self, seq: Sequence) -> list[ScheduledChunk]:
         """A step of ``seq`` alone (a suspect of a failed step, run to see whether it fails on
         its own): its next chunk within the budget and the blocks it has or that are free;
         empty when it has nothing to compute or no room (normal scheduling takes it then)."""
-        if seq.status is not SeqStatus.RUNNING or not self._ready(seq):
+        if seq.status is not SeqStatus.RUNNING or not self.ready(seq):
             return []
-        target, sample = self._target(seq)
+        target, sample = self.target(seq)
         remaining = target - seq.num_computed
         room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - seq.num_computed
         num_new = min(remaining, self.max_num_batched_tokens, room)
@@ -346,41 +373,13 @@ class Scheduler:
             return []
         return [self._take(seq, num_new, sample and num_new == remaining)]
 
-    def _prefill_budget(self, decoded: int, budget: int) -> int:
-        """Prefill tokens for a step that already holds `decoded` decode tokens: the budget
-        left, cut so that the step ends on a token bucket when that keeps at least half of
-        the prefill the step would otherwise take. With decodes in the step, prefill takes at
-        most `max_prefill_with_decodes` tokens, so that no decode waits long for a prefill
-        chunk (the inter-token latency; vLLM's chunked prefill bounds it the same way)."""
-        if decoded and self.max_prefill_with_decodes is not None:
-            budget = min(budget, self.max_prefill_with_decodes)
-        if not self.token_buckets or budget == 0 or decoded == 0:
-            return budget               # without decodes, padding beats another step
-        wanted = 0                      # prefill tokens the running and first waiting want
-        for seq in self.running:
-            if self._ready(seq):
-                target, _ = self._target(seq)
-                if target - seq.num_computed > 1:
-                    wanted += target - seq.num_computed
-        slots = self.max_num_seqs - len(self.running)
-        for seq in self.waiting:
-            if slots == 0 or wanted >= budget:
-                break
-            target, _ = self._target(seq)
-            wanted += max(0, target - seq.num_computed)
-            slots -= 1
-        prefill = min(wanted, budget)
-        floor = max((b for b in self.token_buckets if b <= decoded + prefill), default=0)
-        # cut only while the step keeps at least half of its prefill: 31 decodes beside a
-        # 27-token remainder pad to 64 rather than trickle one token a step into bucket 32
-        return floor - decoded if 2 * (floor - decoded) >= prefill else budget
-
     def _cached_prefix(self, seq: Sequence, target: int) -> list[int]:
         """The cached blocks a sequence about to start from position 0 starts from: the longest
         cached prefix of its tokens, leaving one of ``target`` to compute (vLLM's cap)."""
         if seq.num_computed or seq.block_table or not seq.params.reads_prefix_cache:
             return []
-        return self.blocks.lookup(seq, min(target, seq.num_tokens) - 1)
+        hit = self.blocks.lookup(seq, min(target, seq.num_tokens) - 1)
+        return self.compat.whole_chunks(hit) if self.compat else hit
 
     def _take(self, seq: Sequence, num_new: int, sample: bool) -> ScheduledChunk:
         start = seq.num_computed

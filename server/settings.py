@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 from spyre_serve.device.memory import DeviceError, parse_bytes
+from spyre_serve.server.spyre_compat import check_settings
 
 ENV_PREFIX = "SPYRE_SERVE_"
 
@@ -274,6 +275,11 @@ class Settings:
     scheduling_policy: str = _flag("fcfs", "fcfs: requests run in arrival order; priority: by the request's "
                                    "priority (lower first, then arrival), a waiting request taking the "
                                    "slot of a running one of lower priority (vLLM's)", parse_policy)
+    spyre_compat: bool = _flag(False, "schedule and admit as the vLLM Spyre plugin does (server/spyre_compat.py): "
+                               "one prefill at a time, never beside decodes; prefill chunks of "
+                               "--max-num-batched-tokens (a multiple of 64, --block-size 64); batch x "
+                               "max context <= 131072; 32K context at most; prefix-cache hits in whole "
+                               "chunks; --no-warmup refused", parse_bool)
     structured_output_wait: bool = _flag(False, "structured output: read back a step holding a grammar's "
                                          "sample before planning the next (every sequence gets a token "
                                          "each step, the card idles while the host plans) instead of "
@@ -290,7 +296,8 @@ class Settings:
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
 
     def with_numerics(self) -> Settings:
-        """These settings checked (an empty API key is refused, ValueError) and with
+        """These settings checked (an empty API key is refused, --spyre-compat's rules:
+        ``server/spyre_compat.py``; ValueError) and with
         ``--numerics`` applied: spyre sets the weights' and the KV
         cache's widths (and the GEMM inputs' through --compute-dtype auto) to DLFloat16; a
         width given as something else contradicts it (ValueError naming both)."""
@@ -300,6 +307,8 @@ class Settings:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty (or SPYRE_SERVE_API_KEY is set to nothing): an "
                              "empty bearer token would pass it; set a key or leave it unset")
+        if self.spyre_compat:
+            check_settings(self)
         if self.numerics == "ieee":
             return self
         for name in ("dtype", "compute_dtype", "kv_cache_dtype"):
