@@ -34,6 +34,7 @@ from spyre_serve.models.kv_cache import resolve_dtype as resolve_kv_dtype
 from spyre_serve.models.memory_plan import StepMemory
 from spyre_serve.models.penalty_slots import PenaltySlots
 from spyre_serve.models.programs import StepPrograms, bucket, buckets
+from spyre_serve.models.projection import StepProjector, step_of_work
 from spyre_serve.models.prompt_logprobs import PromptLogprobs
 from spyre_serve.models.step_inputs import PackedStep, StepLimits, check_work, pack_step
 from spyre_serve.models.step_io import SeqWork, SeqWorkError, StepOutput
@@ -43,15 +44,18 @@ from spyre_serve.models.weights import compute_code, resolve_compute_dtype
 
 
 class StepHandle:
-    """A launched step. `result()` waits for its readback and returns the StepOutput."""
+    """A launched step. `result()` waits for its readback and returns the StepOutput;
+    `projected_seconds` is what the step takes on a real card (models/projection.py)."""
 
-    __slots__ = ("_prompt_logprobs", "_launch", "_step", "_out")
+    __slots__ = ("_prompt_logprobs", "_launch", "_step", "_out", "projected_seconds")
 
-    def __init__(self, launch: LaunchHandle, step: _Launched, prompt_logprobs: PromptLogprobs):
+    def __init__(self, launch: LaunchHandle, step: _Launched, prompt_logprobs: PromptLogprobs,
+                 projected_seconds: float = 0.0):
         self._prompt_logprobs = prompt_logprobs
         self._launch = launch
         self._step = step
         self._out: StepOutput | None = None
+        self.projected_seconds = projected_seconds
 
     def done(self) -> bool:
         return self._launch.done()
@@ -140,6 +144,8 @@ class ModelRunner:
         self._pen_slots = PenaltySlots(self.limits.num_penalty_slots)
         self._timers: DeviceTensor | None = None      # int64[len(TIMERS)] while profiling
         self._timer_bindings: dict = {}
+        # each launch's seconds on a real card, the model as placed (one card: tp 1)
+        self.projector = StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype)
 
     @property
     def numerics(self) -> str:
@@ -205,10 +211,11 @@ class ModelRunner:
         t = bucket(self.t_buckets, n_tok)
         s = bucket(self.s_buckets, len(work))
         return self._launch(t, s, work, return_rows=return_logits, return_logits=return_logits,
-                            pen_slots=pen_slots)
+                            pen_slots=pen_slots, projected=self.projector.seconds(step_of_work(work)))
 
     def _launch(self, t: int, s: int, work: list[SeqWork], return_rows: bool,
-                return_logits: bool, pen_slots: dict[int, int] | None = None) -> StepHandle:
+                return_logits: bool, pen_slots: dict[int, int] | None = None,
+                projected: float = 0.0) -> StepHandle:
         mem, stream = self.memory, self.stream
         packed = pack_step(mem.inputs_layout, work, t, s, return_rows, self.limits,
                            self._last_rows, pen_slots)
@@ -237,7 +244,8 @@ class ModelRunner:
         self._last_rows = packed.sample_rows
         self._prev_sampled = (out_dev.address + outputs.offsets["sampled"], outputs.count("sampled"))
         return StepHandle(handle, _Launched(work=work, packed=packed, outputs=outputs, out=out,
-                                            lsm=lsm, logits=logits), self._prompt_logprobs)
+                                            lsm=lsm, logits=logits), self._prompt_logprobs,
+                          projected)
 
     # ---- profiling ------------------------------------------------------------------
     def profile(self, enabled: bool = True) -> None:

@@ -40,7 +40,12 @@ from collections.abc import Callable
 from spyre_serve.server.admission import RequestRejected, check_request
 from spyre_serve.server.block_manager import BlockManager
 from spyre_serve.server.engine_death import EngineUnavailable, Lifeline
-from spyre_serve.server.engine_stats import EngineObserver, EngineStats, device_seconds
+from spyre_serve.server.engine_stats import (
+    EngineObserver,
+    EngineStats,
+    device_seconds,
+    projected_of,
+)
 from spyre_serve.server.inbox import Inbox
 from spyre_serve.server.open_requests import EngineRequest, OpenRequests
 from spyre_serve.server.output_processor import OutputProcessor
@@ -263,17 +268,7 @@ class Engine:
         self._counts, self._waiting_seqs = (0, 0), 0
 
     def _drain_inbox(self) -> None:
-        for kind, item in self._inbox.take():
-            if kind == "add":
-                req: EngineRequest = item
-                self._open.add(req)
-                for seq in req.seqs:
-                    self._outputs.start(seq)
-                    self.scheduler.add(seq)
-            else:
-                req = self._requests.get(item)
-                if req is not None:
-                    self._open.finish(req, "abort", notify=False)
+        self._open.take(self._inbox.take(), self._outputs.start)
 
     def _launch(self, chunks: list[ScheduledChunk]) -> Step | None:
         if not chunks:
@@ -295,7 +290,7 @@ class Engine:
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
                 self.observer.on_scheduled(now - req.arrival, c.seq.num_prompt)
-        return Step(chunks, handle, self.stats.steps)
+        return Step(chunks, handle, self.stats.steps, projected_of(handle, self.observer))
 
     def _collect_pair(self, step: Step, next_step: Step | None) -> Step | None:
         """Read back ``step``; when it failed, read back the step launched after it too
@@ -334,6 +329,8 @@ class Engine:
                 continue
             i = row[seq.seq_id] if c.sample else None
             kept = self.scheduler.collected(c, None if i is None else int(out.token_ids[i]))
+            if kept or not c.sample:          # its time on a real card (a discarded token's: not)
+                self._outputs.on_step(seq, step.projected)
             if c.prompt_logprobs and seq.seq_id in out.prompt_logprobs:
                 store_prompt_logprobs(c, out.prompt_logprobs[seq.seq_id])
             if c.sample:

@@ -1,11 +1,13 @@
 """What the engine counts and times: ``EngineStats`` (steps, failures, how busy the device
 was, finish reasons) and the ``EngineObserver`` hooks the metrics implement
-(``server/metrics.py``), fed per request and per token."""
+(``server/metrics.py``), fed per request and per token; and each step's and sequence's time on
+a real card (``projected_of``, ``ProjectedTimes``: models/projection.py)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class EngineObserver:
@@ -18,6 +20,7 @@ class EngineObserver:
     def on_finished(self, reason: str, e2e_seconds: float) -> None: ...
     def on_step(self, num_tokens: int) -> None: ...  # a step launched with this many tokens
     def on_request_params(self, max_tokens: int) -> None: ...  # a request closed: its max_tokens
+    def on_projected_step(self, seconds: float) -> None: ...  # a step launched: its real card's time
 
 
 @dataclass(slots=True)
@@ -63,3 +66,29 @@ def time_token(observer: EngineObserver, req, seq, now: float) -> None:
     elif seq.last_token_time is not None:
         observer.on_token_gap(now - seq.last_token_time)
     seq.last_token_time = now
+
+
+class ProjectedTimes(NamedTuple):
+    """A sequence's steps on a real card (each launch's ``projected_seconds``): those up to and
+    including its first token, those after it, and how many after it. Immutable: an update
+    carries the one it was made with."""
+
+    ttft: float = 0.0
+    later: float = 0.0
+    later_steps: int = 0
+
+    def after(self, seconds: float, first_token_seen: bool) -> ProjectedTimes:
+        """These times with one more step of ``seconds``: a later one once the first token was seen."""
+        if first_token_seen:
+            return ProjectedTimes(self.ttft, self.later + seconds, self.later_steps + 1)
+        return ProjectedTimes(self.ttft + seconds, self.later, self.later_steps)
+
+
+def projected_of(handle, observer: EngineObserver) -> float | None:
+    """A launched step's seconds on a real card (its handle's ``projected_seconds``: a
+    ``models.ModelRunner`` step's; None from a runner that projects nothing), reported to
+    ``observer``."""
+    seconds = getattr(handle, "projected_seconds", None)
+    if seconds is not None:
+        observer.on_projected_step(seconds)
+    return seconds

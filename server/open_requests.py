@@ -53,6 +53,20 @@ class OpenRequests:
     def add(self, req: EngineRequest) -> None:
         self.by_id[req.request_id] = req
 
+    def take(self, items: list, start: Callable[[Sequence], None]) -> None:
+        """What the inbox held (``Inbox.take``): each request's sequences started (``start``: the
+        output processor's) and scheduled; each abort finishes its request, telling no one."""
+        for kind, item in items:
+            if kind == "add":
+                self.add(item)
+                for seq in item.seqs:
+                    start(seq)
+                    self._scheduler.add(seq)
+            else:
+                req = self.by_id.get(item)
+                if req is not None:
+                    self.finish(req, "abort", notify=False)
+
     def finish_seq(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         seq.stop_reason = stop_reason
         self._scheduler.finish(seq, reason)

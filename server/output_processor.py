@@ -2,7 +2,7 @@
 the scheduler owns a sequence's tokens and blocks, this its detokenizer, grammar matcher,
 logprobs and timing. The engine calls `start` when a sequence arrives and `on_token` for every
 token the scheduler has appended; `on_token` returns why the sequence stops, or None; `on_pooled`
-keeps an embedding's vector.
+keeps an embedding's vector; `on_step` counts a step it took part in into its time on a real card.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from spyre_serve.models.tokenizer import IncrementalDetokenizer
-from spyre_serve.server.engine_stats import EngineObserver, time_token
+from spyre_serve.server.engine_stats import EngineObserver, ProjectedTimes, time_token
 from spyre_serve.server.open_requests import EngineRequest
 from spyre_serve.server.outputs import token_logprob
 from spyre_serve.server.sequence import Sequence
@@ -46,6 +46,13 @@ class OutputProcessor:
         if seq.matcher is not None and stop is None:
             stop = grammar_stop(seq, token)
         return stop
+
+    def on_step(self, seq: Sequence, seconds: float | None) -> None:
+        """``seq`` took part in a step read back (its token kept, if it sampled) that takes
+        ``seconds`` on a real card (None: not projected): counted toward its projected TTFT up to
+        and including its first token (call it before ``on_token``), then toward its later steps."""
+        if seconds is not None:
+            seq.projected = (seq.projected or ProjectedTimes()).after(seconds, seq.first_token_time is not None)
 
     def on_pooled(self, seq: Sequence, out, i: int, now: float) -> None:
         """``seq``'s whole prompt was pooled into ``out``'s row ``i`` (an embedding): keep it, timed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spyre_serve.server.engine_stats import ProjectedTimes
 from spyre_serve.server.sequence import Sequence, TokenLogprob
 from spyre_serve.server.step_work import ScheduledChunk
 
@@ -23,6 +24,7 @@ class SeqUpdate:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, for echo + logprobs
     error: str | None = None
     embedding: object | None = None  # float32[H]: an embedding request's vector, with its finish
+    projected: ProjectedTimes | None = None  # its steps on a real card so far (None: not projected)
 
 
 def error_update(index: int, message: str) -> SeqUpdate:
@@ -77,4 +79,5 @@ def take_update(seq: Sequence) -> SeqUpdate | None:
         prompt_logprobs=prompt_lps,
         error=seq.error,
         embedding=seq.embedding if seq.is_finished else None,
+        projected=seq.projected,
     )

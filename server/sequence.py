@@ -102,6 +102,7 @@ class Sequence:
     embedding: object | None = None  # float32[H] of a pooling sequence, once its step is read back
     first_token_time: float | None = None
     last_token_time: float | None = None
+    projected: object | None = None  # engine_stats.ProjectedTimes: its steps on a real card
     # -- what the client has been sent: the updates (outputs.py)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_text_sent: int = 0  # characters of ``text`` already handed to the client
@@ -195,7 +196,8 @@ WRITERS: dict[tuple[str, ...], tuple[str, ...]] = {
      "kv_suspect", "status", "num_inflight", "release_pending", "finish_reason"):
         ("scheduler.py", "block_manager.py"),
     ("stop_reason", "error"): ("open_requests.py",),
-    ("output_logprobs", "text", "detok", "matcher", "embedding", "first_token_time", "last_token_time"):
+    ("output_logprobs", "text", "detok", "matcher", "embedding", "first_token_time", "last_token_time",
+     "projected"):
         ("output_processor.py", "stopping.py", "engine_stats.py", "sequence.py"),
     ("prompt_logprobs", "num_text_sent", "num_tokens_sent", "prompt_logprobs_sent"):
         ("outputs.py", "sequence.py"),

@@ -30,6 +30,7 @@ class Step:
     chunks: list[ScheduledChunk]
     handle: PendingStep  # its runner's handle: result() reads it back
     number: int  # launches so far, this one included
+    projected: float | None = None  # its seconds on a real card (engine_stats.projected_of)
 
 
 def holds_grammar_sample(step: Step) -> bool:

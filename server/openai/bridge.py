@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from spyre_serve.server.engine import Engine, SeqUpdate
+from spyre_serve.server.engine_stats import ProjectedTimes
 from spyre_serve.server.sequence import GenerationParams, TokenLogprob
 
 DISCONNECT_POLL_SECONDS = 0.05  # how often a waiting non-streaming request asks if its client left
@@ -44,6 +45,7 @@ class Choice:
     started: bool = False  # a streamed completion sent its first chunk (the echo goes in it)
     text_offset: int = 0  # characters of text sent so far (streaming logprobs offsets)
     embedding: object | None = None  # float32[H]: an embedding request's vector
+    projected: ProjectedTimes | None = None  # its steps on a real card so far (the engine's)
 
 
 class Submission:
@@ -106,6 +108,8 @@ class Submission:
         c.logprobs += u.logprobs
         if u.prompt_logprobs is not None:
             c.prompt_logprobs = u.prompt_logprobs
+        if u.projected is not None:
+            c.projected = u.projected
         if u.finish_reason is not None:
             c.finish_reason, c.stop_reason, c.error = u.finish_reason, u.stop_reason, u.error
             c.embedding = u.embedding
@@ -121,13 +125,30 @@ class Submission:
         return next((c.error for c in self.choices if c.error), None)
 
     def usage(self, choice: int | None = None) -> dict:
-        """The request's token counts so far, or one choice's (its prompt and its tokens)."""
+        """The request's token counts so far, or one choice's (its prompt and its tokens); with
+        the ``spyre`` block (``spyre_usage``) when the engine projects its steps."""
         if choice is not None:
-            prompt, completion = len(self.choices[choice].prompt_ids), len(self.choices[choice].token_ids)
-            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        prompt = sum(len(self.choices[i * self.n].prompt_ids) for i in range(len(self.sub_ids)))
-        completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            chosen = [self.choices[choice]]
+            prompt = len(chosen[0].prompt_ids)
+        else:
+            chosen = self.choices
+            prompt = sum(len(self.choices[i * self.n].prompt_ids) for i in range(len(self.sub_ids)))
+        completion = sum(len(c.token_ids) for c in chosen)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        projected = [c.projected for c in chosen if c.projected is not None]
+        if projected:
+            usage["spyre"] = spyre_usage(projected)
+        return usage
+
+
+def spyre_usage(projected: list[ProjectedTimes]) -> dict:
+    """What the choices' steps take on a real Spyre card (models/projection.py): the steps up to
+    the first token (of the earliest choice), the mean of the steps after it (over every
+    choice's), and all of the longest choice's steps."""
+    later, steps = sum(p.later for p in projected), sum(p.later_steps for p in projected)
+    return {"projected_ttft_seconds": min(p.ttft for p in projected),
+            "projected_tpot_seconds": later / steps if steps else 0.0,
+            "projected_seconds": max(p.ttft + p.later for p in projected)}
 
 
 async def collect(sub: Submission, is_disconnected: Callable[[], Awaitable[bool]],

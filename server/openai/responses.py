@@ -17,10 +17,21 @@ class Declared(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class SpyreUsage(Declared):
+    """What the request's steps take on a real Spyre card, projected from their shapes
+    (models/projection.py; bridge.spyre_usage): seconds to the first token, per later token
+    (the mean), and in all."""
+
+    projected_ttft_seconds: float
+    projected_tpot_seconds: float
+    projected_seconds: float
+
+
 class Usage(Declared):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    spyre: SpyreUsage | None = None   # when the engine projects its steps (a ModelRunner does)
 
 
 class CompletionLogprobs(Declared):
@@ -168,6 +179,7 @@ class ResponsesUsage(Declared):
     output_tokens: int
     output_tokens_details: dict[Literal["reasoning_tokens"], int]
     total_tokens: int
+    spyre: SpyreUsage | None = None
 
 
 class ResponsesResponse(Declared):

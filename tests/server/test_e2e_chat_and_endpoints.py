@@ -28,7 +28,8 @@ def test_chat_returns_an_assistant_message_and_counts_tokens(client):
     assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
     assert choice["finish_reason"] == "length"
     prompt = client.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
-    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 4, "total_tokens": prompt + 4}
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 4, "total_tokens": prompt + 4,
+                             "spyre": body["usage"]["spyre"]}     # its steps on a real card
 
 
 def test_chat_prompt_is_the_tokenizers_chat_template(client):

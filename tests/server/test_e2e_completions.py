@@ -20,7 +20,8 @@ def test_a_completion_has_vllms_shape_and_counts_tokens(client, greedy):
     assert greedy["id"].startswith("cmpl-")
     choice = greedy["choices"][0]
     assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
-    assert greedy["usage"] == {"prompt_tokens": tokens, "completion_tokens": 12, "total_tokens": tokens + 12}
+    assert greedy["usage"] == {"prompt_tokens": tokens, "completion_tokens": 12, "total_tokens": tokens + 12,
+                               "spyre": greedy["usage"]["spyre"]}   # its steps on a real card
 
 
 def test_logprobs_list_each_token_with_its_logprob_top_alternatives_and_offset(greedy):
@@ -170,7 +171,7 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(cli
         finals[e["choices"][0]["index"]] = e["usage"]["completion_tokens"]
     assert finals == {0: 4, 1: 4, 2: 4, 3: 4}
     assert events[-2]["usage"] == {"prompt_tokens": sum(prompts), "completion_tokens": 16,
-                                   "total_tokens": sum(prompts) + 16}
+                                   "total_tokens": sum(prompts) + 16, "spyre": events[-2]["usage"]["spyre"]}
 
 
 def test_a_streamed_echo_with_logprobs_sends_the_prompt_first(client):
