@@ -6,8 +6,9 @@ From a config alone: ``granite-3.3-8b`` (its published config), a profile's name
 directory or a config.json, or a GGUF file (its header). For each of the ``--tensor-parallel-size``
 cards it prints the weights, the KV cache of ``--max-num-seqs`` sequences of ``--max-model-len``
 tokens, the step buffers, and what is left of a real card (128 GB, 112 GB usable); the largest
-context at that batch and the largest batch at that context; and, for the emulator, whether the
-cards' arenas fit in this machine's memory. The sizes are the runner's own (models/fit.py: the
+context at that batch and the largest batch at that context; the projected TTFT and TPOT on a
+real card (models/projection.py); and, for the emulator, whether the cards' arenas fit in this
+machine's memory. The sizes are the runner's own (models/fit.py: the
 server's memory plan allocates by the same functions). A plan that does not fit a real card
 exits 1 with the numbers.
 """
@@ -86,6 +87,10 @@ def plan_text(name: str, cfg: GraniteConfig, s: Settings, fit: CardFit, host: in
         f"tokens (the KV room holds {tokens:,}; the model's positions {cfg.max_position_embeddings:,}); largest batch "
         f"at {max_len:,} tokens: {tokens // max_len:,} sequences",
     ]
+    ttft, tpot = projected(cfg, s, tp, max_len)
+    lines.append(f"projected on a real card (docs/projection.md): TTFT {ttft * 1e3:,.1f} ms for a prompt filling the "
+                 f"context ({max_len - 1:,} tokens in chunks of {s.max_num_batched_tokens}), TPOT {tpot * 1e3:,.2f} ms "
+                 f"with {s.max_num_seqs} sequences decoding at {max_len:,} tokens")
     if host is not None:
         need = tp * fit.total
         lines.append(f"emulator on this machine: {tp} card arena(s) of {_gb(fit.total)} = {_gb(need)} of "
@@ -95,6 +100,17 @@ def plan_text(name: str, cfg: GraniteConfig, s: Settings, fit: CardFit, host: in
         lines.append(f"the vLLM Spyre plugin serves Granite 3.3 8B at tensor parallel {tp} with {length:,} tokens x "
                      f"{seqs} sequences (its model_configs.yaml): memory is not what limits it there")
     return lines
+
+
+def projected(cfg: GraniteConfig, s: Settings, tp: int, max_len: int) -> tuple[float, float]:
+    """(TTFT, TPOT) on a real card (models/projection.py): a prompt of max_len - 1 tokens
+    prefilled in chunks of --max-num-batched-tokens, then its token at a full context beside
+    --max-num-seqs - 1 others."""
+    from spyre_serve.models.projection import project_request
+
+    kv_bytes = 4 if fit_kv_dtype(s, cfg) == "float32" else 2
+    return project_request(cfg, max_len - 1, 2, s.max_num_seqs, tp=tp, chunk=s.max_num_batched_tokens,
+                           formats=fit_dtype(s, cfg), kv_bytes=kv_bytes)
 
 
 def fit_dtype(s: Settings, cfg: GraniteConfig) -> str:

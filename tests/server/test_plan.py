@@ -28,6 +28,11 @@ def test_granite_33_8b_at_tp_1_and_4():
     assert f"  weights                {weight_bytes(cfg, 'float16') / 1e9:9.2f} GB" in text
     assert "16 sequences x 3,072 tokens (160.0 KiB a token" in text
     assert "the vLLM Spyre plugin serves Granite 3.3 8B at tensor parallel 1 with 3,072 tokens x 16" in text
+    from spyre_serve.models.projection import project_request
+
+    ttft, tpot = project_request(cfg, 3071, 2, 16, tp=1, chunk=512, formats="float16", kv_bytes=2)
+    assert (f"TTFT {ttft * 1e3:,.1f} ms for a prompt filling the context (3,071 tokens in chunks of 512), "
+            f"TPOT {tpot * 1e3:,.2f} ms with 16 sequences decoding at 3,072 tokens") in text
     code, text = run("--model", "granite-3.3-8b", "--tensor-parallel-size", "4", "--max-model-len", "32768",
                      "--max-num-seqs", "32", "--dtype", "float16")
     assert code == 0 and "each of the 4 card(s) holds" in text and "(40.0 KiB a token" in text
