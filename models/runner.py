@@ -166,6 +166,7 @@ class ModelRunner:
             "CFMT": compute_code(self.compute_dtype), "KV_FMT": self.kv.fmt,
             "POOL": 1 + POOLING_TYPES[self.pooling_type] if self.pooling else 0,
             "POOL_NORM": int(self.normalize),
+            "H0": 0, "H1": 2 * cfg.num_hidden_layers + 2, "VS": cfg.vocab_size,   # the whole step
             "embed": w.embed.tensor, "norm": w.norm, "lm_head": w.lm_head.tensor,
             "inv_freq": w.inv_freq, "consts": w.consts, "layers": self.memory.layer_table,
             "timers": 0, length_slot("timers"): 0,            # timing off (see `profile`)

@@ -13,6 +13,9 @@ A step (T token rows, S sequences, R logit rows, NS of them sampling):
                x += res * (attn @ Wo), rmsnorm, gu = h @ Wgu, swiglu, x += res * (act @ Wdown)
     hsel[R, H] = rmsnorm(x[logit_rows]);   logits[R, V] = hsel @ lm_head / logits_scaling
     (a pooling runner, POOL > 0, instead: pooled[S, H] = each sequence's rows of rmsnorm(x) pooled)
+One launch may run a part of this (the H0, H1 slots, in halves of layers): a card of several
+runs the step as parts between which the cards sum their halves' outputs (tensor parallel);
+a runner of one card runs it whole.
     count each penalized sequence's tokens into its slot of the penalty tables (on the card)
     sample rows 0..NS-1 (logit bias, penalties, bans, grammar mask, temperature, top-k/p,
     min-p, seeded draw) with the
@@ -39,10 +42,9 @@ from enum import IntEnum
 import numpy as np
 from numba import njit
 
-from spyre_serve.device.abi import f32_at, i32_at, i64_at, u16_at
+from spyre_serve.device.abi import f32_at, i32_at, i64_at
 from spyre_serve.device.kernels.activation import swiglu
-from spyre_serve.device.kernels.attention import paged_attention, write_kv
-from spyre_serve.device.kernels.formats import FMT_F32
+from spyre_serve.device.kernels.attention import attention_at
 from spyre_serve.device.kernels.gather import gather_columns_at, gather_rows
 from spyre_serve.device.kernels.gemm import gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
@@ -162,6 +164,10 @@ SLOTS = [
     ("NBAN", "dim"), ("NMW", "dim"), ("NBIAS", "dim"),
     # pooling (embedding models): 0 generates, else 1 + device.kernels.pooling.POOL_*; unit norm
     ("POOL", "dim"), ("POOL_NORM", "dim"),
+    # the part of the step this launch runs, in halves of layers: [H0, H1) of 0..2L+1 (2l: layer
+    # l's attention, 2l+1: its MLP, 2L: the head, 2L+1: sampling; one card runs 0..2L+2). VS:
+    # the LM head's columns (V, or a card's vocabulary shard: written to `lsm` as [R, VS])
+    ("H0", "dim"), ("H1", "dim"), ("VS", "dim"),
     # model shapes
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
     ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
@@ -210,30 +216,6 @@ def _i32(i32, table, slot, n):
 def _sample_rows(i64, table, n):
     """SAMPLE_ROW[n] view of the sample_rows field."""
     return i64_at(i64, _bounded(table, Slot.sample_rows, n), n * _ROW_WORDS).view(_ROW_DTYPE)
-
-
-@njit(nogil=True, cache=True)
-def _attention(f32, u16, k_addr, v_addr, kv_fmt, nbt, bs, hkv, d, k3, v3, slot_mapping, a3, q3,
-               block_tables, query_start, context_lens, attn_scale, timers, t):
-    """write_kv, then paged attention, over the layer's cache (K^T [NBT, Hkv, D, BS] and V
-    [NBT, Hkv, BS, D]; float32, or 16-bit: kv_fmt); returns the kernel timers' running tick,
-    as `lap` does."""
-    n = nbt * hkv * d * bs
-    if kv_fmt == FMT_F32:
-        kc = f32_at(f32, k_addr, n).reshape(nbt, hkv, d, bs)
-        vc = f32_at(f32, v_addr, n).reshape(nbt, hkv, bs, d)
-        write_kv(kc, vc, k3, v3, slot_mapping, kv_fmt)
-        t = lap(timers, K_WRITE_KV, t)
-        paged_attention(a3, q3, kc, vc, block_tables, query_start, context_lens, attn_scale,
-                        kv_fmt)
-    else:
-        kc16 = u16_at(u16, k_addr, n).reshape(nbt, hkv, d, bs)
-        vc16 = u16_at(u16, v_addr, n).reshape(nbt, hkv, bs, d)
-        write_kv(kc16, vc16, k3, v3, slot_mapping, kv_fmt)
-        t = lap(timers, K_WRITE_KV, t)
-        paged_attention(a3, q3, kc16, vc16, block_tables, query_start, context_lens,
-                        attn_scale, kv_fmt)
-    return lap(timers, K_ATTENTION, t)
 
 
 @njit(nogil=True, cache=True)
@@ -327,57 +309,63 @@ def step_entry(f32, i32, i64, u16, table):
     cfmt = table[Slot.CFMT]      # GEMM inputs: rounded to 16 bits by the GEMM, or int8 (quantized weights)
     timers = i64_at(i64, table[Slot.timers], table[Slot.timers + 1])
     t = lap(timers, -1, 0)
-    rope_tables(rope_cos, rope_sin, positions, inv_freq)     # every layer rotates by them
-
-    # ---- the model
-    gather_columns_at(x, f32, u16, table[Slot.embed], tokens, emb_mult, H, V, table[Slot.EMBED_FMT])
-    t = lap(timers, K_EMBEDDING, t)
-    for layer in range(L):
-        in_norm = f32_at(f32, layers[layer, COL_IN_NORM], H)
-        post_norm = f32_at(f32, layers[layer, COL_POST_NORM], H)
-
-        rmsnorm(hbuf, x, in_norm, eps)
-        t = lap(timers, K_RMSNORM, t)
-        gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV,
-                layers[layer, COL_QKV_FMT], cfmt)
-        t = lap(timers, K_QKV, t)
-        split_rope(q3, k3, v3, qkv, rope_cos, rope_sin)
-        t = lap(timers, K_ROPE, t)
-        t = _attention(f32, u16, layers[layer, COL_K_CACHE], layers[layer, COL_V_CACHE],
-                       table[Slot.KV_FMT], NBT, BS, HKV, D, k3, v3, slot_mapping, a3, q3,
-                       block_tables, query_start, context_lens, attn_scale, timers, t)
-        gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H,
-                layers[layer, COL_O_FMT], cfmt)
-        t = lap(timers, K_O_PROJ, t)
-        residual_add(x, y, res_mult)
-        t = lap(timers, K_RESIDUAL, t)
-        rmsnorm(hbuf, x, post_norm, eps)
-        t = lap(timers, K_RMSNORM, t)
-        gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER,
-                layers[layer, COL_GATE_UP_FMT], cfmt)
-        t = lap(timers, K_GATE_UP, t)
-        swiglu(act, gu)
-        t = lap(timers, K_SWIGLU, t)
-        gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H,
-                layers[layer, COL_DOWN_FMT], cfmt)
-        t = lap(timers, K_DOWN, t)
-        residual_add(x, y, res_mult)
-        t = lap(timers, K_RESIDUAL, t)
+    H0, H1 = table[Slot.H0], table[Slot.H1]
+    if H0 == 0:
+        rope_tables(rope_cos, rope_sin, positions, inv_freq)     # every layer rotates by them
+        gather_columns_at(x, f32, u16, table[Slot.embed], tokens, emb_mult, H, V, table[Slot.EMBED_FMT])
+        t = lap(timers, K_EMBEDDING, t)
+    # ---- the model, half a layer at a time: a half's output y joins the residual stream at
+    # the start of the next (several cards: once summed over the cards between the two)
+    for half in range(H0, min(H1, 2 * L + 1)):
+        if half > 0:
+            residual_add(x, y, res_mult)
+            t = lap(timers, K_RESIDUAL, t)
+        if half == 2 * L:
+            break
+        layer = half // 2
+        if half % 2 == 0:
+            rmsnorm(hbuf, x, f32_at(f32, layers[layer, COL_IN_NORM], H), eps)
+            t = lap(timers, K_RMSNORM, t)
+            gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV,
+                    layers[layer, COL_QKV_FMT], cfmt)
+            t = lap(timers, K_QKV, t)
+            split_rope(q3, k3, v3, qkv, rope_cos, rope_sin)
+            t = lap(timers, K_ROPE, t)
+            t = attention_at(f32, u16, layers[layer, COL_K_CACHE], layers[layer, COL_V_CACHE],
+                             table[Slot.KV_FMT], NBT, BS, HKV, D, k3, v3, slot_mapping, a3, q3,
+                             block_tables, query_start, context_lens, attn_scale, timers, t,
+                             K_WRITE_KV, K_ATTENTION)
+            gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H, layers[layer, COL_O_FMT], cfmt)
+            t = lap(timers, K_O_PROJ, t)
+        else:
+            rmsnorm(hbuf, x, f32_at(f32, layers[layer, COL_POST_NORM], H), eps)
+            t = lap(timers, K_RMSNORM, t)
+            gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER,
+                    layers[layer, COL_GATE_UP_FMT], cfmt)
+            t = lap(timers, K_GATE_UP, t)
+            swiglu(act, gu)
+            t = lap(timers, K_SWIGLU, t)
+            gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H, layers[layer, COL_DOWN_FMT], cfmt)
+            t = lap(timers, K_DOWN, t)
 
     norm = f32_at(f32, table[Slot.norm], H)
-    if table[Slot.POOL] > 0:             # an embedding model: each sequence's pooled rows
+    if H0 <= 2 * L < H1 and table[Slot.POOL] > 0:   # an embedding model: each sequence's rows pooled
         rmsnorm(hbuf, x, norm, eps)
         pool_rows(_f32(f32, table, Slot.pooled, S * H).reshape(S, H), hbuf, query_start,
                   table[Slot.POOL] - 1, table[Slot.POOL_NORM])
         return
-    # ---- logits only for the rows that need them
-    gather_rows(hsel, x, logit_rows)
-    rmsnorm(hn, hsel, norm, eps)
-    gemm_at(logits, hn, f32, u16, table[Slot.lm_head], H, V, table[Slot.LM_HEAD_FMT], cfmt)
-    lf = logits.reshape(R * V)
+    if H0 <= 2 * L < H1:                 # ---- the head: logits only for the rows that need them
+        VS = table[Slot.VS]
+        gather_rows(hsel, x, logit_rows)
+        rmsnorm(hn, hsel, norm, eps)
+        head_out = logits if VS == V else lsm.reshape(R * V)[:R * VS].reshape(R, VS)
+        gemm_at(head_out, hn, f32, u16, table[Slot.lm_head], H, VS, table[Slot.LM_HEAD_FMT], cfmt)
+        t = lap(timers, K_LM_HEAD, t)
+    if H1 <= 2 * L + 1:
+        return
+    lf = logits.reshape(R * V)           # ---- sampling (every card's logits whole by now)
     for i in range(R * V):
         lf[i] *= inv_logit_scale
-    t = lap(timers, K_LM_HEAD, t)
     if R > S:
         log_softmax(lsm, logits)          # every token row asked for (prompt logprobs, debug)
     t = lap(timers, K_LOG_SOFTMAX, t)

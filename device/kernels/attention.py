@@ -17,7 +17,7 @@ exactly in the tiles; the attention computes in float32.
 import numpy as np
 from numba import njit, prange
 
-from spyre_serve.device.abi import chunks_for, get_kernel_threads
+from spyre_serve.device.abi import chunks_for, f32_at, get_kernel_threads, u16_at
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_BF16R, FMT_F32, narrow
 from spyre_serve.device.kernels.microkernel import tile, wide_tile
 from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
@@ -28,6 +28,7 @@ from spyre_serve.device.kernels.simd import (
     wide_cols,
     wide_tile_height,
 )
+from spyre_serve.device.profile import lap
 
 # Work items are (a tile of query rows of one sequence, one KV head): up to this many query
 # vectors (rows x the query heads of the KV head), so that a tile's scores and running sum stay
@@ -263,3 +264,27 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
             pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
             _attend_item(out, q, kf, vf, (nb, hkv, d, bs), block_tables, s, r0, nr, pos0, kvh,
                          group, sc, qt, sbuf, acc, m, denom, bits, fmt)
+
+
+@njit(nogil=True, cache=True)
+def attention_at(f32, u16, k_addr, v_addr, kv_fmt, nbt, bs, hkv, d, k3, v3, slot_mapping, a3, q3,
+                 block_tables, query_start, context_lens, attn_scale, timers, t, k_write, k_attention):
+    """write_kv, then paged attention, over the layer's cache (K^T [NBT, Hkv, D, BS] and V
+    [NBT, Hkv, BS, D]; float32, or 16-bit: kv_fmt); returns the kernel timers' running tick,
+    as `lap` does (`k_write`, `k_attention`: the timers of the two)."""
+    n = nbt * hkv * d * bs
+    if kv_fmt == FMT_F32:
+        kc = f32_at(f32, k_addr, n).reshape(nbt, hkv, d, bs)
+        vc = f32_at(f32, v_addr, n).reshape(nbt, hkv, bs, d)
+        write_kv(kc, vc, k3, v3, slot_mapping, kv_fmt)
+        t = lap(timers, k_write, t)
+        paged_attention(a3, q3, kc, vc, block_tables, query_start, context_lens, attn_scale,
+                        kv_fmt)
+    else:
+        kc16 = u16_at(u16, k_addr, n).reshape(nbt, hkv, d, bs)
+        vc16 = u16_at(u16, v_addr, n).reshape(nbt, hkv, bs, d)
+        write_kv(kc16, vc16, k3, v3, slot_mapping, kv_fmt)
+        t = lap(timers, k_write, t)
+        paged_attention(a3, q3, kc16, vc16, block_tables, query_start, context_lens,
+                        attn_scale, kv_fmt)
+    return lap(timers, k_attention, t)
