@@ -166,7 +166,7 @@ class ModelRunner:
             "CFMT": compute_code(self.compute_dtype), "KV_FMT": self.kv.fmt,
             "POOL": 1 + POOLING_TYPES[self.pooling_type] if self.pooling else 0,
             "POOL_NORM": int(self.normalize),
-            "H0": 0, "H1": 2 * cfg.num_hidden_layers + 2, "VS": cfg.vocab_size,   # the whole step
+            "H0": 0, "H1": 2 * cfg.num_hidden_layers + 2, "VS": w.lm_head.n,   # the whole step
             "embed": w.embed.tensor, "norm": w.norm, "lm_head": w.lm_head.tensor,
             "inv_freq": w.inv_freq, "consts": w.consts, "layers": self.memory.layer_table,
             "timers": 0, length_slot("timers"): 0,            # timing off (see `profile`)
@@ -217,6 +217,15 @@ class ModelRunner:
     def _launch(self, t: int, s: int, work: list[SeqWork], return_rows: bool,
                 return_logits: bool, pen_slots: dict[int, int] | None = None,
                 projected: float = 0.0) -> StepHandle:
+        step, bindings, readback = self.prepare_launch(t, s, work, return_rows, return_logits, pen_slots)
+        handle = self._programs.get(t, s).launch(self.stream, bindings, readback=readback)
+        return StepHandle(handle, step, self._prompt_logprobs, projected)
+
+    def prepare_launch(self, t: int, s: int, work: list[SeqWork], return_rows: bool, return_logits: bool,
+                       pen_slots: dict[int, int] | None) -> tuple[_Launched, dict, list]:
+        """Pack `work` into bucket (t, s), copy it to the card, and count the launch as made:
+        (what its result is read from, the program's bindings, the readbacks). The caller
+        launches `programs[(t, s)]` with them, whole or in parts (models/tp_runner.py)."""
         mem, stream = self.memory, self.stream
         packed = pack_step(mem.inputs_layout, work, t, s, return_rows, self.limits,
                            self._last_rows, pen_slots)
@@ -240,13 +249,11 @@ class ModelRunner:
                     **packed.placement.bindings(mem.inputs.address),
                     **outputs.bindings(out_dev.address),
                     "prev_sampled": prev_address, length_slot("prev_sampled"): prev_len}
-        handle = self._programs.get(t, s).launch(stream, bindings, readback=readback)
         self._launches += 1
         self._last_rows = packed.sample_rows
         self._prev_sampled = (out_dev.address + outputs.offsets["sampled"], outputs.count("sampled"))
-        return StepHandle(handle, _Launched(work=work, packed=packed, outputs=outputs, out=out,
-                                            lsm=lsm, logits=logits), self._prompt_logprobs,
-                          projected)
+        return (_Launched(work=work, packed=packed, outputs=outputs, out=out, lsm=lsm, logits=logits),
+                bindings, readback)
 
     # ---- profiling ------------------------------------------------------------------
     def profile(self, enabled: bool = True) -> None:
