@@ -81,7 +81,7 @@ def parse_command(argv: list[str] | None = None) -> tuple[str, Settings]:
                                for f in fields(Settings)})
     try:
         s = Settings(**values).with_numerics()
-        return args.command, s if args.command == "plan" else s.one_card()
+        return args.command, s if args.command in ("plan", "serve") else s.one_card()
     except ValueError as exc:
         _parser().error(str(exc))
 
@@ -104,13 +104,6 @@ def _mb(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _card(s: Settings):
-    """The emulated card, ``--device-memory`` big (the card's own default when not given)."""
-    from spyre_serve.device import Card
-
-    return Card(memory_bytes=s.device_memory) if s.device_memory else Card()
-
-
 @dataclass(slots=True)
 class Loaded:
     engine: object
@@ -123,7 +116,7 @@ class Loaded:
 def load_engine(s: Settings, progress: bool = True) -> Loaded:
     """Card, model, runner (warmed up), metrics and engine (started): what the engine's process
     runs (``server/engine_process.py``), or ``build`` in one process."""
-    from spyre_serve.models import load_model
+    from spyre_serve.server.cards import load_on_cards
     from spyre_serve.server.engine import Engine
     from spyre_serve.server.metrics import Metrics
     from spyre_serve.server.spyre_compat import for_engine
@@ -133,18 +126,12 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
     from spyre_serve.device.isa import current
 
     log.info("kernels compiled for %s", current().describe())
-    card = _card(s)
-    try:
-        model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
-    except BaseException:
-        card.close()
-        raise
+    card, model, runner = load_on_cards(s)      # card 0 of --tensor-parallel-size
     cfg = model.config
     log.info("model %s (%s) from %s: %d layers, hidden %d, %d heads (%s KV), vocab %d, stored %s",
              model.name, cfg.architecture, model.path, cfg.num_hidden_layers, cfg.hidden_size,
              cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", "no"), cfg.vocab_size,
              model.stored_dtype)
-    runner = _runner(s, model, card)
     compat = for_engine(s, runner)   # --spyre-compat: the plugin's rules (refused at start: ValueError)
     log.info("weights on the card: %s (float tensors %s), GEMM inputs in %s, KV cache in %s",
              ", ".join(sorted(model.weights.formats)), model.weights.dtype, runner.compute_dtype,
@@ -177,7 +164,7 @@ def build(s: Settings, progress: bool = True, conn=None) -> Built:
     """The engine (``load_engine``: in this process, or with ``--engine-process`` in its own,
     ``server/engine_client.py``; ``conn``: a pipe to one a sibling started, --api-server-count),
     its metrics and the app."""
-    s = s.with_numerics().one_card()
+    s = s.with_numerics()
     from spyre_serve.server.openai.app import create_app
 
     if s.engine_process:
@@ -190,12 +177,6 @@ def build(s: Settings, progress: bool = True, conn=None) -> Built:
     app = create_app(loaded.engine, loaded.model, s, loaded.metrics)
     loaded.metrics.watch_offload(app.state.serving.offload, app.state.request_counts)
     return Built(app, loaded.engine, loaded.runner, loaded.card, loaded.model, loaded.metrics)
-
-
-def _runner(s: Settings, model, card):
-    from spyre_serve.server.pooling import make_runner
-
-    return make_runner(s, model, card)
 
 
 def memory_plan_text(card, model, runner) -> str:
@@ -219,18 +200,20 @@ def warmup(s: Settings, progress: bool = True, out=None) -> int:
     import numba
 
     from spyre_serve.models import load_model
+    from spyre_serve.server.cards import new_card
+    from spyre_serve.server.pooling import make_runner
 
     out = out or sys.stdout
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.monotonic()
-    card = _card(s)
+    card = new_card(s)
     try:
         model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
         cfg = model.config
         print(f"model {model.name} from {model.path}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
               f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV), vocab {cfg.vocab_size}, "
               f"stored {model.stored_dtype}", file=out)
-        runner = _runner(s, model, card)
+        runner = make_runner(s, model, card)
         try:
             print(memory_plan_text(card, model, runner), file=out)
             shapes = runner.bucket_shapes()

@@ -213,8 +213,10 @@ class Settings:
                                        "LAST|MEAN|CLS, \"normalize\": true|false} (default: the model's, "
                                        "as vLLM's)", parse_pooler_config, sizing=True)
     block_size: int = _flag(64, "tokens per KV cache block", int, sizing=True)
-    tensor_parallel_size: int = _flag(1, "cards a model is split over (vLLM's): `spyre-serve plan` sizes and "
-                                      "projects 1, 2, 4 or 8; serving runs on one card", int, sizing=True)
+    tensor_parallel_size: int = _flag(1, "emulated cards a model is sharded over (vLLM's; each --device-memory "
+                                      "big, its own stream and share of the cores; a float checkpoint of a "
+                                      "generating model); `spyre-serve plan` sizes and projects them", int,
+                                      sizing=True)
     num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: what fits in 90%% of the free "
                                       "device memory)", int, sizing=True)
     max_model_len: int | None = _flag(None, "context length (default: the model's, capped by the KV "
@@ -319,11 +321,11 @@ class Settings:
         return replace(self, dtype=SPYRE_NUMERICS, kv_cache_dtype=SPYRE_NUMERICS)
 
     def one_card(self) -> Settings:
-        """These settings, once they ask for one card (ValueError otherwise: serving and warm-up
-        run on one emulated card; ``spyre-serve plan`` sizes several)."""
+        """These settings, once they ask for one card (ValueError otherwise: ``warmup`` prepares
+        one card's programs, which every card of ``serve --tensor-parallel-size`` shares)."""
         if self.tensor_parallel_size != 1:
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: the server runs on one "
-                             "emulated card; `spyre-serve plan` sizes several")
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: warmup prepares one card's "
+                             "programs (the cards of a sharded server share them)")
         return self
 
     def served_name(self, model) -> str:

@@ -65,9 +65,8 @@ def test_a_checkpoint_directory_or_its_config_alone(tmp_path):
     assert "emulator on this machine" in text
 
 
-def test_serving_and_warmup_take_one_card():
-    with pytest.raises(SystemExit):
-        parse_command(["serve", "--tensor-parallel-size", "2"])
+def test_warmup_takes_one_card_and_serve_several():
+    assert parse_command(["serve", "--tensor-parallel-size", "2"])[1].tensor_parallel_size == 2
     with pytest.raises(SystemExit):
         parse_command(["warmup", "--tensor-parallel-size", "2"])
 

@@ -1,0 +1,73 @@
+"""The cards a server runs on: one, or a model sharded over ``--tensor-parallel-size`` of them.
+
+One card: the model placed whole and the runner ``--runner`` asks for (server/pooling.py). Several:
+each card ``--device-memory`` big (its own arena, allocator and stream), the checkpoint read
+once and each card's shard placed on it (models/shards.py), and a ``TensorParallelRunner``
+(models/tp_runner.py) that runs every step on all of them. Tensor parallelism takes a float
+checkpoint directory (not a GGUF file, not ``--quantization``) and a generating model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("spyre_serve")
+
+
+def new_card(s):
+    """An emulated card, ``--device-memory`` big (the card's own default when not given)."""
+    from spyre_serve.device import Card
+
+    return Card(memory_bytes=s.device_memory) if s.device_memory else Card()
+
+
+def load_on_cards(s):
+    """(card 0, the model as the API sees it, the runner) for settings ``s``; the cards are
+    closed again if loading fails."""
+    from spyre_serve.models import load_model
+    from spyre_serve.server.pooling import make_runner
+
+    tp = s.tensor_parallel_size
+    if tp == 1:
+        card = new_card(s)
+        try:
+            model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
+            return card, model, make_runner(s, model, card)
+        except BaseException:
+            card.close()
+            raise
+    return _load_sharded(s, tp)
+
+
+def _load_sharded(s, tp: int):
+    from spyre_serve.models.config import GraniteConfig
+    from spyre_serve.models.gguf_file import is_gguf_file
+    from spyre_serve.models.loader import LoadedModel
+    from spyre_serve.models.profiles import model_names, resolve_model
+    from spyre_serve.models.tp_runner import TensorParallelRunner, load_sharded
+
+    path = resolve_model(s.model)
+    if is_gguf_file(path) or s.quantization or s.runner == "pooling":
+        raise ValueError(f"--tensor-parallel-size {tp} shards a float checkpoint directory of a generating "
+                         f"model: not a GGUF file, --quantization or --runner pooling (got --model {s.model}, "
+                         f"--quantization {s.quantization}, --runner {s.runner})")
+    name = s.model if s.model in model_names() else path.name
+    cards = [new_card(s) for _ in range(tp)]
+    try:
+        full = GraniteConfig.from_file(path)
+        models = load_sharded(path, cards, dtype=s.dtype, name=name)
+        runner = TensorParallelRunner(models, cards, full, max_num_seqs=s.max_num_seqs,
+                                      max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
+                                      num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len,
+                                      compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype)
+    except BaseException:
+        for card in cards:
+            card.close()
+        raise
+    log.info("model sharded over %d cards (each %d of %d query heads, %d KV heads, %d of the MLP's %d)", tp,
+             models[0].config.num_attention_heads, full.num_attention_heads, models[0].config.num_key_value_heads,
+             models[0].config.intermediate_size, full.intermediate_size)
+    first = models[0]
+    model = LoadedModel(name=first.name, path=first.path, config=full, tokenizer=first.tokenizer,
+                        weights=first.weights, stored_dtype=first.stored_dtype)
+    return cards[0], model, runner
