@@ -166,11 +166,6 @@ class CardFit:
     def fits(self) -> bool:
         return self.left >= 0
 
-    def kv_tokens(self, block_size: int) -> int:
-        """Tokens the KV cache could hold in what weights and scratch leave (whole blocks, the
-        trash block kept)."""
-        room = self.usable - self.weights - self.scratch
-        return max(0, room // (self.kv_token_bytes * block_size) - 1) * block_size
 
 
 def kv_token_bytes(config: GraniteConfig, kv_dtype: str, tp: int = 1) -> int:
@@ -190,3 +185,32 @@ def plan_fit(config: GraniteConfig, *, dtype: str, kv_dtype: str, tp: int, max_n
     cap = capacity(shard_cfg, max_num_seqs, max_num_batched_tokens, max_model_len, block_size)
     return CardFit(tp=tp, weights=weight_bytes(config, dtype, tp), kv_cache=blocks * block_size * per_token,
                    scratch=scratch_bytes(shard_cfg, cap), kv_token_bytes=per_token, usable=usable)
+
+
+def _largest(fits, low: int, high: int) -> int:
+    """The largest n in [low, high] with fits(n) (fits is monotone), or low - 1 when none."""
+    if not fits(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def largest_context(config: GraniteConfig, *, max_num_seqs: int, block_size: int, **sizes) -> int:
+    """The longest --max-model-len (whole blocks, at most the model's positions) with which
+    ``max_num_seqs`` sequences fit (``plan_fit``'s other arguments in ``sizes``); 0 when none."""
+    limit = config.max_position_embeddings // block_size
+    blocks = _largest(lambda n: plan_fit(config, max_num_seqs=max_num_seqs, max_model_len=n * block_size,
+                                         block_size=block_size, **sizes).fits, 1, limit)
+    return blocks * block_size
+
+
+def largest_batch(config: GraniteConfig, *, max_model_len: int, **sizes) -> int:
+    """The most sequences of ``max_model_len`` tokens that fit (the step buffers grow with them
+    too); 0 when not one does."""
+    fits = lambda n: plan_fit(config, max_num_seqs=n, max_model_len=max_model_len, **sizes).fits  # noqa: E731
+    high = 1
+    while fits(high) and high < 1 << 20:
+        high *= 2
+    return _largest(fits, 1, high)

@@ -25,6 +25,8 @@ from spyre_serve.models.fit import (
     PLUGIN_GRANITE_33_8B,
     CardFit,
     granite_33_8b,
+    largest_batch,
+    largest_context,
     plan_fit,
 )
 from spyre_serve.models.kv_cache import resolve_dtype as resolve_kv_dtype
@@ -70,7 +72,11 @@ def plan_text(name: str, cfg: GraniteConfig, s: Settings, fit: CardFit, host: in
     """The lines ``plan`` prints for one card's ``fit`` (every card holds the same)."""
     tp, bs = fit.tp, s.block_size
     max_len = s.max_model_len or cfg.max_position_embeddings
-    tokens = fit.kv_tokens(bs)
+    sizes = dict(dtype=fit_dtype(s, cfg), kv_dtype=fit_kv_dtype(s, cfg), tp=tp,
+                 max_num_batched_tokens=s.max_num_batched_tokens, block_size=bs, usable=fit.usable)
+    context = largest_context(cfg, max_num_seqs=s.max_num_seqs, **sizes)
+    sizes.pop("block_size")
+    batch = largest_batch(cfg, max_model_len=max_len, block_size=bs, **sizes)
     lines = [
         f"plan for {name} ({cfg.architecture}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV), vocab {cfg.vocab_size}), "
@@ -83,13 +89,12 @@ def plan_text(name: str, cfg: GraniteConfig, s: Settings, fit: CardFit, host: in
         f"{s.max_num_seqs} sequences a step",
         f"  total                  {_gb(fit.total):>12}   of {_gb(fit.usable)} usable on a {_gb(CARD_BYTES)} card: "
         + (f"{_gb(fit.left)} left" if fit.fits else f"{_gb(-fit.left)} too much"),
-        f"  largest context at {s.max_num_seqs} sequences: {min(tokens // s.max_num_seqs, cfg.max_position_embeddings):,} "
-        f"tokens (the KV room holds {tokens:,}; the model's positions {cfg.max_position_embeddings:,}); largest batch "
-        f"at {max_len:,} tokens: {tokens // max_len:,} sequences",
+        f"  largest context at {s.max_num_seqs} sequences: {context:,} tokens (whole blocks, the model's positions "
+        f"{cfg.max_position_embeddings:,} at most); largest batch at {max_len:,} tokens: {batch:,} sequences",
     ]
-    ttft, tpot = projected(cfg, s, tp, max_len)
+    ttft, tpot, chunk = projected(cfg, s, tp, max_len)
     lines.append(f"projected on a real card (docs/projection.md): TTFT {ttft * 1e3:,.1f} ms for a prompt filling the "
-                 f"context ({max_len - 1:,} tokens in chunks of {s.max_num_batched_tokens}), TPOT {tpot * 1e3:,.2f} ms "
+                 f"context ({max_len - 1:,} tokens in chunks of {chunk}), TPOT {tpot * 1e3:,.2f} ms "
                  f"with {s.max_num_seqs} sequences decoding at {max_len:,} tokens")
     if host is not None:
         need = tp * fit.total
@@ -102,15 +107,44 @@ def plan_text(name: str, cfg: GraniteConfig, s: Settings, fit: CardFit, host: in
     return lines
 
 
-def projected(cfg: GraniteConfig, s: Settings, tp: int, max_len: int) -> tuple[float, float]:
-    """(TTFT, TPOT) on a real card (models/projection.py): a prompt of max_len - 1 tokens
-    prefilled in chunks of --max-num-batched-tokens, then its token at a full context beside
+def projected(cfg: GraniteConfig, s: Settings, tp: int, max_len: int) -> tuple[float, float, int]:
+    """(TTFT, TPOT, chunk) on a real card (models/projection.py): a prompt of max_len - 1 tokens
+    (at least one) prefilled in the card's chunks (--max-num-batched-tokens down to a multiple of
+    the 64-token block, 64 at least: the plugin's rule), then its token at a full context beside
     --max-num-seqs - 1 others."""
     from spyre_serve.models.projection import project_request
 
     kv_bytes = 4 if fit_kv_dtype(s, cfg) == "float32" else 2
-    return project_request(cfg, max_len - 1, 2, s.max_num_seqs, tp=tp, chunk=s.max_num_batched_tokens,
-                           formats=fit_dtype(s, cfg), kv_bytes=kv_bytes)
+    chunk = max(64, s.max_num_batched_tokens // 64 * 64)
+    ttft, tpot = project_request(cfg, max(1, max_len - 1), 2, s.max_num_seqs, tp=tp, chunk=chunk,
+                                 formats=fit_dtype(s, cfg), kv_bytes=kv_bytes)
+    return ttft, tpot, chunk
+
+
+def check_sizes(s: Settings, cfg: GraniteConfig) -> int:
+    """The context planned (--max-model-len, else the model's), once every size is one the
+    plan can take: ValueError naming the flag otherwise. Quantized weights (a GGUF file's
+    blocks, --quantization) are not sized: the plan counts float widths."""
+    for flag, value in (("--max-num-seqs", s.max_num_seqs), ("--max-num-batched-tokens", s.max_num_batched_tokens),
+                        ("--block-size", s.block_size), ("--tensor-parallel-size", s.tensor_parallel_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if s.max_model_len is not None and s.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be at least 1, got {s.max_model_len}")
+    if s.quantization or _is_gguf(s.model):
+        raise ValueError("the plan sizes float weights (--dtype); a GGUF file's quantized blocks and --quantization "
+                         "are not sized yet")
+    max_len = s.max_model_len or cfg.max_position_embeddings
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_len:,} is over the model's {cfg.max_position_embeddings:,} positions")
+    return max_len
+
+
+def _is_gguf(name: str) -> bool:
+    from spyre_serve.models.gguf_file import is_gguf_file
+    from spyre_serve.models.profiles import PACKAGED
+
+    return name in PACKAGED or is_gguf_file(Path(name))
 
 
 def fit_dtype(s: Settings, cfg: GraniteConfig) -> str:
@@ -130,16 +164,13 @@ def plan(s: Settings, out=None, usable: int = CARD_USABLE_BYTES) -> int:
     import sys
 
     out = out or sys.stdout
-    cfg = plan_config(s.model)
-    max_len = s.max_model_len or cfg.max_position_embeddings
-    if max_len > cfg.max_position_embeddings:
-        print(f"--max-model-len {max_len:,} is over the model's {cfg.max_position_embeddings:,} positions", file=out)
-        return 1
     try:
+        cfg = plan_config(s.model)
+        max_len = check_sizes(s, cfg)
         fit = plan_fit(cfg, dtype=fit_dtype(s, cfg), kv_dtype=fit_kv_dtype(s, cfg), tp=s.tensor_parallel_size,
                        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                        max_model_len=max_len, block_size=s.block_size, usable=usable)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:      # ConfigError, GGUFError, CheckpointError are ValueErrors
         print(f"cannot plan {s.model}: {exc}", file=out)
         return 1
     name = s.model if os.sep not in s.model else Path(s.model).name

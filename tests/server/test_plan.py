@@ -8,7 +8,13 @@ import json
 
 import pytest
 
-from spyre_serve.models.fit import kv_token_bytes, plan_fit, weight_bytes
+from spyre_serve.models.fit import (
+    kv_token_bytes,
+    largest_batch,
+    largest_context,
+    plan_fit,
+    weight_bytes,
+)
 from spyre_serve.server.cli import parse_command
 from spyre_serve.server.plan import plan, plan_config
 
@@ -39,7 +45,18 @@ def test_granite_33_8b_at_tp_1_and_4():
     fit = plan_fit(cfg, dtype="float16", kv_dtype="float16", tp=4, max_num_seqs=32, max_num_batched_tokens=512,
                    max_model_len=32768, block_size=64)
     assert f"{fit.left / 1e9:.2f} GB left" in text
-    assert f"largest batch at 32,768 tokens: {fit.kv_tokens(64) // 32768:,} sequences" in text
+    sizes = dict(dtype="float16", kv_dtype="float16", tp=4, max_num_batched_tokens=512)
+    context = largest_context(cfg, max_num_seqs=32, block_size=64, **sizes)
+    batch = largest_batch(cfg, max_model_len=32768, block_size=64, **sizes)
+    assert f"largest context at 32 sequences: {context:,} tokens" in text
+    assert f"largest batch at 32,768 tokens: {batch:,} sequences" in text
+    # what the plan says is the largest fits when given back, and one block more does not
+    for argv, ok in ((["--max-model-len", str(context), "--max-num-seqs", "32"], 0),
+                     (["--max-model-len", str(context + 64), "--max-num-seqs", "32"], 1),
+                     (["--max-model-len", "32768", "--max-num-seqs", str(batch)], 0),
+                     (["--max-model-len", "32768", "--max-num-seqs", str(batch + 1)], 1)):
+        code, _ = run("--model", "granite-3.3-8b", "--tensor-parallel-size", "4", "--dtype", "float16", *argv)
+        assert code == ok, argv
 
 
 def test_a_plan_that_does_not_fit_exits_1_with_the_numbers():
@@ -51,6 +68,18 @@ def test_a_plan_that_does_not_fit_exits_1_with_the_numbers():
     assert code == 1 and "num_attention_heads (32) is not divisible by --tensor-parallel-size 3" in text
     code, text = run("--model", "granite-3.3-8b", "--max-model-len", "200000")
     assert code == 1 and "over the model's 131,072 positions" in text
+    for argv, why in ((["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+                      (["--quantization", "int8"], "not sized yet"),
+                      (["--max-num-batched-tokens", "100"], None)):
+        code, text = run("--model", "granite-3.3-8b", "--max-model-len", "4096", *argv)
+        assert (code, why is None or why in text) == (1 if why else 0, True), text
+    assert "in chunks of 64)" in text            # 100 tokens a step: the card's chunks of 64
+
+
+def test_a_config_the_server_cannot_run_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["RobertaModel"], "hidden_size": 8}))
+    code, text = run("--model", str(tmp_path))
+    assert code == 1 and text.startswith("cannot plan") and len(text.splitlines()) == 1
 
 
 def test_a_checkpoint_directory_or_its_config_alone(tmp_path):
