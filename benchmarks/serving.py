@@ -529,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds per level (servers alternate within a round); each keeps its best")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--granite", choices=["granite-tiny", "granite-8b-layers"], default="granite-tiny",
+                    help="the Granite profile served (--model granite-tiny)")
+    ap.add_argument("--tensor-parallel", type=int, nargs="+", default=[1],
+                    help="spyre-serve's --tensor-parallel-size, a server for each (e.g. 1 2)")
     ap.add_argument("--skip-spyre", action="store_true")
     ap.add_argument("--model", choices=["granite-tiny", "smollm2"], default="granite-tiny",
                     help="granite-tiny: against transformers serve; smollm2: against llama.cpp and vLLM")
@@ -545,15 +549,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.model == "smollm2":
         return main_smollm2(args, argv)
+    from spyre_serve.device.isa import current as current_isa
     from spyre_serve.models import resolve_model
 
-    checkpoint = str(resolve_model("granite-tiny"))
+    checkpoint = str(resolve_model(args.granite))
     prompts = PromptSets(text_prompt_maker(prompts_needed(args), args.prompt_tokens), args)
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     servers = []
     if not args.skip_spyre:
-        servers.append(spyre_server("spyre-serve", checkpoint, "granite-tiny", args, []))
+        for tp in args.tensor_parallel:   # each degree a server of its own: TP 1 is "spyre-serve"
+            servers.append(spyre_server("spyre-serve" if tp == 1 else f"spyre-serve-tp{tp}", checkpoint,
+                                        args.granite, args, ["--tensor-parallel-size", str(tp)]))
     if not args.skip_transformers:
         port = free_port()
         cmd = [str(bin_dir / "transformers"), "serve", "--continuous-batching", "--device", "cpu",
@@ -565,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": command.strip(),
         "checkpoint": checkpoint,
+        "kernel_isa": current_isa().describe(),
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
         "cpu_count": os.cpu_count(),
@@ -572,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         "levels": [asdict(v) for v in levels],
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"`{report['command']}` on {os.cpu_count()} cores, granite-tiny, prompts of ~{args.prompt_tokens} "
+    print(f"`{report['command']}` on {os.cpu_count()} cores, kernels {report['kernel_isa']}, {args.granite}, "
+          f"prompts of ~{args.prompt_tokens} "
           f"tokens, {args.output_tokens} output tokens\n")
     print(table(levels))
     r = ratios(levels)

@@ -94,6 +94,35 @@ class Compute:
 
 
 @dataclass(slots=True)
+class ComputeParts:
+    """Run a compiled function once per part, patching the part's slots into the program's
+    table before each run and calling `between(k)` after run k (on the stream's thread, the
+    card's compute lock released): a program run in parts that synchronize with other cards.
+    `on_error` is called before an exception of a part (or of `between`) propagates."""
+
+    fn: Callable
+    args: tuple
+    table: np.ndarray                        # the program's operand region, int64[n_slots]
+    patches: list                            # per part: [(slot index, value), ...]
+    between: Callable[[int], None]
+    on_error: Callable[[], None]
+
+    def run(self, card: Card, tally: list) -> None:
+        try:
+            for k, patch in enumerate(self.patches):
+                for i, value in patch:
+                    self.table[i] = value
+                with card.compute_lock:
+                    t0 = time.perf_counter()
+                    self.fn(*self.args)
+                    tally[2] += time.perf_counter() - t0
+                self.between(k)
+        except BaseException:
+            self.on_error()
+            raise
+
+
+@dataclass(slots=True)
 class D2H:
     """Copy a device tensor to a host array."""
 
@@ -231,8 +260,9 @@ class Program:
                 self._n_unbound -= 1
 
     def launch(self, stream: Stream | None = None, bindings: Mapping | None = None,
-               readback: Sequence = ()) -> LaunchHandle:
-        """Enqueue one run with these bindings; returns at once. Never compiles."""
+               readback: Sequence = (), compute: ComputeParts | None = None) -> LaunchHandle:
+        """Enqueue one run with these bindings; returns at once. Never compiles. (`compute`:
+        the run in parts of `launch_parts`.)"""
         t0 = time.perf_counter()
         if self._entry_point is None:
             raise DeviceError(f"program {self.name!r} launched before prepare()")
@@ -256,7 +286,7 @@ class Program:
             missing = [s.name for s, b in zip(self.slots, self._bound, strict=True) if not b and s.name not in given]
             raise DeviceError(f"program {self.name!r}: missing bindings for slots {missing}")
         blob = np.empty(len(values), np.int64)
-        steps = [HostCompute(_write_blob, (blob, values)), H2D(self._h2d_dst, blob), self._compute]
+        steps = [HostCompute(_write_blob, (blob, values)), H2D(self._h2d_dst, blob), compute or self._compute]
         for host, dev in readback:
             steps.append(self._readback_step(host, dev))
         event = Event()
@@ -264,6 +294,19 @@ class Program:
                                           compute=False, label=self.name))
         self.card.counters.add_launch(8 * len(values), time.perf_counter() - t0)
         return LaunchHandle(self, event)
+
+    def launch_parts(self, stream: Stream, bindings: Mapping, parts: Sequence[Mapping],
+                     between: Callable[[int], None], on_error: Callable[[], None],
+                     readback: Sequence = ()) -> LaunchHandle:
+        """One launch run as len(parts) computes (`ComputeParts`): the table written once with
+        `bindings`, then before compute k the slots of parts[k] patched into it in place (no new
+        table is written), `between(k)` after it; readbacks after the last. Never compiles."""
+        if self._entry_point is None:
+            raise DeviceError(f"program {self.name!r} launched before prepare()")
+        patches = [[(self._slot(name), self._convert(self._slot(name), name, value))
+                    for name, value in part.items()] for part in parts]
+        compute = ComputeParts(self._compute.fn, self._compute.args, self._h2d_dst, patches, between, on_error)
+        return self.launch(stream, {**bindings, **parts[0]}, readback=readback, compute=compute)
 
     def release(self) -> None:
         """Give the table region and scratch back to the card."""

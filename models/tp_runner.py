@@ -7,18 +7,20 @@ half a layer at a time, each half's row-parallel output summed over the cards (a
 before the next half adds it to the residual stream, then the head (each card its vocabulary
 shard of the logits), an all-gather of the logits, and sampling (every card samples the same
 rows with the same seeds, so each keeps the samples its next step reads for from-device
-decodes). A collective is a command on card 0's stream that waits, by events, for every card
-to reach it; the other cards' streams wait for it by an event in turn. Card 0's samples are
-read back; a failure on any card fails the step's result.
+decodes). Each card's launch is one command on its stream (`Program.launch_parts`: the parts'
+H0/H1 patched into its table in place); between parts the cards' streams meet at a barrier
+whose last arrival runs the collective. Card 0's samples are read back; a failure on any card
+fails the step's result (it breaks the barrier, so no card waits for it).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import numba
 
-from spyre_serve.device import Card, Stream
+from spyre_serve.device import Card
 from spyre_serve.models.checkpoint import load_checkpoint
 from spyre_serve.models.loader import LoadedModel, tokenizer_of
 from spyre_serve.models.programs import bucket
@@ -28,6 +30,8 @@ from spyre_serve.models.shards import shard_tensors, vocab_shard
 from spyre_serve.models.step_inputs import check_work
 from spyre_serve.models.step_io import SeqWork, SeqWorkError
 from spyre_serve.models.weights import place_weights
+
+BARRIER_SECONDS = 600.0   # a card that never reaches a collective fails the step after this
 
 
 def load_sharded(path, cards: list[Card], dtype: str = "float32", name: str | None = None,
@@ -49,9 +53,32 @@ def load_sharded(path, cards: list[Card], dtype: str = "float32", name: str | No
     return models
 
 
+class _Exchange:
+    """The cards' meeting points within one step: after part k (while k is below the number of
+    collectives) every card's stream waits at a barrier whose last arrival runs collective k
+    (an all-reduce, then the logits' all-gather). A card that fails breaks the barrier, so the
+    others fail the step too instead of waiting for it."""
+
+    def __init__(self, cards: int, collectives: list):
+        self.collectives = collectives
+        self.done = 0
+        self.barrier = threading.Barrier(cards, action=self._run)
+
+    def _run(self) -> None:
+        self.collectives[self.done]()
+        self.done += 1
+
+    def between(self, k: int) -> None:
+        if k < len(self.collectives):
+            self.barrier.wait(timeout=BARRIER_SECONDS)
+
+    def abort(self) -> None:
+        self.barrier.abort()
+
+
 class _AllCards:
-    """The launch of a step over every card: card 0's last part, read back, and each other
-    card's end, whose failures fail the step."""
+    """The launch of a step over every card: card 0's, read back, and each other card's,
+    whose failures fail the step."""
 
     __slots__ = ("first", "ends")
 
@@ -59,9 +86,16 @@ class _AllCards:
         self.first, self.ends = first, ends
 
     def wait(self) -> None:
-        for end in self.ends:
-            end.synchronize()
-        self.first.wait()
+        """Wait for every card; raise a card's own failure before the broken barrier it left
+        the others with."""
+        errors = []
+        for wait in [self.first.wait, *(end.synchronize for end in self.ends)]:
+            try:
+                wait()
+            except Exception as exc:         # noqa: BLE001  (each card's, compared below)
+                errors.append(exc)
+        if errors:
+            raise next((e for e in errors if "BrokenBarrierError" not in repr(e)), errors[0])
 
     def done(self) -> bool:
         return self.first.done() and all(e.query() for e in self.ends)
@@ -130,32 +164,16 @@ class TensorParallelRunner:
         preps = [r.prepare_launch(t, s, work, return_logits, return_logits, pen)
                  for r, pen in zip(self.runners, pens, strict=True)]
         rows = preps[0][0].packed.dims["R"]
-        last = self._halves + 2
-        first = None
-        for h in range(last):
-            for rank, (r, (_, bindings, readback)) in enumerate(zip(self.runners, preps, strict=True)):
-                out = readback if rank == 0 and h == last - 1 else ()
-                launched = r._programs.get(t, s).launch(r.stream, {**bindings, "H0": h, "H1": h + 1}, readback=out)
-                first = launched if rank == 0 and h == last - 1 else first
-            if h < self._halves:
-                self._collective(_sum_over_cards, [r.memory.workspace_field("y", t * self.config.hidden_size)
-                                                   for r in self.runners])
-            elif h == self._halves:
-                self._collective(_gather_logits, self._logit_views(rows))
-        ends = [r.stream.record_event() for r in self.runners[1:]]
-        return StepHandle(_AllCards(first, ends), preps[0][0], r0._prompt_logprobs,
-                          self.projector.seconds(step_of_work(work)))
-
-    def _collective(self, fn, views) -> None:
-        """``fn(views)`` on card 0's stream once every card has reached this point; no card
-        goes on before it is done."""
-        s0: Stream = self.runners[0].stream
-        for r in self.runners[1:]:
-            s0.wait_event(r.stream.record_event())
-        s0.enqueue(fn, views, compute=False, label=fn.__name__)
-        done = s0.record_event()
-        for r in self.runners[1:]:
-            r.stream.wait_event(done)
+        ys = [r.memory.workspace_field("y", t * self.config.hidden_size) for r in self.runners]
+        logits = self._logit_views(rows)
+        exchange = _Exchange(self.tp, [lambda: _sum_over_cards(ys)] * self._halves
+                             + [lambda: _gather_logits(logits)])
+        parts = [{"H0": h, "H1": h + 1} for h in range(self._halves + 2)]
+        launched = [r._programs.get(t, s).launch_parts(r.stream, bindings, parts, exchange.between, exchange.abort,
+                                                         readback=readback if rank == 0 else ())
+                    for rank, (r, (_, bindings, readback)) in enumerate(zip(self.runners, preps, strict=True))]
+        return StepHandle(_AllCards(launched[0], [h.event for h in launched[1:]]), preps[0][0],
+                          r0._prompt_logprobs, self.projector.seconds(step_of_work(work)))
 
     def _logit_views(self, rows: int) -> list:
         """Per card: (its [rows, VS] head output in `lsm`, its whole [rows, V] logits, its

@@ -214,3 +214,37 @@ def test_manifest_lists_name_shapes_and_slots(card):
     prog = Program(card, "axpy", axpy_entry, AXPY_SLOTS[:2], shapes={"x": (3,)})
     assert prog.manifest() == {"name": "axpy", "shapes": {"x": (3,)},
                                "slots": [("x", "address"), ("y", "address")], "scratch_bytes": 0}
+
+
+def test_launch_parts_patches_each_parts_slots_and_calls_between_after_each(card):
+    """A run in parts (tensor parallelism's): one launch, the parts' slots written into the
+    table in place before each compute, `between(k)` after compute k, readback after the last."""
+    prog = Program(card, "axpy", axpy_entry, AXPY_SLOTS).prepare()
+    x, y, out = _filled(card, [1, 2, 3]), _filled(card, [10, 20, 30]), card.empty((3,))
+    seen = []
+
+    def between(k):            # the output of part k, as the part left it
+        seen.append((k, out.numpy().tolist()))
+    host = np.empty(3, np.float32)
+    before = card.counters.snapshot()["launches"]
+    prog.launch_parts(card.default_stream, {"x": x, "y": y, "out": out, "n": 3},
+                      [{"a": 1}, {"a": 2}, {"a": 3, "n": 2}], between, lambda: None,
+                      readback=[(host, out)]).wait()
+    assert seen == [(0, [11, 22, 33]), (1, [12, 24, 36]), (2, [13, 26, 36])]
+    np.testing.assert_array_equal(host, [13, 26, 36])
+    assert card.counters.snapshot()["launches"] - before == 1
+
+
+def test_a_failing_part_calls_on_error_and_fails_the_launch(card):
+    prog = Program(card, "axpy", axpy_entry, AXPY_SLOTS).prepare()
+    x, y, out = _filled(card, [1]), _filled(card, [1]), card.empty((1,))
+    aborted = []
+
+    def between(k):
+        if k == 1:
+            raise RuntimeError("part 1's peer failed")
+    handle = prog.launch_parts(card.default_stream, {"x": x, "y": y, "out": out, "n": 1},
+                               [{"a": 1}, {"a": 2}, {"a": 3}], between, lambda: aborted.append(True))
+    with pytest.raises(DeviceCommandError, match="part 1's peer failed"):
+        handle.wait()
+    assert aborted == [True] and out.numpy()[0] == 3.0      # part 2 never ran

@@ -88,3 +88,27 @@ def test_a_failure_on_one_card_fails_the_step(model_dir):
         runner.close()
         for c in runner.cards:
             c.close()
+
+
+def test_a_part_that_fails_on_one_card_breaks_the_others_wait(model_dir, monkeypatch):
+    from spyre_serve.models import SamplingParams, SeqWork
+    from spyre_serve.models import tp_runner as tp_module
+
+    runner = tp_runner(model_dir, 2)
+    calls = {"n": 0}
+    real = tp_module._sum_over_cards
+
+    def fail_third(ys):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("all-reduce fault")
+        real(ys)
+    monkeypatch.setattr(tp_module, "_sum_over_cards", fail_third)
+    try:
+        handle = runner.launch([SeqWork(0, [5, 6, 7], 0, [0], True, SamplingParams(temperature=0.0))])
+        with pytest.raises(Exception, match="all-reduce fault|Broken"):
+            handle.result()
+    finally:
+        runner.close()
+        for c in runner.cards:
+            c.close()
