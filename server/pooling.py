@@ -52,6 +52,10 @@ def make_runner(s, model, card):
     if runner_kind(s.runner, model) == "generate":
         return ModelRunner(model, card, **sizes, num_kv_blocks=s.num_kv_blocks,
                            compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype)
+    if s.max_model_len is not None and s.max_model_len > s.max_num_batched_tokens:
+        raise ValueError(f"--max-model-len {s.max_model_len} is over --max-num-batched-tokens "
+                         f"{s.max_num_batched_tokens}: a pooled prompt is computed in one step; raise "
+                         "--max-num-batched-tokens or lower --max-model-len (vLLM refuses it so too)")
     kind, normalize = pooling_of(s.pooler_config, model)
     if is_encoder(model):
         from spyre_serve.models.encoder_runner import EncoderRunner

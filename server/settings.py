@@ -115,7 +115,7 @@ def parse_pooler_config(text: str) -> dict:
     return value
 
 
-QUANTIZATIONS = ("none", "int8")   # models/quantize.py
+QUANTIZATIONS = ("none", "int8", "fp8")   # models/quantize.py's (not imported: tests/server/test_settings.py checks)
 
 
 def parse_quantization(text: str) -> str | None:

@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 
-from spyre_serve.server.openai.fields import Integer, TokenId, schema, served
+from spyre_serve.server.openai.fields import Integer, TokenId, integer_at_least, schema, served
 from spyre_serve.server.openai.protocol import (
     FAIL_FAST,
     StrictModel,
@@ -40,7 +40,7 @@ class EmbeddingRequest(PoolingRequest):
         | Annotated[list[Annotated[list[TokenId], schema(minItems=1), FAIL_FAST]],
                     schema(minItems=1, **served(maxItems="max_prompts")), FAIL_FAST]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[Integer | None, schema(minimum=1)] = None
+    dimensions: integer_at_least(1) | None = None
 
     @field_validator("input")
     @classmethod

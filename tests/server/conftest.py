@@ -43,7 +43,8 @@ def pooling_server():
     """granite-tiny served with --runner pooling (embeddings and scores), once per session."""
     from spyre_serve.server.cli import build
 
-    built = build(real_settings(runner="pooling", max_num_batched_tokens=POOLING_CONTEXT, max_num_seqs=8),
+    built = build(real_settings(runner="pooling", max_num_batched_tokens=POOLING_CONTEXT, max_num_seqs=8,
+                                max_model_len=None),
                   progress=False)
     with ServerThread(built.app) as server:
         server.built = built

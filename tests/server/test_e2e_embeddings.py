@@ -103,6 +103,11 @@ def test_score_is_the_cosine_of_the_embeddings(http):
     np.testing.assert_allclose([d["score"] for d in pairwise], [vec[0] @ vec[1], vec[1] @ vec[2]], atol=1e-5)
     bad = http.post("/score", json={"text_1": TEXTS[:2], "text_2": TEXTS})
     assert bad.status_code == 400 and "text_1 holds 2" in bad.json()["error"]["message"]
+    # each side is checked, and named, on its own
+    empty = http.post("/score", json={"text_1": "a", "text_2": ["b", ""]}).json()["error"]
+    assert empty["param"] == "text_2" and "empty" in empty["message"]
+    many = http.post("/score", json={"text_1": ["a"] * 200, "text_2": ["b"] * 200}).json()["error"]
+    assert many["param"] == "text_2" and "more than the 256 sequences the waiting queue holds" in many["message"]
 
 
 def test_concurrent_requests_share_steps(http, pooling_server):
@@ -122,8 +127,11 @@ def test_bad_input_is_a_400_and_leaves_nothing(http, pooling_server):
     assert too_long.status_code == 400
     err = too_long.json()["error"]
     assert err["param"] == "input" and f"maximum context length is {CONTEXT} tokens" in err["message"]
+    hidden = pooling_server.built.model.config.hidden_size
     for body, param in [({"input": []}, "input"), ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
                         ({"input": "x", "dimensions": 3}, "dimensions"), ({"input": "x", "n": 2}, "n"),
+                        ({"input": "x", "dimensions": hidden}, "dimensions"), ({"input": "x", "dimensions": 0}, "dimensions"),
+                        ({"input": "x", "truncate_prompt_tokens": CONTEXT + 1}, "truncate_prompt_tokens"),
                         ({"input": [1, 10**9]}, "input"), ({"input": "x", "priority": 1}, "priority")]:
         r = http.post("/v1/embeddings", json=body)
         assert r.status_code == 400, (body, r.text)
@@ -151,7 +159,7 @@ def test_the_engine_in_its_own_process_answers_the_same(http):
     from tests.reliability.servers import running_server
 
     with running_server(engine_process=True, runner="pooling", max_num_batched_tokens=CONTEXT,
-                        max_num_seqs=8) as split:
+                        max_num_seqs=8, max_model_len=None) as split:
         assert split.built.engine.pooling == ("LAST", True)
         with httpx.Client(base_url=split.url, timeout=300) as c:
             got = c.post("/v1/embeddings", json={"input": TEXTS}).json()["data"]
@@ -215,3 +223,27 @@ def test_an_encoder_checkpoint_serves_embeddings_equal_to_transformers(encoder_s
     limit = encoder_server.built.runner.max_model_len       # 32: RoBERTa's 34 positions - pad - 1
     assert too_long.status_code == 400 and f"maximum context length is {limit} tokens" in too_long.text
     assert gen.status_code == 400
+
+
+def test_truncation_keeps_an_encoders_special_tokens(encoder_server):
+    """truncate_prompt_tokens cuts a text with the tokenizer's own truncation: <s> (what CLS
+    pooling reads, and MEAN counts) and </s> stay, as vLLM tokenizes with max_length."""
+    from tests.models.encoder_checkpoints import reference_pooled
+
+    text = "the host prepares the next step while the card runs this one " * 3
+    tokenizer = encoder_server.built.model.tokenizer
+    want_ids = tokenizer(text, truncation=True, max_length=10)["input_ids"]
+    assert want_ids[0] == 0 and want_ids[-1] == 2 and len(want_ids) == 10
+    with httpx.Client(base_url=encoder_server.url, timeout=300) as c:
+        body = c.post("/v1/embeddings", json={"input": text, "truncate_prompt_tokens": 10}).json()
+        ids = c.post("/v1/embeddings", json={"input": list(range(5, 40)), "truncate_prompt_tokens": 10}).json()
+    assert body["usage"]["prompt_tokens"] == 10
+    assert_close(body["data"][0]["embedding"], reference_pooled(encoder_server.built.model.path, [want_ids], "MEAN")[0])
+    assert ids["usage"]["prompt_tokens"] == 10            # token ids: their last 10
+
+
+def test_a_pooling_context_over_one_step_is_refused_at_start():
+    from spyre_serve.server.cli import build
+
+    with pytest.raises(ValueError, match="--max-model-len 1024 is over --max-num-batched-tokens 64"):
+        build(real_settings(runner="pooling", max_num_batched_tokens=64), progress=False)

@@ -103,3 +103,12 @@ def test_the_pooling_types_settings_know_are_the_kernels():
     from spyre_serve.server.settings import POOLING_TYPES
 
     assert set(POOLING_TYPES) == set(KERNEL)
+
+
+def test_the_quantizations_the_flag_takes_are_the_ones_the_loader_applies():
+    from spyre_serve.models.quantize import QUANTIZATIONS as LOADER
+    from spyre_serve.server.cli import parse_command
+    from spyre_serve.server.settings import QUANTIZATIONS
+
+    assert set(QUANTIZATIONS) - {"none"} == set(LOADER)
+    assert parse_command(["serve", "--quantization", "fp8"])[1].quantization == "fp8"
