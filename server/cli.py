@@ -141,9 +141,10 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
         shapes = runner.bucket_shapes()
         log.info("compiling and preparing %d step programs (token buckets %s)", len(shapes), runner.t_buckets)
         runner.warmup(progress=progress)
-    compiles = card.counters.snapshot()["compiles"]
-    metrics = Metrics(s.served_name(model), card=card, compiles_at_ready=compiles,
-                      max_model_len=runner.max_model_len)
+    cards = getattr(runner, "cards", [card])          # a sharded model's every card
+    metrics = Metrics(s.served_name(model), card=card, max_model_len=runner.max_model_len,
+                      compiles_at_ready=[c.counters.snapshot()["compiles"] for c in cards])
+    metrics.cards = cards
     engine = Engine(runner, model.tokenizer, observer=metrics, fault=Fault.from_env(),
                     max_num_seqs=s.max_num_seqs,
                     max_num_batched_tokens=s.max_num_batched_tokens, card=card,

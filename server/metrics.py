@@ -38,10 +38,11 @@ def buckets_1_2_5(max_value: int) -> list[int]:
 
 
 class Metrics(EngineObserver):
-    def __init__(self, model_name: str, card=None, compiles_at_ready: int | None = None,
+    def __init__(self, model_name: str, card=None, compiles_at_ready: int | list | None = None,
                  max_model_len: int = 1 << 20) -> None:
         self.model_name = model_name
         self.card = card
+        self.cards: list = []     # every card of a sharded model (card 0 first): set by the CLI
         self.compiles_at_ready = compiles_at_ready
         self.engine: Engine | None = None
         self.offload = None   # the API's worker threads (server/openai/offload.py), once watched
@@ -257,17 +258,33 @@ class _LiveCollector:
         isa.add_metric([m.model_name, kernel_isa.level, kernel_isa.host_level], 1.0)
         yield isa
         if card is not None:
-            counters = card.counters.snapshot()
-            yield counter("spyre_launches", "Program launches on the card.", counters.get("launches", 0))
-            yield counter("spyre_compiles", "Program compilations in this process.", counters.get("compiles", 0))
-            if m.compiles_at_ready is not None:
-                yield gauge("spyre_compiles_after_warmup", "Compilations since warm-up finished (stays 0).",
-                            counters.get("compiles", 0) - m.compiles_at_ready)
-            yield counter("spyre_device_compute_seconds", "Time the card spent computing.",
-                          counters.get("compute_seconds", 0.0))
-            yield counter("spyre_h2d_bytes", "Bytes copied host to device.", counters.get("h2d_bytes", 0))
-            yield counter("spyre_d2h_bytes", "Bytes copied device to host.", counters.get("d2h_bytes", 0))
-            stats = card.allocator.stats()
-            yield gauge("spyre_device_memory_used_bytes", "Device memory allocated.", stats.allocated)
-            yield gauge("spyre_device_memory_peak_bytes", "Peak device memory allocated.", stats.peak)
-            yield gauge("spyre_device_memory_total_bytes", "Device memory of the card.", stats.capacity)
+            yield from card_families(m.model_name, m.cards or [card], m.compiles_at_ready)
+
+
+def card_families(model_name: str, cards: list, compiles_at_ready):
+    """The cards' counters and memory: one sample a card, labelled ``card`` when there are
+    several (``--tensor-parallel-size``: spyre-smi prints each label set as a card).
+    ``compiles_at_ready``: each card's compile count at warm-up's end (an int for one card)."""
+    several = len(cards) > 1
+    labels = ["model_name", "card"] if several else ["model_name"]
+    ready = compiles_at_ready if isinstance(compiles_at_ready, list) else [compiles_at_ready]
+    snaps = [(c.counters.snapshot(), c.allocator.stats()) for c in cards]
+
+    def family(kind, metric: str, doc: str, value_of):
+        f = (CounterMetricFamily if kind == "c" else GaugeMetricFamily)(metric, doc, labels=labels)
+        for i, snap in enumerate(snaps):
+            f.add_metric([model_name, str(i)] if several else [model_name], value_of(i, *snap))
+        return f
+
+    yield family("c", "spyre_launches", "Program launches on the card.", lambda i, c, s: c.get("launches", 0))
+    yield family("c", "spyre_compiles", "Program compilations in this process.", lambda i, c, s: c.get("compiles", 0))
+    if ready[0] is not None:
+        yield family("g", "spyre_compiles_after_warmup", "Compilations since warm-up finished (stays 0).",
+                     lambda i, c, s: c.get("compiles", 0) - ready[min(i, len(ready) - 1)])
+    yield family("c", "spyre_device_compute_seconds", "Time the card spent computing.",
+                 lambda i, c, s: c.get("compute_seconds", 0.0))
+    yield family("c", "spyre_h2d_bytes", "Bytes copied host to device.", lambda i, c, s: c.get("h2d_bytes", 0))
+    yield family("c", "spyre_d2h_bytes", "Bytes copied device to host.", lambda i, c, s: c.get("d2h_bytes", 0))
+    yield family("g", "spyre_device_memory_used_bytes", "Device memory allocated.", lambda i, c, s: s.allocated)
+    yield family("g", "spyre_device_memory_peak_bytes", "Peak device memory allocated.", lambda i, c, s: s.peak)
+    yield family("g", "spyre_device_memory_total_bytes", "Device memory of the card.", lambda i, c, s: s.capacity)

@@ -27,6 +27,13 @@ def test_greedy_answers_equal_one_cards(client, tp):
             chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                         "max_tokens": 6, "temperature": 0})
             assert chat.status_code == 200
+            metrics = c.get("/metrics").text
+        # each card its own series, and spyre-smi a line for each
+        from spyre_torch.smi import parse_metrics
+
+        cards = parse_metrics(metrics, 0.0)
+        assert len(cards) == tp and all(card.launches > 0 and card.mem_used > 0 for card in cards)
+        assert f'spyre_compiles_after_warmup{{card="{tp - 1}",model_name="granite-tiny"}} 0.0' in metrics
     finally:
         built.engine.shutdown()
         built.runner.close()
