@@ -36,6 +36,16 @@ _STORED = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+STORED_WIDTHS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_width(codes, declared: str) -> str:
+    """The float width a checkpoint stores (its safetensors codes, e.g. {"BF16"}): one code's
+    width, else the width its config declares (mixed widths)."""
+    codes = set(codes)
+    return STORED_WIDTHS.get(next(iter(codes)), "float32") if len(codes) == 1 else declared
+
+
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config, or a file that is not safetensors."""
 

@@ -29,6 +29,7 @@ from spyre_serve.models.checkpoint import (
     _map_file,
     check_shapes,
     checkpoint_files,
+    stored_width,
     widen_stored,
 )
 from spyre_serve.models.encoder_config import EncoderConfig
@@ -232,8 +233,7 @@ def load_encoder(path: str | Path, card: Card, tokenizer: bool = True, dtype: st
                          f"({quantization!r}) and num_layers ({num_layers!r}) apply to decoders")
     config = EncoderConfig.from_file(path)
     tensors, codes = read_encoder_tensors(path, config)
-    stored = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    stored_dtype = stored.get(next(iter(codes)), "float32") if len(codes) == 1 else config.torch_dtype
+    stored_dtype = stored_width(codes, config.torch_dtype)
     weights = place_encoder_weights(card, config, tensors, "float32" if dtype == "auto" else dtype)
     del tensors
     try:

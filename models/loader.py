@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spyre_serve.device import Card
-from spyre_serve.models.checkpoint import load_checkpoint
+from spyre_serve.models.checkpoint import load_checkpoint, stored_width
 from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.encoder_config import is_encoder_config
 from spyre_serve.models.encoder_weights import load_encoder
@@ -55,9 +55,7 @@ def load_model(path_or_name: str | os.PathLike, card: Card, tokenizer: bool = Tr
         ckpt.config, ckpt.tensors = first_layers(ckpt.config, ckpt.tensors, num_layers)
     if quantization:
         ckpt.tensors = quantize_matrices(ckpt.tensors, quantization)
-    codes = set(ckpt.stored_dtypes.values())
-    stored = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    stored_dtype = stored.get(codes.pop(), "float32") if len(codes) == 1 else ckpt.config.torch_dtype
+    stored_dtype = stored_width(ckpt.stored_dtypes.values(), ckpt.config.torch_dtype)
     weights = place_weights(card, ckpt.config, ckpt.tensors,
                             stored_dtype if dtype == "auto" else dtype)
     del ckpt

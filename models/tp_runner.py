@@ -21,7 +21,8 @@ import threading
 import numba
 
 from spyre_serve.device import Card
-from spyre_serve.models.checkpoint import load_checkpoint
+from spyre_serve.models.checkpoint import load_checkpoint, stored_width
+from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.loader import LoadedModel, tokenizer_of
 from spyre_serve.models.programs import bucket
 from spyre_serve.models.projection import StepProjector, step_of_work
@@ -35,13 +36,11 @@ BARRIER_SECONDS = 600.0   # a card that never reaches a collective fails the ste
 
 
 def load_sharded(path, cards: list[Card], dtype: str = "float32", name: str | None = None,
-                 tokenizer: bool = True) -> list[LoadedModel]:
-    """The checkpoint at ``path`` read once and each card's shard placed on it (float widths);
-    ``tokenizer=False`` skips the tokenizer (tests)."""
+                 tokenizer: bool = True) -> tuple[GraniteConfig, list[LoadedModel]]:
+    """The checkpoint at ``path`` read once: its whole config, and each card's shard placed on
+    it (float widths); ``tokenizer=False`` skips the tokenizer (tests)."""
     ckpt = load_checkpoint(path)
-    stored = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    codes = set(ckpt.stored_dtypes.values())
-    stored_dtype = stored.get(codes.pop(), "float32") if len(codes) == 1 else ckpt.config.torch_dtype
+    stored_dtype = stored_width(ckpt.stored_dtypes.values(), ckpt.config.torch_dtype)
     width = stored_dtype if dtype == "auto" else dtype
     tok = tokenizer_of(path) if tokenizer else None
     models = []
@@ -50,7 +49,7 @@ def load_sharded(path, cards: list[Card], dtype: str = "float32", name: str | No
         models.append(LoadedModel(name=name or os.path.basename(os.fspath(path)), path=path, config=cfg,
                                   tokenizer=tok, weights=place_weights(card, cfg, tensors, width),
                                   stored_dtype=stored_dtype))
-    return models
+    return ckpt.config, models
 
 
 class _Exchange:

@@ -40,11 +40,11 @@ def load_on_cards(s):
 
 
 def _load_sharded(s, tp: int):
-    from spyre_serve.models.config import GraniteConfig
     from spyre_serve.models.gguf_file import is_gguf_file
     from spyre_serve.models.loader import LoadedModel
     from spyre_serve.models.profiles import model_names, resolve_model
     from spyre_serve.models.tp_runner import TensorParallelRunner, load_sharded
+    from spyre_serve.server.pooling import generating_sizes
 
     path = resolve_model(s.model)
     if is_gguf_file(path) or s.quantization or s.runner == "pooling":
@@ -54,12 +54,8 @@ def _load_sharded(s, tp: int):
     name = s.model if s.model in model_names() else path.name
     cards = [new_card(s) for _ in range(tp)]
     try:
-        full = GraniteConfig.from_file(path)
-        models = load_sharded(path, cards, dtype=s.dtype, name=name)
-        runner = TensorParallelRunner(models, cards, full, max_num_seqs=s.max_num_seqs,
-                                      max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
-                                      num_kv_blocks=s.num_kv_blocks, max_model_len=s.max_model_len,
-                                      compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype)
+        full, models = load_sharded(path, cards, dtype=s.dtype, name=name)
+        runner = TensorParallelRunner(models, cards, full, **generating_sizes(s))
     except BaseException:
         for card in cards:
             card.close()

@@ -41,17 +41,22 @@ def pooling_of(pooler_config: dict | None, model) -> tuple[str, bool]:
     return str(given.get("pooling_type", kind)).upper(), bool(given.get("normalize", normalize))
 
 
+def generating_sizes(s) -> dict:
+    """A generating ModelRunner's sizes and widths from settings ``s`` (one card's, or each of
+    a sharded model's cards: server/cards.py)."""
+    return dict(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                max_model_len=s.max_model_len, block_size=s.block_size, num_kv_blocks=s.num_kv_blocks,
+                compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype)
+
+
 def make_runner(s, model, card):
     """The runner ``s`` (Settings) asks for: ModelRunner (generating or pooling a decoder), or
     an encoder's EncoderRunner. A pooled prompt is computed in one step, so its context is at
     most --max-num-batched-tokens."""
     from spyre_serve.models import ModelRunner
 
-    sizes = dict(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                 max_model_len=s.max_model_len, block_size=s.block_size)
     if runner_kind(s.runner, model) == "generate":
-        return ModelRunner(model, card, **sizes, num_kv_blocks=s.num_kv_blocks,
-                           compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype)
+        return ModelRunner(model, card, **generating_sizes(s))
     if s.max_model_len is not None and s.max_model_len > s.max_num_batched_tokens:
         raise ValueError(f"--max-model-len {s.max_model_len} is over --max-num-batched-tokens "
                          f"{s.max_num_batched_tokens}: a pooled prompt is computed in one step; raise "
@@ -60,7 +65,7 @@ def make_runner(s, model, card):
     if is_encoder(model):
         from spyre_serve.models.encoder_runner import EncoderRunner
 
-        return EncoderRunner(model, card, **sizes, pooling_type=kind, normalize=normalize)
-    return ModelRunner(model, card, **sizes, num_kv_blocks=s.num_kv_blocks,
-                       compute_dtype=s.compute_dtype, kv_cache_dtype=s.kv_cache_dtype,
-                       pooling=(kind, normalize))
+        return EncoderRunner(model, card, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                             max_model_len=s.max_model_len, block_size=s.block_size, pooling_type=kind,
+                             normalize=normalize)
+    return ModelRunner(model, card, **generating_sizes(s), pooling=(kind, normalize))

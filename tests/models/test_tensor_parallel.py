@@ -5,6 +5,8 @@ logits within float32 summation order of its; a failure on one card fails the st
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -37,26 +39,29 @@ def one_card(model_dir):
     return logits, tokens
 
 
-def tp_runner(model_dir, tp: int) -> TensorParallelRunner:
+@contextlib.contextmanager
+def tp_runner(model_dir, tp: int):
+    """A TensorParallelRunner over tp cards of the checkpoint, closed with its cards after."""
     cards = [Card(32 << 20) for _ in range(tp)]
-    models = load_sharded(model_dir, cards, tokenizer=False)
-    return TensorParallelRunner(models, cards, load_checkpoint(model_dir).config, **SIZES)
+    full, models = load_sharded(model_dir, cards, tokenizer=False)
+    runner = TensorParallelRunner(models, cards, full, **SIZES)
+    try:
+        yield runner
+    finally:
+        runner.close()
+        for card in cards:
+            card.close()
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_greedy_tokens_equal_one_cards(model_dir, one_card, tp):
-    runner = tp_runner(model_dir, tp)
-    try:
+    with tp_runner(model_dir, tp) as runner:
         logits, tokens = runner_greedy(runner, PROMPTS, 8)
         assert tokens == one_card[1]
         for i in range(len(PROMPTS)):
             np.testing.assert_allclose(logits[i], one_card[0][i], rtol=1e-4, atol=1e-4)
         assert runner.numerics.endswith(f"tp={tp}") and runner.held() == {"prompt_logprob_rows": 0,
                                                                             "penalty_slots": 0}
-    finally:
-        runner.close()
-        for c in runner.cards:
-            c.close()
 
 
 def test_each_card_holds_its_shard(model_dir):
@@ -76,25 +81,19 @@ def test_each_card_holds_its_shard(model_dir):
 def test_a_failure_on_one_card_fails_the_step(model_dir):
     from spyre_serve.models import SamplingParams, SeqWork
 
-    runner = tp_runner(model_dir, 2)
-    try:
+    with tp_runner(model_dir, 2) as runner:
         def boom(*_):
             raise RuntimeError("card 1 fault")
         runner.runners[1].stream.enqueue(boom, label="fault")
         handle = runner.launch([SeqWork(0, [5, 6, 7], 0, [0], True, SamplingParams(temperature=0.0))])
         with pytest.raises(Exception, match="card 1 fault"):
             handle.result()
-    finally:
-        runner.close()
-        for c in runner.cards:
-            c.close()
 
 
 def test_a_part_that_fails_on_one_card_breaks_the_others_wait(model_dir, monkeypatch):
     from spyre_serve.models import SamplingParams, SeqWork
     from spyre_serve.models import tp_runner as tp_module
 
-    runner = tp_runner(model_dir, 2)
     calls = {"n": 0}
     real = tp_module._sum_over_cards
 
@@ -104,11 +103,7 @@ def test_a_part_that_fails_on_one_card_breaks_the_others_wait(model_dir, monkeyp
             raise RuntimeError("all-reduce fault")
         real(ys)
     monkeypatch.setattr(tp_module, "_sum_over_cards", fail_third)
-    try:
+    with tp_runner(model_dir, 2) as runner:
         handle = runner.launch([SeqWork(0, [5, 6, 7], 0, [0], True, SamplingParams(temperature=0.0))])
         with pytest.raises(Exception, match="all-reduce fault|Broken"):
             handle.result()
-    finally:
-        runner.close()
-        for c in runner.cards:
-            c.close()
