@@ -46,13 +46,14 @@ class Capacity:
     tmax: int        # token rows (the largest token bucket)
     smax: int        # sequences (the largest sequence bucket)
     rmax: int        # logit rows: every token row asked for, plus the sampling rows
+    srmax: int       # sampling rows: one per sequence, and one per proposed token (each a token row)
     mbmax: int       # block-table width (max_model_len in blocks)
     nban_max: int    # banned ids: unique per sampling row, each < V
     nmw_max: int = 0     # grammar-mask words: a mask of ceil(V/32) words per sampling row
     nbias_max: int = 0   # logit-bias entries: unique per sampling row, each < V
 
     def input_dims(self) -> dict[str, int]:
-        return {"T": self.tmax, "S": self.smax, "R": self.rmax, "MB": self.mbmax,
+        return {"T": self.tmax, "S": self.smax, "SR": self.srmax, "R": self.rmax, "MB": self.mbmax,
                 "NBAN": self.nban_max, "NMW": self.nmw_max, "NBIAS": self.nbias_max}
 
 
@@ -124,7 +125,8 @@ def capacity(config: GraniteConfig, max_num_seqs: int, max_num_batched_tokens: i
     sequence buckets, every row's logits, block tables of max_model_len)."""
     tmax, smax = buckets(max_num_batched_tokens)[-1], buckets(max_num_seqs)[-1]
     v = config.vocab_size
-    return Capacity(tmax=tmax, smax=smax, rmax=tmax + smax, mbmax=-(-max_model_len // block_size),
+    return Capacity(tmax=tmax, smax=smax, rmax=tmax + smax, srmax=tmax + smax,
+                    mbmax=-(-max_model_len // block_size),
                     nban_max=smax * v, nmw_max=smax * mask_words(v), nbias_max=smax * v)
 
 
@@ -132,7 +134,8 @@ def buffer_bytes(config: GraniteConfig, cap: Capacity) -> dict[str, int]:
     """Bytes of the step's buffers: 'workspace', 'inputs', 'output' (one of the two), 'layer_table'."""
     return {"workspace": WORKSPACE.place(workspace_dims(cap, config)).nbytes,
             "inputs": INPUTS.place(cap.input_dims()).nbytes,
-            "output": OUTPUTS.place({"S": cap.smax, "K": KMAX, "P": cap.smax, "H": config.hidden_size}).nbytes,
+            "output": OUTPUTS.place({"SR": cap.srmax, "K": KMAX, "P": cap.smax,
+                                     "H": config.hidden_size}).nbytes,
             "layer_table": config.num_hidden_layers * LAYER_FIELDS * 8}
 
 

@@ -232,12 +232,12 @@ class ModelRunner:
         dims = packed.dims
         stream.copy_h2d(mem.inputs_prefix(packed.placement.nbytes), packed.host)
         out_dev = mem.outputs[self._launches & 1]
-        outputs = mem.outputs_layout.place({"S": s, "K": dims["K"], "P": s if self.pooling else 0,
+        outputs = mem.outputs_layout.place({"SR": dims["SR"], "K": dims["K"], "P": s if self.pooling else 0,
                                             "H": self.config.hidden_size})
         out = np.empty(outputs.nbytes, np.uint8)
         readback = [(out, DeviceTensor(out_dev.address, (outputs.nbytes,), np.uint8, self.card))]
         lsm = logits = None
-        if dims["R"] > dims["S"]:           # every row (return_rows) or the prompt-scoring ones
+        if dims["R"] > dims["SR"]:          # every row (return_rows) or the prompt-scoring ones
             rows = (dims["R"], self.config.vocab_size)
             lsm = np.empty(rows, np.float32)
             readback.append((lsm, mem.workspace_field("lsm", lsm.size)))
@@ -305,17 +305,20 @@ class ModelRunner:
 def step_output(step: _Launched, prompt_logprobs: PromptLogprobs) -> StepOutput:
     """The StepOutput of a launched step whose readback is done."""
     p = step.packed
-    ns = len(p.sample_seq_ids)
     v = step.outputs.views(step.out)
+    ns = p.dims["NS"]
     out = StepOutput(seq_ids=p.sample_seq_ids, token_ids=v["sampled"][:ns].copy(),
                      logprobs=v["logprob"][:ns].copy(), top_ids=v["top_ids"][:ns].copy(),
                      top_logprobs=v["top_logprobs"][:ns].copy())
+    if ns > len(p.sample_seq_ids):               # proposals: each keeps its samples up to the
+        out.first_rows = p.first_rows             # first that differs from what it proposed
+        out.accepted = accepted_counts([w for w in step.work if w.sample], p.first_rows, out.token_ids)
     if "pooled" in v and v["pooled"].shape[0]:       # a pooling runner: every item, in order
         out.seq_ids = [w.seq_id for w in step.work]
         out.pooled = v["pooled"][:len(step.work)].copy()
     if step.lsm is None:
         return out
-    s = p.dims["S"]
+    s = p.dims["SR"]
     for i, r0 in p.scored_rows.items():
         w = step.work[i]
         if w.prompt_logprobs:
@@ -324,3 +327,18 @@ def step_output(step: _Launched, prompt_logprobs: PromptLogprobs) -> StepOutput:
         out.logits = {w.seq_id: step.logits[s + r0:s + r0 + len(w.token_ids)].copy()
                       for w, r0 in zip(step.work, p.row_start, strict=True)}
     return out
+
+
+def accepted_counts(samplers: list[SeqWork], first_rows: list[int], sampled: np.ndarray) -> list[int]:
+    """Tokens each sampling sequence keeps: its first sample, then each next one while the
+    sample before it equals the token it proposed there (speculative decoding). Every row
+    draws with the RNG counter of the output token it samples, so what is kept is what
+    sampling one token a step would have drawn: identical output, greedy or seeded."""
+    counts = []
+    for w, r0 in zip(samplers, first_rows, strict=True):
+        proposed = w.token_ids[len(w.token_ids) - w.num_draft:]
+        n = 1
+        while n <= w.num_draft and sampled[r0 + n - 1] == proposed[n - 1]:
+            n += 1
+        counts.append(n)
+    return counts

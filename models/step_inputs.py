@@ -5,14 +5,16 @@
                                                    # items at fault (ValueError: the list itself)
     step = pack_step(INPUTS, work, t, s, return_rows, limits, last_rows, pen_slots)
     step.host                                      # uint8[step.placement.nbytes]: copy it to the card
-    step.dims                                      # the launch's dim slots (T, S, R, NS, MB, K,
-                                                   # NBAN, NMW, NBIAS)
+    step.dims                                      # the launch's dim slots (T, S, SR, R, NS, MB,
+                                                   # K, NBAN, NMW, NBIAS)
 
 The buffer holds every field of the INPUTS table (models/step_program.py) placed for this
 launch's dims; the packing writes it through the placement's named views, so it follows the
 table wherever its fields sit. Token rows are the work items' tokens one after the other
 (padding rows up to the bucket write the KV cache's trash block); sampling rows are the
-sampling sequences in work order, then the token rows whose log-softmax is read back: every
+sampling sequences in work order (a sequence with proposed tokens, `SeqWork.num_draft`, has
+one for each of its last num_draft + 1 token rows: speculative decoding), then from row SR
+the token rows whose log-softmax is read back: every
 token row with `return_rows` (logits for debugging and benchmarks), else only the rows of
 the work items that score their prompt (prompt logprobs), so the readback is proportional to
 what is asked (`PackedStep.scored_rows`: where each such item's rows start).
@@ -50,6 +52,7 @@ class RowContext:
     seed: int        # the sequence's own seed (seed_of)
     pen_slot: int    # its penalty slot, -1: no penalties
     mask_row: int    # its grammar mask's row of mask_words, -1: none
+    draft_row: int = 0   # which of a sequence's sampling rows this is (0 unless it has proposals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +75,12 @@ class StepLimits:
 class PackedStep:
     host: np.ndarray          # uint8[placement.nbytes]: the INPUTS buffer of this launch
     placement: Placement      # where each INPUTS field sits in it
-    dims: dict[str, int]      # dim slots: T, S, R, NS, MB, K, NBAN, NMW, NBIAS
+    dims: dict[str, int]      # dim slots: T, S, SR, R, NS, MB, K, NBAN, NMW, NBIAS
     row_start: list[int]      # token row of each work item's first token
     sample_seq_ids: list[int]  # the sequences that sample, in sampling-row order
-    sample_rows: dict[int, int]  # seq_id -> its sampling row (what a from_device decode reads next)
+    sample_rows: dict[int, int]  # seq_id -> its sampling row (what a from_device decode reads
+                                 # next; a sequence with proposals has none: the host decides)
+    first_rows: list[int]     # per sample_seq_ids entry: its first sampling row
     attn_pairs: int           # (query row, key) pairs the attention computes
     scored_rows: dict[int, int]  # work index -> the first of its rows after the S sampling rows
 
@@ -136,6 +141,8 @@ def check_seq(w: SeqWork, limits: StepLimits, last_rows: dict[int, int]) -> int:
         if w.seq_id not in last_rows:
             raise ValueError(f"seq {w.seq_id}: from_device, but it did not sample in the "
                              f"previous launch")
+    if w.num_draft:
+        _check_draft(w, n)
     if w.sampling.uses_penalties and not (isinstance(w.num_prompt, int)
                                           and 0 <= w.num_prompt <= INT32_MAX):
         raise ValueError(f"seq {w.seq_id}: penalties need num_prompt (the prompt's length, "
@@ -163,6 +170,26 @@ def check_seq(w: SeqWork, limits: StepLimits, last_rows: dict[int, int]) -> int:
     elif w.token_mask is not None:
         raise ValueError(f"seq {w.seq_id}: a token_mask on a chunk that does not sample")
     return n
+
+
+def _check_draft(w: SeqWork, n: int) -> None:
+    """ValueError unless `w`'s proposals can be verified in this step: a sampling decode of its
+    known last token and the proposals, without the per-token state a proposal would advance
+    (penalty counts, a grammar, bans, logit biases are refused: the server does not propose for
+    such sequences)."""
+    if not (isinstance(w.num_draft, int) and 0 < w.num_draft < n):
+        raise ValueError(f"seq {w.seq_id}: num_draft {w.num_draft!r} must be in 1..{n - 1} "
+                         f"(the chunk's tokens minus the one known token)")
+    if not w.sample or w.from_device or w.prompt_logprobs or w.pool:
+        raise ValueError(f"seq {w.seq_id}: proposals need a sampling chunk of known tokens "
+                         f"(sample={w.sample}, from_device={w.from_device}, "
+                         f"prompt_logprobs={w.prompt_logprobs}, pool={w.pool})")
+    unsupported = [name for name, on in (("penalties", w.sampling.uses_penalties),
+                                         ("banned tokens", bool(w.banned_token_ids)),
+                                         ("a grammar mask", w.token_mask is not None),
+                                         ("logit_bias", bool(w.sampling.logit_bias))) if on]
+    if unsupported:
+        raise ValueError(f"seq {w.seq_id}: proposals cannot be verified with {', '.join(unsupported)}")
 
 
 def mask_words(vocab_size: int) -> int:
@@ -208,10 +235,14 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
         raise SeqWorkError({i: f"seq {i}: penalties but no penalty slot" for i in missing})
     samplers = [w for w in work if w.sample]
     bans = _ban_lists(samplers)
+    n_rows = sum(1 + w.num_draft for w in samplers)
+    if return_rows and n_rows > len(samplers):   # R = SR + T would pass the logit rows' room
+        raise ValueError("launch: return_logits with proposed tokens (SeqWork.num_draft)")
     mb = min(max([len(w.block_table) for w in work] + [1]), limits.max_blocks_per_seq) if work else 1
     scored = [i for i, w in enumerate(work) if return_rows or w.prompt_logprobs]
     n_scored = t if return_rows else sum(len(work[i].token_ids) for i in scored)
-    dims = {"T": t, "S": s, "R": s + n_scored, "NS": len(samplers), "MB": mb,
+    sr = s + n_rows - len(samplers)
+    dims = {"T": t, "S": s, "SR": sr, "R": sr + n_scored, "NS": n_rows, "MB": mb,
             "K": max([w.sampling.logprobs for w in work] + [0]),
             "NBAN": sum(len(b) for b in bans),
             "NMW": sum(w.token_mask is not None for w in samplers) * mask_words(limits.vocab_size),
@@ -222,20 +253,20 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     records = _records(placement)
     _write_defaults(v, records, limits.trash_slot)
     row_start = _write_rows(v, work, limits.block_size, last_rows, pen_slots)
-    sample_rows = _write_sampling(v, records, work, row_start, bans, limits.seed, pen_slots)
+    sample_rows, first_rows = _write_sampling(v, records, work, row_start, bans, limits.seed, pen_slots)
     scored_rows, at = {}, 0
     if return_rows:
-        v["logit_rows"][s:s + t] = np.arange(t, dtype=np.int32)
+        v["logit_rows"][sr:sr + t] = np.arange(t, dtype=np.int32)
         scored_rows = {i: row_start[i] for i in scored}
     for i in scored if not return_rows else ():
         n = len(work[i].token_ids)
-        v["logit_rows"][s + at:s + at + n] = np.arange(row_start[i], row_start[i] + n, dtype=np.int32)
+        v["logit_rows"][sr + at:sr + at + n] = np.arange(row_start[i], row_start[i] + n, dtype=np.int32)
         scored_rows[i], at = at, at + n
     _check_vocab(v, limits.vocab_size)
     attn_pairs = sum((w.start_pos + len(w.token_ids)) * len(w.token_ids) for w in work)
     return PackedStep(host=host, placement=placement, dims=dims, row_start=row_start,
                       sample_seq_ids=[w.seq_id for w in samplers], sample_rows=sample_rows,
-                      attn_pairs=attn_pairs, scored_rows=scored_rows)
+                      first_rows=first_rows, attn_pairs=attn_pairs, scored_rows=scored_rows)
 
 
 def _records(placement: Placement) -> list[tuple[str, Record]]:
@@ -289,35 +320,41 @@ def _write_rows(v: dict[str, np.ndarray], work: list[SeqWork], bs: int,
 
 def _write_sampling(v: dict[str, np.ndarray], records: list[tuple[str, Record]],
                     work: list[SeqWork], row_start: list[int], bans: list[np.ndarray],
-                    runner_seed: int, pen_slots: dict[int, int]) -> dict[int, int]:
-    """Sampling rows 0..NS-1 (their records, ban lists, masks, biases); returns seq_id -> row."""
+                    runner_seed: int, pen_slots: dict[int, int]) -> tuple[dict[int, int], list[int]]:
+    """Sampling rows 0..NS-1 (their records, ban lists, masks, biases): one per sampling
+    sequence, or one per row of its proposals and the token before them. Returns seq_id -> row
+    (the sequences a from_device decode may read next) and each sampling sequence's first row."""
     ban_ids = v["ban_ids"]
     samplers = [(w, r0) for w, r0 in zip(work, row_start, strict=True) if w.sample]
-    ban_pos = bias_pos = masks = 0
+    ban_pos = bias_pos = masks = j = 0
     rows: dict[int, int] = {}
-    for j, (w, r0) in enumerate(samplers):
-        sp = w.sampling
-        last = r0 + len(w.token_ids) - 1
-        v["logit_rows"][j] = last
-        v["ban_start"][j] = ban_pos
-        ban_ids[ban_pos:ban_pos + len(bans[j])] = bans[j]
-        ban_pos += len(bans[j])
+    first_rows: list[int] = []
+    for i, (w, r0) in enumerate(samplers):
         mask_row = -1
         if w.token_mask is not None:
             mw = len(w.token_mask)
             mask_row = masks
             v["mask_words"][masks * mw:(masks + 1) * mw] = w.token_mask
             masks += 1
-        ctx = RowContext(seed=seed_of(w, runner_seed), pen_slot=pen_slots.get(w.seq_id, -1),
-                         mask_row=mask_row)
-        for name, record in records:
-            v[name][j] = record.row(w, ctx)
-        bias = sp.logit_bias or {}
-        v["bias_start"][j] = bias_pos
+        seed, bias = seed_of(w, runner_seed), w.sampling.logit_bias or {}
+        first_rows.append(j)
+        last = r0 + len(w.token_ids) - 1
+        for d in range(w.num_draft + 1):   # proposals carry no bans, masks or biases (_check_draft)
+            v["logit_rows"][j] = last - w.num_draft + d
+            v["ban_start"][j] = ban_pos
+            v["bias_start"][j] = bias_pos
+            ctx = RowContext(seed=seed, pen_slot=pen_slots.get(w.seq_id, -1), mask_row=mask_row,
+                             draft_row=d)
+            for name, record in records:
+                v[name][j] = record.row(w, ctx)
+            j += 1
+        ban_ids[ban_pos:ban_pos + len(bans[i])] = bans[i]
+        ban_pos += len(bans[i])
         v["bias_ids"][bias_pos:bias_pos + len(bias)] = list(bias)
         v["bias"][bias_pos:bias_pos + len(bias)] = list(bias.values())
         bias_pos += len(bias)
-        rows[w.seq_id] = j
-    v["ban_start"][len(samplers):] = ban_pos
-    v["bias_start"][len(samplers):] = bias_pos
-    return rows
+        if not w.num_draft:
+            rows[w.seq_id] = first_rows[-1]
+    v["ban_start"][j:] = ban_pos
+    v["bias_start"][j:] = bias_pos
+    return rows, first_rows

@@ -115,15 +115,20 @@ class SeqWork:                    # one sequence's share of a step
                                                 # of word t//32), or None
     pool: bool = False            # an embedding: the whole prompt in this chunk, pooled (a
                                   # pooling runner's work; it samples nothing)
+    num_draft: int = 0            # speculative decoding: the last num_draft of token_ids are
+                                  # proposed tokens; each of the last num_draft + 1 rows samples
+                                  # (row j as output token num_generated + j), and the step keeps
+                                  # the samples up to the first that differs from its proposal
 
 
 @dataclass
 class StepOutput:
     seq_ids: list[int]            # the sequences that sampled, in order
-    token_ids: np.ndarray         # int32[S]
-    logprobs: np.ndarray          # float32[S], logprob of the sampled token (raw distribution)
-    top_ids: np.ndarray           # int32[S, K]   K = max logprobs asked in the step (0 if none)
-    top_logprobs: np.ndarray      # float32[S, K]
+    token_ids: np.ndarray         # int32[NS]: one per sampling row (row i is seq_ids[i]'s unless
+                                  # a sequence had proposals: see `first_rows`)
+    logprobs: np.ndarray          # float32[NS], logprob of the sampled token (raw distribution)
+    top_ids: np.ndarray           # int32[NS, K]   K = max logprobs asked in the step (0 if none)
+    top_logprobs: np.ndarray      # float32[NS, K]
     prompt_logprobs: dict = field(default_factory=dict)
     # seq_id -> (float32[n], int32[n, K], float32[n, K], int32[n]): logprob of each prompt
     # token at position >= 1 computed in this step (the first token of a later chunk is scored
@@ -131,4 +136,12 @@ class StepOutput:
     # and its rank (models/prompt_logprobs.py `of_chunk`).
     logits: dict | None = None    # seq_id -> float32[n, V] of every row, when launch(return_logits=True)
     pooled: np.ndarray | None = None   # a pooling runner's: float32[S, H], one row per seq_ids entry
+    first_rows: list[int] | None = None  # with proposals (SeqWork.num_draft): each seq_ids entry's
+    accepted: list[int] | None = None    # first sampling row, and how many of its rows it keeps
+
+    def rows_of(self, i: int) -> range:
+        """The sampling rows seq_ids[i] keeps, in order: one, or its accepted speculation."""
+        if self.first_rows is None:
+            return range(i, i + 1)
+        return range(self.first_rows[i], self.first_rows[i] + self.accepted[i])
 

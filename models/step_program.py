@@ -19,8 +19,9 @@ a runner of one card runs it whole.
     count each penalized sequence's tokens into its slot of the penalty tables (on the card)
     sample rows 0..NS-1 (logit bias, penalties, bans, grammar mask, temperature, top-k/p,
     min-p, seeded draw) with the
-    sampled id, its raw logprob and the top-K raw logprobs; rows NS.. only when asked
-    (R > S: every token row, for prompt logprobs) get a log-softmax.
+    sampled id, its raw logprob and the top-K raw logprobs; rows SR.. only when asked
+    (R > SR: every token row, for prompt logprobs) get a log-softmax. A sequence with proposed
+    tokens (speculative decoding) has a sampling row for each of its last num_draft + 1 rows.
 
 Its three buffers are declared once, below, as tables of fields (models/buffer_layout.py):
 INPUTS (packed by the host at every launch), OUTPUTS (read back; two, alternating, so a
@@ -90,12 +91,14 @@ SAMPLE_ROW = Record("sample_row", [
     RowField("pen_slot", I32, -1, lambda w, c: c.pen_slot),     # penalty slot it reads, or -1
     RowField("mask_row", I32, -1, lambda w, c: c.mask_row),     # its mask's row, -1: no grammar
     RowField("seed", I64, 0, lambda w, c: c.seed),
-    RowField("counter", I64, 0, lambda w, c: w.num_generated),  # RNG counter: tokens so far
+    # RNG counter: the number of the output token the row samples (a proposal's j-th row: + j)
+    RowField("counter", I64, 0, lambda w, c: w.num_generated + c.draft_row),
 ])
 
-# Written by the host at each launch (one copy). Dims: T token rows, S sequences, R logit
-# rows, MB block-table width, NBAN banned ids, NMW grammar-mask words (masked rows times
-# ceil(V/32)), NBIAS logit-bias entries, all of this launch.
+# Written by the host at each launch (one copy). Dims: T token rows, S sequences, SR sampling
+# rows (S, plus one per proposed token: speculative decoding), R logit rows, MB block-table
+# width, NBAN banned ids, NMW grammar-mask words (masked rows times ceil(V/32)), NBIAS
+# logit-bias entries, all of this launch.
 INPUTS = Layout("inputs", [
     Field("tokens", I32, ("T",)),               # (rows with src_rows >= 0: read on the card)
     Field("positions", I32, ("T",)),
@@ -104,24 +107,25 @@ INPUTS = Layout("inputs", [
     Field("query_start", I32, ("S+1",)),        # first token row of each sequence
     Field("context_lens", I32, ("S",)),
     Field("block_tables", I32, ("S", "MB")),
-    Field("logit_rows", I32, ("R",)),           # sampling rows first, then (R > S) every row
+    Field("logit_rows", I32, ("R",)),           # sampling rows first, then (R > SR) every row
     Field("count_slot", I32, ("S",)),           # per sequence: penalty slot its tokens count in, or -1
     Field("prompt_lens", I32, ("S",)),          # per sequence: positions below are prompt tokens
-    Field("ban_start", I32, ("S+1",)),          # per sampling row: its bans, its mask, its biases
+    Field("ban_start", I32, ("SR+1",)),         # per sampling row: its bans, its mask, its biases
     Field("ban_ids", I32, ("NBAN",)),           # not to sample (min_tokens)
     Field("mask_words", I32, ("NMW",)),         # [masked rows, ceil(V/32)] bitmasks (llguidance's)
-    Field("bias_start", I32, ("S+1",)),         # per sampling row: its logit_bias entries
+    Field("bias_start", I32, ("SR+1",)),        # per sampling row: its logit_bias entries
     Field("bias_ids", I32, ("NBIAS",)),
     Field("bias", F32, ("NBIAS",)),
-    Field("sample_rows", SAMPLE_ROW, ("S",)),   # per sampling row: its parameters (above)
+    Field("sample_rows", SAMPLE_ROW, ("SR",)),  # per sampling row: its parameters (above)
 ])
 
-# Read back after each launch; rows 0..NS-1 are written. Dims: S sequences, K top logprobs.
+# Read back after each launch; rows 0..NS-1 are written. Dims: SR sampling rows, K top
+# logprobs, P pooled sequences, H.
 OUTPUTS = Layout("outputs", [
-    Field("sampled", I32, ("S",)),
-    Field("logprob", F32, ("S",)),              # of the sampled id, raw distribution
-    Field("top_ids", I32, ("S", "K")),
-    Field("top_logprobs", F32, ("S", "K")),
+    Field("sampled", I32, ("SR",)),
+    Field("logprob", F32, ("SR",)),             # of the sampled id, raw distribution
+    Field("top_ids", I32, ("SR", "K")),
+    Field("top_logprobs", F32, ("SR", "K")),
     Field("pooled", F32, ("P", "H")),           # a pooling runner's (P = S; else 0) vectors
 ])
 
@@ -144,7 +148,7 @@ WORKSPACE = Layout("workspace", [
     Field("hsel", F32, ("RMAX", "H")),          # rows of x that need logits
     Field("hn", F32, ("RMAX", "H")),
     Field("logits", F32, ("RMAX", "V")),
-    Field("lsm", F32, ("RMAX", "V")),           # log-softmax, only when R > S
+    Field("lsm", F32, ("RMAX", "V")),           # log-softmax, only when R > SR
     # per penalty slot (a sequence with penalties, models/penalty_slots.py): times each token
     # was generated, and 1 where the prompt holds it; cleared by a chunk at position 0
     Field("pen_output_counts", I32, ("2*SMAX", "V")),
@@ -160,7 +164,7 @@ def _field_slots(names) -> list[tuple[str, str]]:
 # (name, kind); the index in this list is the slot's index in the table.
 SLOTS = [
     # step shapes
-    ("T", "dim"), ("S", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
+    ("T", "dim"), ("S", "dim"), ("SR", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
     ("NBAN", "dim"), ("NMW", "dim"), ("NBIAS", "dim"),
     # pooling (embedding models): 0 generates, else 1 + device.kernels.pooling.POOL_*; unit norm
     ("POOL", "dim"), ("POOL_NORM", "dim"),
@@ -222,6 +226,7 @@ def _sample_rows(i64, table, n):
 def step_entry(f32, i32, i64, u16, table):
     T = table[Slot.T]
     S = table[Slot.S]
+    SR = table[Slot.SR]
     R = table[Slot.R]
     NS = table[Slot.NS]
     MB = table[Slot.MB]
@@ -260,14 +265,14 @@ def step_entry(f32, i32, i64, u16, table):
     logit_rows = _i32(i32, table, Slot.logit_rows, R)
     count_slot = _i32(i32, table, Slot.count_slot, S)
     prompt_lens = _i32(i32, table, Slot.prompt_lens, S)
-    ban_start = _i32(i32, table, Slot.ban_start, S + 1)
+    ban_start = _i32(i32, table, Slot.ban_start, SR + 1)
     ban_ids = _i32(i32, table, Slot.ban_ids, NBAN)
     mw = (V + 31) // 32                      # words per grammar mask
     mask_words = _i32(i32, table, Slot.mask_words, NMW).reshape(NMW // mw, mw)
-    bias_start = _i32(i32, table, Slot.bias_start, S + 1)
+    bias_start = _i32(i32, table, Slot.bias_start, SR + 1)
     bias_ids = _i32(i32, table, Slot.bias_ids, NBIAS)
     bias = _f32(f32, table, Slot.bias, NBIAS)
-    rows = _sample_rows(i64, table, S)
+    rows = _sample_rows(i64, table, SR)
 
     # Decode tokens sampled by the previous launch, read here instead of on the host.
     prev_sampled = _i32(i32, table, Slot.prev_sampled, table[Slot.prev_sampled + 1])
@@ -366,7 +371,7 @@ def step_entry(f32, i32, i64, u16, table):
     lf = logits.reshape(R * V)           # ---- sampling (every card's logits whole by now)
     for i in range(R * V):
         lf[i] *= inv_logit_scale
-    if R > S:
+    if R > SR:
         log_softmax(lsm, logits)          # every token row asked for (prompt logprobs, debug)
     t = lap(timers, K_LOG_SOFTMAX, t)
 

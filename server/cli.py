@@ -119,6 +119,7 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
     from spyre_serve.server.cards import load_on_cards
     from spyre_serve.server.engine import Engine
     from spyre_serve.server.metrics import Metrics
+    from spyre_serve.server.speculative import speculator_for
     from spyre_serve.server.spyre_compat import for_engine
     from spyre_serve.server.watchdog import Fault
 
@@ -152,7 +153,7 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
                     max_prefill_with_decodes=s.max_prefill_tokens_with_decodes,
                     max_scored_tokens_per_step=s.max_scored_tokens_per_step,
                     scheduling_policy=s.scheduling_policy, spyre_compat=compat,
-                    structured_output_wait=s.structured_output_wait)
+                    structured_output_wait=s.structured_output_wait, speculator=speculator_for(s, runner))
     metrics.watch(engine)
     engine.start()
     log.info("engine ready in %.1f s: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "

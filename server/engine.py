@@ -53,6 +53,7 @@ from spyre_serve.server.outputs import SeqUpdate, store_prompt_logprobs
 from spyre_serve.server.scheduler import Scheduler
 from spyre_serve.server.seams import StepRunner, check_runner
 from spyre_serve.server.sequence import GenerationParams, Sequence
+from spyre_serve.server.speculative import Speculator
 from spyre_serve.server.spyre_compat import SpyreCompat
 from spyre_serve.server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
 from spyre_serve.server.step_work import ScheduledChunk, Step, holds_grammar_sample, seq_work
@@ -84,6 +85,7 @@ class Engine:
         spyre_compat: SpyreCompat | None = None,
         structured_output_wait: bool = False,
         fault: Fault | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.runner = runner = check_runner(runner)
         self.tokenizer = tokenizer
@@ -104,7 +106,7 @@ class Engine:
                                    on_release=lambda seq: runner.forget(seq.seq_id),
                                    max_prefill_with_decodes=max_prefill_with_decodes,
                                    max_scored_tokens_per_step=max_scored_tokens_per_step,
-                                   policy=scheduling_policy, compat=spyre_compat)
+                                   policy=scheduling_policy, compat=spyre_compat, speculator=speculator)
         self.stats = EngineStats()
         # a grammar's mask needs its previous token: wait for it (True) or skip a step (False)
         self.structured_output_wait = structured_output_wait
@@ -134,8 +136,7 @@ class Engine:
                 and not self._inbox.closed)
 
     @property
-    def error(self) -> BaseException | None:
-        """Why the engine died (None while it lives or after a shutdown)."""
+    def error(self) -> BaseException | None:  # why the engine died (None while it lives, after a shutdown)
         return self._life.error
 
     @property
@@ -183,12 +184,10 @@ class Engine:
         if self.on_flush is not None:
             self.on_flush()
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int,
-                      params: list[GenerationParams] | None = None,
+    def check_request(self, num_prompt_tokens: int, max_tokens: int, params: list[GenerationParams] | None = None,
                       prompt_ids: list[int] | None = None) -> None:
-        """Refuse up front what can never run: raise ``RequestRejected`` with the numbers.
-        With ``params`` (one per choice) and ``prompt_ids``, every value a step would carry
-        is checked too (what ``add_request`` checks)."""
+        """Refuse up front what can never run: ``RequestRejected`` with the numbers (with ``params``,
+        one per choice, and ``prompt_ids``: every value a step would carry, as ``add_request``)."""
         check_request(self, num_prompt_tokens, max_tokens, params, prompt_ids)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: list[GenerationParams],
@@ -327,20 +326,23 @@ class Engine:
             if seq.seq_id in poisoned:
                 self.scheduler.step_failed([c])
                 continue
-            i = row[seq.seq_id] if c.sample else None
-            kept = self.scheduler.collected(c, None if i is None else int(out.token_ids[i]))
+            rows = out.rows_of(row[seq.seq_id]) if c.sample else range(0)
+            kept = self.scheduler.collected(c, int(out.token_ids[rows[0]]) if rows else None)
             if kept or not c.sample:          # its time on a real card (a discarded token's: not)
                 self._outputs.on_step(seq, step.projected)
             if c.prompt_logprobs and seq.seq_id in out.prompt_logprobs:
                 store_prompt_logprobs(c, out.prompt_logprobs[seq.seq_id])
             if c.sample:
+                self.stats.count_proposals(len(c.draft), len(rows) - 1)
                 if not kept:
                     self.stats.tokens_discarded += 1
                     continue
-                stop = self._outputs.on_token(seq, out, i, now)
+                stop, n = self._outputs.on_token(seq, out, rows[0], now), 1
+                while stop is None and n < len(rows) and self.scheduler.kept_proposal(seq, int(out.token_ids[rows[n]])):
+                    stop, n = self._outputs.on_token(seq, out, rows[n], now), n + 1
                 if stop is not None:
                     self._open.finish_seq(seq, *stop)
-                num_new_tokens += 1
+                num_new_tokens += n
             elif seq.params.pooling and seq.seq_id in row and not seq.is_finished:
                 self._outputs.on_pooled(seq, out, row[seq.seq_id], now)
                 self._open.finish_seq(seq, "stop")

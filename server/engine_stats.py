@@ -31,6 +31,16 @@ class EngineStats:
     busy_device_seconds: float = 0.0  # device compute time in those periods
     tokens_discarded: int = 0  # sampled for sequences that had already stopped
     finished: dict = field(default_factory=dict)
+    spec_drafts: int = 0  # decodes read back with proposed tokens (speculative decoding)
+    spec_draft_tokens: int = 0  # tokens those proposed
+    spec_accepted_tokens: int = 0  # of them, kept (each equal to the sample at its row)
+
+    def count_proposals(self, proposed: int, accepted: int) -> None:
+        """A decode with ``proposed`` tokens was read back and ``accepted`` of them kept."""
+        if proposed:
+            self.spec_drafts += 1
+            self.spec_draft_tokens += proposed
+            self.spec_accepted_tokens += accepted
 
     @property
     def device_busy_fraction(self) -> float:

@@ -234,6 +234,11 @@ class _LiveCollector:
                           "tokens.", cache.hits)
             yield gauge("spyre_kv_blocks_cached", "KV cache blocks holding a cached prefix block (in use "
                         "or free).", engine.blocks.num_cached)
+            stats = engine.stats
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          stats.spec_accepted_tokens)
             yield counter("spyre_engine_steps", "Steps launched by the engine.", engine.stats.steps)
             yield counter("spyre_engine_failed_steps", "Steps that raised; only the requests at fault failed.",
                           engine.stats.failed_steps)

@@ -54,17 +54,20 @@ from collections.abc import Callable
 
 from spyre_serve.server.block_manager import BlockManager
 from spyre_serve.server.prefill_budget import prefill_budget
+from spyre_serve.server.scheduler_recovery import StepRecovery
 from spyre_serve.server.sequence import SeqStatus, Sequence
+from spyre_serve.server.speculative import Speculator
 from spyre_serve.server.spyre_compat import SpyreCompat
 from spyre_serve.server.step_work import ScheduledChunk
 from spyre_serve.server.waiting import WaitingQueue
 
 
-class Scheduler:
+class Scheduler(StepRecovery):
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  token_buckets: list[int] | None = None, on_release: Callable[[Sequence], None] | None = None,
                  max_prefill_with_decodes: int | None = None, max_scored_tokens_per_step: int | None = None,
-                 policy: str = "fcfs", compat: SpyreCompat | None = None) -> None:
+                 policy: str = "fcfs", compat: SpyreCompat | None = None,
+                 speculator: Speculator | None = None) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be positive")
@@ -79,6 +82,7 @@ class Scheduler:
         self.max_scored = max_scored_tokens_per_step
         self.on_release = on_release
         self.compat = compat  # the plugin's rules (--spyre-compat), or None: the freer default
+        self.speculator = speculator  # proposes tokens to a decode (--speculative-config), or None
         self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []  # in admission order
         self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
@@ -141,60 +145,29 @@ class Scheduler:
         if seq.kv_suspect:  # it read a cached block a failed step wrote: recomputed from 0
             token = None
         self._leave_step(chunk)
+        if chunk.draft and seq.status is SeqStatus.RUNNING and seq.num_computed == chunk.start + chunk.num_new:
+            seq.num_computed = chunk.start + 1  # the proposals' KV counts once each is kept
         if token is None or seq.status is SeqStatus.FINISHED:
             return False
+        return self._known(seq, token)
+
+    def kept_proposal(self, seq: Sequence, token: int) -> bool:
+        """The next sample of a collected chunk with proposals, kept (models.runner's
+        accepted_counts): it joins the known tokens, and the KV of the proposal before it (which
+        it equals) counts as computed; False when the sequence finished meanwhile."""
+        if seq.status is SeqStatus.FINISHED:
+            return False
+        if seq.status is SeqStatus.RUNNING and seq.num_computed == len(seq.token_ids) - 1:
+            seq.num_computed += 1
+        return self._known(seq, token)
+
+    def _known(self, seq: Sequence, token: int) -> bool:
         seq.token_ids.append(token)
         if seq.num_inflight == 0 and seq.block_table:
             # every step of it is read back: full blocks whose last token only this read-back
             # made known go in the cache too (a finished sequence's output, for a chat's next turn)
             self.blocks.cache_full_blocks(seq, seq.num_computed)
         return True
-
-    def step_failed(self, chunks: list[ScheduledChunk]) -> None:
-        """A launched step raised (or its results are not to be trusted): its chunks sampled
-        nothing, and what they wrote is unknown: a sequence that goes on must ``rewind``."""
-        for chunk in chunks:
-            self._leave_step(chunk)
-        self._drop_cached(chunks)
-
-    def undo_launch(self, chunks: list[ScheduledChunk]) -> None:
-        """The launch of the newest step raised before it ran: its chunks are taken back, as
-        if never scheduled (the steps before it are untouched)."""
-        for chunk in chunks:
-            self._leave_step(chunk)
-            if chunk.seq.status is not SeqStatus.FINISHED:
-                chunk.seq.num_computed = chunk.start
-        self._drop_cached(chunks)
-
-    def rewind(self, seq: Sequence) -> None:
-        """Recompute ``seq`` from position 0 (its KV cache and runner state are suspect after
-        a failed step); no launched step may hold it. Its known tokens stay; its blocks are
-        let go (some may be shared: it recomputes into blocks of its own)."""
-        if seq.num_inflight or seq.num_pending:
-            raise RuntimeError(f"seq {seq.seq_id}: rewind with {seq.num_inflight} steps in flight "
-                               f"and {seq.num_pending} samples pending")
-        self.blocks.free(seq)
-        seq.num_computed = 0
-        seq.kv_suspect = False
-
-    def _drop_cached(self, chunks: list[ScheduledChunk]) -> None:
-        """The blocks the failed ``chunks`` registered in the prefix cache hold what the
-        step wrote, which is unknown: they leave the cache, and every sequence that counts
-        one of them as computed (one that found it in the cache, the writer itself) is
-        recomputed from position 0 in blocks of its own once no launched step holds it; the
-        tokens its steps in flight sample are dropped."""
-        bad = {block: h for c in chunks for block, h in c.cached}
-        if not bad:
-            return
-        bs = self.blocks.block_size
-        for seq in [*self.running, *self.waiting]:
-            if any(bad.get(block) == self.blocks.hash_of(block) and (i + 1) * bs <= seq.num_computed
-                   for i, block in enumerate(seq.block_table) if block in bad):
-                seq.kv_suspect = True
-                if not seq.num_inflight:
-                    self.rewind(seq)
-        for block, h in bad.items():
-            self.blocks.uncache(block, h)
 
     def _leave_step(self, chunk: ScheduledChunk) -> None:
         """Undo what ``_take`` counted for ``chunk``'s launch; free the blocks of a finished
@@ -239,6 +212,8 @@ class Scheduler:
             return False
         if seq.num_pending and seq.params.grammar is not None:
             return False  # its grammar's mask is built from its last token: known on the host only
+        if seq.num_pending and self.speculator and self.speculator.proposes_for(seq, len(self.running)):
+            return False  # proposals are looked up after its last token: known on the host only
         return True
 
     # ---- the step -------------------------------------------------------------
@@ -306,9 +281,10 @@ class Scheduler:
                 if seq.params.pooling and num_new < remaining:
                     continue  # an embedding is pooled from one step: its whole prompt or nothing
                 scored -= num_new if scores else 0
-                chunks.append(self._take(seq, num_new, sample and num_new == remaining))
+                draft = self._draft(seq, min(budget, room) - num_new) if kind == "decode" and sample else []
+                chunks.append(self._take(seq, num_new, sample and num_new == remaining, draft))
                 done.add(seq.seq_id)
-                budget -= num_new
+                budget -= num_new + len(draft)
 
         def admit(most: int) -> None:
             """Admit waiting sequences in the queue's order, at most ``most``."""
@@ -381,8 +357,17 @@ class Scheduler:
         hit = self.blocks.lookup(seq, min(target, seq.num_tokens) - 1)
         return self.compat.whole_chunks(hit) if self.compat else hit
 
-    def _take(self, seq: Sequence, num_new: int, sample: bool) -> ScheduledChunk:
+    def _draft(self, seq: Sequence, most: int) -> list[int]:
+        """Tokens proposed to ``seq``'s decode (its last token known on the host), at most ``most``."""
+        spec = self.speculator
+        if spec is None or seq.num_pending or self.compat or not spec.proposes_for(seq, len(self.running)):
+            return []
+        return spec.propose(seq, most)
+
+    def _take(self, seq: Sequence, num_new: int, sample: bool, draft: list[int] | None = None) -> ScheduledChunk:
         start = seq.num_computed
+        draft = draft or []
+        num_new += len(draft)
         self.blocks.grow(seq, start + num_new)
         from_device = seq.num_pending == 1
         prompt_lp = (seq.params.prompt_logprobs and start < seq.num_prompt
@@ -395,4 +380,4 @@ class Scheduler:
         # the full blocks this launch writes (and any whose last token became known since) are
         # cached at once: later steps, and sequences later in this one, read them once written
         cached = self.blocks.cache_full_blocks(seq, seq.num_computed)
-        return ScheduledChunk(seq, start, num_new, sample, from_device, prompt_lp, num_generated, cached)
+        return ScheduledChunk(seq, start, num_new, sample, from_device, prompt_lp, num_generated, cached, draft)

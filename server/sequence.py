@@ -194,7 +194,7 @@ class Sequence:
 WRITERS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("token_ids", "num_pending", "num_computed", "block_table", "block_hashes", "num_cached_blocks",
      "kv_suspect", "status", "num_inflight", "release_pending", "finish_reason"):
-        ("scheduler.py", "block_manager.py"),
+        ("scheduler.py", "scheduler_recovery.py", "block_manager.py"),
     ("stop_reason", "error"): ("open_requests.py",),
     ("output_logprobs", "text", "detok", "matcher", "embedding", "first_token_time", "last_token_time",
      "projected"):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 from spyre_serve.device.memory import DeviceError, parse_bytes
+from spyre_serve.server.speculative import SpeculativeConfig
 from spyre_serve.server.spyre_compat import check_settings
 
 ENV_PREFIX = "SPYRE_SERVE_"
@@ -282,6 +283,11 @@ class Settings:
                                "--max-num-batched-tokens (a multiple of 64, --block-size 64); batch x "
                                "max context <= 131072; 32K context at most; prefix-cache hits in whole "
                                "chunks; --no-warmup refused", parse_bool)
+    speculative_config: SpeculativeConfig | None = _flag(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+        "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 1, \"disable_by_batch_size\": 4}: a decode "
+        "verifies up to k tokens looked up in its own context, in one step (server/speculative.py); "
+        "the output is the same as without", SpeculativeConfig.parse)
     structured_output_wait: bool = _flag(False, "structured output: read back a step holding a grammar's "
                                          "sample before planning the next (every sequence gets a token "
                                          "each step, the card idles while the host plans) instead of "

@@ -23,6 +23,8 @@ class ScheduledChunk:
     num_generated: int  # output tokens before this chunk's sample: the RNG counter
     cached: list[tuple[int, bytes]] = field(default_factory=list)  # (block, hash) registered
     # in the prefix cache at this launch: not what they say if the step fails
+    draft: list[int] = field(default_factory=list)  # tokens proposed after the known last one
+    # (speculative decoding: server/speculative.py); num_new counts them
 
 
 @dataclass(slots=True)
@@ -44,7 +46,7 @@ def seq_work(c: ScheduledChunk, eos_ids: frozenset[int], vocab_size: int) -> Seq
     if c.from_device:
         token_ids = [-1]
     else:
-        token_ids = seq.token_ids[c.start : c.start + c.num_new]
+        token_ids = seq.token_ids[c.start : c.start + c.num_new - len(c.draft)] + c.draft
     sampling: SamplingParams = p.sampling
     return SeqWork(
         seq_id=seq.seq_id,
@@ -57,6 +59,7 @@ def seq_work(c: ScheduledChunk, eos_ids: frozenset[int], vocab_size: int) -> Seq
         from_device=c.from_device,
         prompt_logprobs=c.prompt_logprobs,
         pool=p.pooling,
+        num_draft=len(c.draft),
         # the card keeps the penalty state from the tokens it computes; positions below
         # num_prompt are the prompt's (vLLM: repetition counts them, presence and
         # frequency only the output), so the host sends no token history

@@ -123,15 +123,15 @@ def test_only_the_rows_that_score_their_prompt_are_read_back(runner):
     assert rows[4:].tolist() == [0, 1, 2, 3, 4, *range(8, 18)]     # item 2's tokens are rows 8..17
     plain = pack_step(sp.INPUTS, [w for w in work if not w.prompt_logprobs], 32, 4, False,
                       runner.limits, {}, {})
-    assert plain.dims["R"] == plain.dims["S"] and plain.scored_rows == {}
+    assert plain.dims["R"] == plain.dims["SR"] == plain.dims["S"] and plain.scored_rows == {}
 
 
 def test_the_buffers_on_the_card_are_the_tables_placed_at_capacity(runner):
     # 32 tokens, 4 seqs, 4096 positions in blocks of 16, vocabulary 256
-    cap = memory_plan.Capacity(tmax=32, smax=4, rmax=32 + 4, mbmax=4096 // BLOCK,
+    cap = memory_plan.Capacity(tmax=32, smax=4, rmax=32 + 4, srmax=32 + 4, mbmax=4096 // BLOCK,
                                nban_max=4 * 256, nmw_max=4 * 8, nbias_max=4 * 256)
     assert runner.memory.inputs.nbytes == sp.INPUTS.place(cap.input_dims()).nbytes
-    assert all(t.nbytes == sp.OUTPUTS.place({"S": 4, "K": sp.KMAX, "P": 4, "H": runner.config.hidden_size}).nbytes
+    assert all(t.nbytes == sp.OUTPUTS.place({"SR": 36, "K": sp.KMAX, "P": 4, "H": runner.config.hidden_size}).nbytes
                for t in runner.memory.outputs)
     ws = sp.WORKSPACE.place(workspace_dims(cap, runner.config))
     assert runner.memory_plan["workspace"] == ws.nbytes

@@ -1,0 +1,141 @@
+"""Speculative decoding (`--speculative-config`, vLLM's JSON): which tokens to propose.
+
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    spec = Speculator(config, max_model_len)
+    spec.propose(seq, most)          # tokens to verify after seq's last known one, or []
+
+A proposal rides in the sequence's decode (`ScheduledChunk.draft`): the step computes the
+known last token and the proposed ones, every row samples, and the runner keeps the samples up
+to the first that differs from the proposal (models/runner.py `accepted_counts`). Each row
+draws with the RNG counter of the output token it stands for, so the output is exactly what
+one token a step gives, greedy or sampled (no rejection sampling needed: the proposals are
+one-hot, and a row's draw does not depend on what was proposed).
+
+The `ngram` method is prompt lookup (vLLM's): the longest suffix of the known tokens, of
+`prompt_lookup_min`..`prompt_lookup_max` tokens, that occurred before; the tokens that followed
+its latest earlier occurrence are proposed. Sequences whose next tokens depend on state a
+proposal would advance are not proposed for: penalties (the card counts tokens), a grammar,
+logit_bias, bans (`min_tokens` not reached yet), and no proposal is made while more than
+`disable_by_batch_size` sequences run (vLLM's key; a full batch gains nothing from proposals
+and loses the step overlap: a proposing sequence waits for its last token on the host).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from spyre_serve.server.sequence import Sequence
+
+METHODS = ("ngram",)
+KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+        "disable_by_batch_size", "model"}
+DEFAULT_LOOKUP = 5          # vLLM's: both lookup bounds 5 when neither is given
+DEFAULT_DISABLE_BY_BATCH = 4   # ours (vLLM: none): more running sequences than this: no proposals
+
+
+class SpeculativeConfigError(ValueError):
+    """A --speculative-config the server cannot take: the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH
+
+    @classmethod
+    def parse(cls, text: str | dict) -> SpeculativeConfig:
+        """The config of a JSON object (vLLM's keys); SpeculativeConfigError naming what is wrong."""
+        try:
+            raw = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as exc:
+            raise SpeculativeConfigError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise SpeculativeConfigError(f"--speculative-config must be a JSON object, got {raw!r}")
+        unknown = sorted(set(raw) - KEYS)
+        if unknown:
+            raise SpeculativeConfigError(f"--speculative-config: unknown keys {unknown} (known: {sorted(KEYS)})")
+        method = raw.get("method", "ngram" if "model" not in raw else "draft_model")
+        if "model" in raw or method not in METHODS:
+            raise SpeculativeConfigError(
+                f"--speculative-config: method {method!r}{' with a draft model' if 'model' in raw else ''} "
+                f"is not supported; supported: {list(METHODS)}")
+        k = _positive(raw, "num_speculative_tokens", None)
+        lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_LOOKUP
+        lo = _positive({"prompt_lookup_min": hi if lo is None else lo}, "prompt_lookup_min", None)
+        hi = _positive({"prompt_lookup_max": lo if hi is None else hi}, "prompt_lookup_max", None)
+        if lo > hi:
+            raise SpeculativeConfigError(f"--speculative-config: prompt_lookup_min ({lo}) exceeds "
+                                         f"prompt_lookup_max ({hi})")
+        return cls(method, k, lo, hi, _positive(raw, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH))
+
+
+def _positive(raw: dict, key: str, default: int | None) -> int:
+    value = raw.get(key, default)
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise SpeculativeConfigError(f"--speculative-config: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def can_propose(seq: Sequence) -> bool:
+    """Whether proposals can be verified for ``seq`` (no per-token state they would advance)."""
+    p = seq.params
+    return (p.grammar is None and not p.uses_penalties and not p.sampling.logit_bias
+            and not p.pooling and seq.num_generated >= p.min_tokens)
+
+
+def ngram_proposal(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
+    ``tokens`` (of ``lo``..``hi`` tokens) found before; [] when none occurs."""
+    n_tok = len(tokens)
+    for n in range(min(hi, n_tok - 1), lo - 1, -1):
+        suffix = tokens[n_tok - n:]
+        # windows starting at 0..n_tok-n-1 (the suffix itself excluded), latest first
+        starts = np.flatnonzero(tokens[:n_tok - n] == suffix[0])[::-1]
+        for s in starts:
+            if s + n < n_tok and np.array_equal(tokens[s:s + n], suffix):
+                return tokens[s + n:s + n + k].tolist()
+    return []
+
+
+class Speculator:
+    """What the scheduler asks for a decode: tokens to propose after the last known one."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def proposes_for(self, seq: Sequence, num_running: int) -> bool:
+        """Whether ``seq``'s decodes get proposals with ``num_running`` sequences running (then
+        each waits for its last token on the host, instead of reading it on the card)."""
+        return (num_running <= self.config.disable_by_batch_size and can_propose(seq)
+                and seq.params.max_tokens - seq.num_generated_total > 1)
+
+    def propose(self, seq: Sequence, most: int) -> list[int]:
+        """At most ``most`` tokens to verify in ``seq``'s next decode (its last token known)."""
+        c = self.config
+        room = self.max_model_len - len(seq.token_ids)   # positions the proposals may take
+        most = min(most, c.num_speculative_tokens, room, seq.params.max_tokens - seq.num_generated - 1)
+        if most <= 0:
+            return []
+        return ngram_proposal(np.asarray(seq.token_ids, np.int64), most,
+                              c.prompt_lookup_min, c.prompt_lookup_max)
+
+
+def speculator_for(settings, runner) -> Speculator | None:
+    """The server's Speculator (--speculative-config), or None; ValueError for a runner that
+    cannot verify proposals (a pooling one) or --spyre-compat (the plugin does not speculate)."""
+    config = settings.speculative_config
+    if config is None:
+        return None
+    if runner.pooling or settings.spyre_compat:
+        raise ValueError("--speculative-config: speculative decoding needs a generating runner "
+                         "without --spyre-compat (the vLLM Spyre plugin has none)")
+    return Speculator(config, runner.max_model_len)
