@@ -337,11 +337,13 @@ def measure_level(srv: Server, c: int, args, prompts: list) -> Level:
     return summarize(srv.name, c, results, duration, busy)
 
 
-def bench_servers(servers: list[Server], env: dict, args, prompts: PromptSets) -> list[Level]:
+def bench_servers(servers: list[Server], env: dict, args, prompts: PromptSets,
+                  before_stop=None) -> list[Level]:
     """Start every server, then measure each concurrency level on each server in turn, for
     --rounds rounds, keeping each (server, level)'s round of most output tokens/s: on a shared
     machine a burst of load from elsewhere then lands on both servers' rounds alike. An idle
-    server takes no CPU from the one being measured (each waits on its socket)."""
+    server takes no CPU from the one being measured (each waits on its socket).
+    `before_stop(srv)` runs for each server still up before it is stopped."""
     best: dict[tuple[str, int], Level] = {}
     try:
         for srv in servers:
@@ -359,6 +361,8 @@ def bench_servers(servers: list[Server], env: dict, args, prompts: PromptSets) -
                         best[key] = level
     finally:
         for srv in servers:
+            if before_stop is not None and srv.proc is not None and srv.proc.poll() is None:
+                before_stop(srv)         # e.g. read its /metrics
             stop_server(srv)
     return [best[(srv.name, c)] for srv in servers for c in args.concurrency if (srv.name, c) in best]
 

@@ -22,21 +22,47 @@ def new_card(s):
 
 
 def load_on_cards(s):
-    """(card 0, the model as the API sees it, the runner) for settings ``s``; the cards are
-    closed again if loading fails."""
+    """(card 0, the model as the API sees it, the runner, a draft model's runner or None) for
+    settings ``s``; the cards are closed again if loading fails."""
     from spyre_serve.models import load_model
     from spyre_serve.server.pooling import make_runner
 
     tp = s.tensor_parallel_size
+    spec = s.speculative_config
     if tp == 1:
         card = new_card(s)
         try:
             model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
-            return card, model, make_runner(s, model, card)
+            draft = load_draft(s, card, model) if spec is not None and spec.model else None
+            return card, model, make_runner(s, model, card), draft
         except BaseException:
             card.close()
             raise
-    return _load_sharded(s, tp)
+    if spec is not None and spec.model:
+        raise ValueError(f"--speculative-config with a draft model runs on one card, not --tensor-parallel-size {tp}")
+    return (*_load_sharded(s, tp), None)
+
+
+def load_draft(s, card, model):
+    """The draft model of ``--speculative-config`` on ``card`` beside ``model``, and its runner:
+    placed before the served model's runner, whose KV cache takes what is left of the card. Its
+    KV cache holds ``disable_by_batch_size`` sequences of the longest context (server/draft_model.py)."""
+    from spyre_serve.models import ModelRunner, load_model
+    from spyre_serve.server.pooling import generating_sizes
+
+    spec = s.speculative_config
+    draft = load_model(spec.model, card, dtype=s.dtype, tokenizer=False)
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"--speculative-config: the draft model's vocabulary ({draft.config.vocab_size}) is not "
+                         f"the served model's ({model.config.vocab_size}): they must share a tokenizer")
+    sizes = generating_sizes(s)
+    longest = min(s.max_model_len or model.config.max_position_embeddings, draft.config.max_position_embeddings)
+    seqs = min(spec.disable_by_batch_size, s.max_num_seqs)
+    blocks = seqs * -(-(longest + spec.num_speculative_tokens) // s.block_size)
+    log.info("draft model %s: %d layers, hidden %d; KV for %d sequences of %d tokens", spec.model,
+             draft.config.num_hidden_layers, draft.config.hidden_size, seqs, longest)
+    return ModelRunner(draft, card, **{**sizes, "max_num_seqs": seqs, "max_model_len": longest,
+                                       "num_kv_blocks": blocks})
 
 
 def _load_sharded(s, tp: int):

@@ -127,7 +127,7 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
     from spyre_serve.device.isa import current
 
     log.info("kernels compiled for %s", current().describe())
-    card, model, runner = load_on_cards(s)      # card 0 of --tensor-parallel-size
+    card, model, runner, draft = load_on_cards(s)      # card 0 of --tensor-parallel-size
     cfg = model.config
     log.info("model %s (%s) from %s: %d layers, hidden %d, %d heads (%s KV), vocab %d, stored %s",
              model.name, cfg.architecture, model.path, cfg.num_hidden_layers, cfg.hidden_size,
@@ -142,6 +142,8 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
         shapes = runner.bucket_shapes()
         log.info("compiling and preparing %d step programs (token buckets %s)", len(shapes), runner.t_buckets)
         runner.warmup(progress=progress)
+        if draft is not None:
+            draft.warmup(progress=progress)
     cards = getattr(runner, "cards", [card])          # a sharded model's every card
     metrics = Metrics(s.served_name(model), card=card, max_model_len=runner.max_model_len,
                       compiles_at_ready=[c.counters.snapshot()["compiles"] for c in cards])
@@ -153,7 +155,7 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
                     max_prefill_with_decodes=s.max_prefill_tokens_with_decodes,
                     max_scored_tokens_per_step=s.max_scored_tokens_per_step,
                     scheduling_policy=s.scheduling_policy, spyre_compat=compat,
-                    structured_output_wait=s.structured_output_wait, speculator=speculator_for(s, runner))
+                    structured_output_wait=s.structured_output_wait, speculator=speculator_for(s, runner, draft))
     metrics.watch(engine)
     engine.start()
     log.info("engine ready in %.1f s: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "

@@ -103,7 +103,8 @@ class Engine:
                                    enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
                                    token_buckets=runner.t_buckets,
-                                   on_release=lambda seq: runner.forget(seq.seq_id),
+                                   on_release=lambda seq: (runner.forget(seq.seq_id),
+                                                           speculator and speculator.forget(seq.seq_id)),
                                    max_prefill_with_decodes=max_prefill_with_decodes,
                                    max_scored_tokens_per_step=max_scored_tokens_per_step,
                                    policy=scheduling_policy, compat=spyre_compat, speculator=speculator)

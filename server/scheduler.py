@@ -321,6 +321,7 @@ class Scheduler(StepRecovery):
                 most -= 1
 
         if compat is None:
+            self._prepare_proposals()
             run_pass("decode")
             budget = prefill_budget(self, self.max_num_batched_tokens - budget, budget)
             run_pass("prefill")
@@ -356,6 +357,14 @@ class Scheduler(StepRecovery):
             return []
         hit = self.blocks.lookup(seq, min(target, seq.num_tokens) - 1)
         return self.compat.whole_chunks(hit) if self.compat else hit
+
+    def _prepare_proposals(self) -> None:
+        """Tell the speculator which sequences decode with proposals next (a draft model batches them)."""
+        if self.speculator is not None:
+            n = len(self.running)
+            self.speculator.prepare([s for s in self.running if s.status is SeqStatus.RUNNING and not s.num_pending
+                                     and self.target(s)[0] - s.num_computed == 1 and self.target(s)[1]
+                                     and self.speculator.proposes_for(s, n)])
 
     def _draft(self, seq: Sequence, most: int) -> list[int]:
         """Tokens proposed to ``seq``'s decode (its last token known on the host), at most ``most``."""

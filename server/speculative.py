@@ -29,7 +29,7 @@ import numpy as np
 
 from spyre_serve.server.sequence import Sequence
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
         "disable_by_batch_size", "model"}
 DEFAULT_LOOKUP = 5          # vLLM's: both lookup bounds 5 when neither is given
@@ -47,6 +47,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH
+    model: str | None = None    # draft_model: its checkpoint (the same tokenizer as the served one)
 
     @classmethod
     def parse(cls, text: str | dict) -> SpeculativeConfig:
@@ -61,10 +62,14 @@ class SpeculativeConfig:
         if unknown:
             raise SpeculativeConfigError(f"--speculative-config: unknown keys {unknown} (known: {sorted(KEYS)})")
         method = raw.get("method", "ngram" if "model" not in raw else "draft_model")
-        if "model" in raw or method not in METHODS:
-            raise SpeculativeConfigError(
-                f"--speculative-config: method {method!r}{' with a draft model' if 'model' in raw else ''} "
-                f"is not supported; supported: {list(METHODS)}")
+        if method not in METHODS:
+            raise SpeculativeConfigError(f"--speculative-config: method {method!r} is not supported; "
+                                         f"supported: {list(METHODS)}")
+        model = raw.get("model")
+        if (method == "draft_model") != isinstance(model, str) or model == "":
+            raise SpeculativeConfigError(f"--speculative-config: method {method!r} "
+                                         f"{'needs' if method == 'draft_model' else 'takes no'} \"model\" "
+                                         f"(a draft checkpoint), got {model!r}")
         k = _positive(raw, "num_speculative_tokens", None)
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         if lo is None and hi is None:
@@ -74,7 +79,7 @@ class SpeculativeConfig:
         if lo > hi:
             raise SpeculativeConfigError(f"--speculative-config: prompt_lookup_min ({lo}) exceeds "
                                          f"prompt_lookup_max ({hi})")
-        return cls(method, k, lo, hi, _positive(raw, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH))
+        return cls(method, k, lo, hi, _positive(raw, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH), model)
 
 
 def _positive(raw: dict, key: str, default: int | None) -> int:
@@ -118,24 +123,40 @@ class Speculator:
         return (num_running <= self.config.disable_by_batch_size and can_propose(seq)
                 and seq.params.max_tokens - seq.num_generated_total > 1)
 
+    def most(self, seq: Sequence, most: int) -> int:
+        """Tokens ``seq`` may be proposed: ``most``, within k, its positions and its max_tokens."""
+        room = self.max_model_len - len(seq.token_ids)   # positions the proposals may take
+        return max(0, min(most, self.config.num_speculative_tokens, room,
+                          seq.params.max_tokens - seq.num_generated - 1))
+
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """The sequences about to decode with proposals (a draft model computes theirs at once)."""
+
     def propose(self, seq: Sequence, most: int) -> list[int]:
         """At most ``most`` tokens to verify in ``seq``'s next decode (its last token known)."""
         c = self.config
-        room = self.max_model_len - len(seq.token_ids)   # positions the proposals may take
-        most = min(most, c.num_speculative_tokens, room, seq.params.max_tokens - seq.num_generated - 1)
+        most = self.most(seq, most)
         if most <= 0:
             return []
         return ngram_proposal(np.asarray(seq.token_ids, np.int64), most,
                               c.prompt_lookup_min, c.prompt_lookup_max)
 
+    def forget(self, seq_id: int) -> None:
+        """``seq_id`` ended or was preempted (what a draft model keeps for it goes)."""
 
-def speculator_for(settings, runner) -> Speculator | None:
-    """The server's Speculator (--speculative-config), or None; ValueError for a runner that
-    cannot verify proposals (a pooling one) or --spyre-compat (the plugin does not speculate)."""
+
+def speculator_for(settings, runner, draft_runner=None) -> Speculator | None:
+    """The server's Speculator (--speculative-config; ``draft_runner``: the draft model's, on the
+    same card), or None; ValueError for a runner that cannot verify proposals (a pooling one) or
+    --spyre-compat (the plugin does not speculate)."""
     config = settings.speculative_config
     if config is None:
         return None
     if runner.pooling or settings.spyre_compat:
         raise ValueError("--speculative-config: speculative decoding needs a generating runner "
                          "without --spyre-compat (the vLLM Spyre plugin has none)")
+    if config.method == "draft_model":
+        from spyre_serve.server.draft_model import DraftSpeculator
+
+        return DraftSpeculator(config, runner.max_model_len, draft_runner)
     return Speculator(config, runner.max_model_len)

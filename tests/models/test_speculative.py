@@ -127,3 +127,45 @@ def test_proposals_with_state_they_would_advance_are_refused(runner):
         runner.launch([SeqWork(5, [5, 6], 0, [4], True, GREEDY, num_draft=1)], return_logits=True)
     # the runner is still usable: a plain step runs
     assert len(runner.launch([SeqWork(6, [5, 6], 0, [5], True, GREEDY)]).result().token_ids) == 1
+
+
+def test_with_proposals_the_kept_tokens_follow_the_models_distribution(tmp_path):
+    """A vocabulary of 16, temperature 1, 3000 seeds: the first kept token of a decode that
+    proposes token p follows softmax(logits) (chi-square), and the second, kept when the first
+    is p, follows the model's distribution after p."""
+    from scipy.stats import chisquare
+
+    path = write_granite_checkpoint(tmp_path, vocab=16, hidden=64, layers=1, heads=2, kv_heads=1,
+                                    tie=False, init_std=1.0)
+    card = Card(64 << 20)
+    runner = ModelRunner(load_model(path, card, tokenizer=False), card, max_num_seqs=16,
+                         max_num_batched_tokens=64, block_size=BLOCK, num_kv_blocks=40, seed=1)
+    try:
+        context = [1, 5, 9, 2]
+        first = runner.launch([SeqWork(0, context, 0, [0], True, SamplingParams(temperature=1.0, logprobs=16))]).result()
+        p = int(first.top_ids[0, 0])                    # the likeliest next token: kept often
+        after_p = runner.launch([SeqWork(1, context + [p], 0, [1], True,
+                                         SamplingParams(temperature=1.0, logprobs=16))]).result()
+        probs = [np.zeros(16), np.zeros(16)]
+        for q, out in zip(probs, (first, after_p), strict=True):
+            q[out.top_ids[0]] = np.exp(out.top_logprobs[0])
+        kept = [np.zeros(16), np.zeros(16)]
+        for base in range(0, 3000, 16):                 # 16 seeds a step, each in a block of its own
+            work = [SeqWork(100 + base + i, [context[-1], p], 3, [3 + i], True,
+                            SamplingParams(temperature=1.0, seed=base + i), num_generated=1, num_draft=1)
+                    for i in range(16)]
+            runner.launch([SeqWork(w.seq_id, context[:3], 0, w.block_table, False, GREEDY) for w in work])
+            out = runner.launch(work).result()
+            for j in range(len(out.seq_ids)):
+                rows = out.rows_of(j)
+                kept[0][out.token_ids[rows[0]]] += 1
+                if len(rows) == 2:
+                    kept[1][out.token_ids[rows[1]]] += 1
+        for n, q in zip(kept, probs, strict=True):
+            assert n.sum() > 200
+            seen = q > 0
+            assert chisquare(n[seen], q[seen] / q[seen].sum() * n.sum()).pvalue > 1e-3, (n, q)
+        assert kept[1].sum() == kept[0][p]              # the second is kept exactly when the first is p
+    finally:
+        runner.close()
+        card.close()

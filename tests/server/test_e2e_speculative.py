@@ -20,18 +20,23 @@ QUOTING = ("Copy the list: red blue green red blue green red blue green. The lis
 LOOPING = "a a a a a a a a a a a a"
 
 
-@pytest.fixture(scope="module")
-def spec_client():
+def _serving(spec):
+    """An httpx client of granite-tiny served with --speculative-config ``spec`` (c.built: the server)."""
     from spyre_serve.server.cli import build
     from spyre_serve.server.speculative import SpeculativeConfig
 
-    built = build(real_settings(speculative_config=SpeculativeConfig.parse(SPEC)), progress=False)
+    built = build(real_settings(speculative_config=SpeculativeConfig.parse(spec)), progress=False)
     try:
         with ServerThread(built.app) as server, httpx.Client(base_url=server.url, timeout=600) as c:
             c.built = built
             yield c
     finally:
         built.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec_client():
+    yield from _serving(SPEC)
 
 
 def _texts(r) -> list[str]:
@@ -101,6 +106,7 @@ def test_what_speculation_does_not_take_is_refused():
     from spyre_serve.server.speculative import SpeculativeConfig, SpeculativeConfigError
 
     for bad, why in [('{"method": "eagle", "num_speculative_tokens": 2}', "not supported"),
+                     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
                      ('{"method": "ngram"}', "num_speculative_tokens must be a positive integer"),
                      ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
                       '"prompt_lookup_max": 2}', "prompt_lookup_min \\(4\\) exceeds prompt_lookup_max \\(2\\)"),
@@ -111,3 +117,33 @@ def test_what_speculation_does_not_take_is_refused():
     with pytest.raises(ValueError, match="generating runner"):
         build(real_settings(speculative_config=SpeculativeConfig.parse(SPEC), runner="pooling",
                             max_num_batched_tokens=64, max_model_len=None), progress=False)
+
+
+@pytest.fixture(scope="module")
+def draft_client():
+    """granite-tiny proposing for itself: its greedy proposals are the served model's tokens."""
+    from spyre_serve.models import resolve_model
+
+    yield from _serving({"model": str(resolve_model("granite-tiny")), "num_speculative_tokens": 3})
+
+
+def test_a_draft_model_proposes_and_the_answers_do_not_change(client, draft_client):
+    stats = draft_client.built.engine.stats
+    greedy = [{"prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+              for p in ("The quick brown fox jumps over the lazy dog. Then", QUOTING)]
+    for body in greedy:
+        assert _texts(draft_client.post("/v1/completions", json=body)) == _texts(client.post("/v1/completions", json=body))
+    # the same model greedily: every proposal is the token the served model samples
+    assert stats.spec_drafts > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+    for body in BODIES[1:]:                       # seeded, logprobs, penalties (no proposals), two prompts
+        got, want = draft_client.post("/v1/completions", json=body), client.post("/v1/completions", json=body)
+        assert _texts(got) == _texts(want), body
+    prompts = [f"{QUOTING} {i}" for i in range(6)]                 # past disable_by_batch_size
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda p: draft_client.post("/v1/completions", json={**greedy[0], "prompt": p}), prompts))
+    assert [_texts(g) for g in got] == [_texts(client.post("/v1/completions", json={**greedy[0], "prompt": p}))
+                                        for p in prompts]
+    engine = draft_client.built.engine
+    assert engine.num_requests == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    spec = engine.scheduler.speculator
+    assert len(spec.free) + sum(len(st.blocks) for st in spec.states.values()) == spec.runner.num_kv_blocks
