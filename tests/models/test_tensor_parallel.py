@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from spyre_serve.device import Card
-from spyre_serve.models import ModelRunner, load_model
+from spyre_serve.models import ModelRunner, SamplingParams, load_model
 from spyre_serve.models.checkpoint import load_checkpoint
 from spyre_serve.models.shards import shard_tensors, vocab_shard
 from spyre_serve.models.tp_runner import TensorParallelRunner, load_sharded
@@ -107,3 +107,15 @@ def test_a_part_that_fails_on_one_card_breaks_the_others_wait(model_dir, monkeyp
         handle = runner.launch([SeqWork(0, [5, 6, 7], 0, [0], True, SamplingParams(temperature=0.0))])
         with pytest.raises(Exception, match="all-reduce fault|Broken"):
             handle.result()
+
+
+def test_proposals_verified_over_two_cards_keep_one_cards_tokens(model_dir, one_card):
+    """Speculative decoding over cards: each sequence proposes the tokens one card chose (all
+    kept), or wrong ones (none kept); the tokens are one card's either way."""
+    from tests.models.test_speculative import generate
+
+    want = one_card[1]
+    with tp_runner(model_dir, 2) as runner:
+        for propose in (lambda i, o: want[i][len(o):len(o) + 3], lambda i, o: [(t + 1) % 301 for t in want[i][len(o):len(o) + 2]]):
+            got, _, history = generate(runner, PROMPTS, 8, [SamplingParams(temperature=0.0)] * len(PROMPTS), propose)
+            assert got == want and history

@@ -147,3 +147,28 @@ def test_a_draft_model_proposes_and_the_answers_do_not_change(client, draft_clie
     assert engine.num_requests == 0 and engine.blocks.num_free == engine.blocks.num_blocks
     spec = engine.scheduler.speculator
     assert len(spec.free) + sum(len(st.blocks) for st in spec.states.values()) == spec.runner.num_kv_blocks
+
+
+def test_proposals_under_preemption_keep_every_answer_and_block(client):
+    """A KV cache too small for the requests at once (6 blocks of 16; each request needs 3):
+    sequences with proposals in flight are preempted and recomputed, answers stay the same."""
+    from spyre_serve.server.cli import build
+    from spyre_serve.server.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                    "disable_by_batch_size": 16})
+    built = build(real_settings(num_kv_blocks=6, max_model_len=96, max_num_seqs=8, speculative_config=spec),
+                  progress=False)
+    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    prompts = [f"{LOOPING} {w}" for w in ("x", "y", "z", "w", "v", "u")]
+    try:
+        with ServerThread(built.app) as server, httpx.Client(base_url=server.url, timeout=600) as c:
+            with ThreadPoolExecutor(6) as pool:
+                got = list(pool.map(lambda p: c.post("/v1/completions", json={**body, "prompt": p}), prompts))
+        engine = built.engine
+        assert engine.scheduler.num_preemptions > 0 and engine.stats.spec_accepted_tokens > 0
+        assert [_texts(g) for g in got] == [_texts(client.post("/v1/completions", json={**body, "prompt": p}))
+                                            for p in prompts]
+        assert engine.num_requests == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        built.engine.shutdown()
