@@ -11,6 +11,7 @@ same work; tokens are counted from the usage of each stream (a chunk may carry s
 
     python benchmarks/speculative.py --concurrency 1 32 --rounds 2
     python benchmarks/speculative.py --spec '{"method": "ngram", "num_speculative_tokens": 5}'
+    python benchmarks/speculative.py --prompts prose --concurrency 1    # text that quotes nothing
 
 Prints the table and the ratios (TPOT at c=1, output tokens/s at every level), the
 acceptance the server counted (vllm:spec_decode_* in /metrics) and the kernels' ISA; writes
@@ -45,9 +46,9 @@ INSTRUCTIONS = ["Copy the text below exactly, word for word.",
                 "Correct the grammar of the text below and write it out in full."]
 
 
-def quoting_prompt_maker(words: int):
+def quoting_prompt_maker(words: int, quoting: bool = True):
     """make(n) -> n prompts, each an instruction and a passage of ``words`` words of the
-    corpus, none given twice."""
+    corpus (``quoting`` false: the passage alone, to go on with), none given twice."""
     text = (ROOT / "models" / "assets" / "corpus" / "prose.txt").read_text().split()
     given = iter(range(len(text) // words))
 
@@ -56,7 +57,7 @@ def quoting_prompt_maker(words: int):
         for _ in range(n):
             i = next(given)
             passage = " ".join(text[i * words:(i + 1) * words])
-            out.append(TEMPLATE.format(f"{INSTRUCTIONS[i % len(INSTRUCTIONS)]}\n\n{passage}"))
+            out.append(TEMPLATE.format(f"{INSTRUCTIONS[i % len(INSTRUCTIONS)]}\n\n{passage}") if quoting else passage)
         return out
     return make
 
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--words", type=int, default=120, help="words of each quoted passage")
+    ap.add_argument("--prompts", choices=["quoting", "prose"], default="quoting",
+                    help="quoting: copy or edit a passage; prose: a passage to go on with (no quoting asked)")
     ap.add_argument("--output-tokens", type=int, default=192, help="max_tokens (EOS honoured)")
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=32)
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from spyre_serve.device.isa import current as kernel_isa
 
     hf = paths(args.peers_cache)["hf_f32"]
-    prompts = PromptSets(quoting_prompt_maker(args.words), args)
+    prompts = PromptSets(quoting_prompt_maker(args.words, args.prompts == "quoting"), args)
     servers = [spyre_server("spyre-fp32", str(hf), "smollm2", args, []),
                spyre_server("spyre-fp32-ngram", str(hf), "smollm2", args, ["--speculative-config", args.spec])]
     for srv in servers:
@@ -112,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"{got['accepted_tokens'] / got['drafts']:.2f} kept a draft")
     command = "python benchmarks/speculative.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"command": command.strip(), "checkpoint": str(hf), "kernel_isa": kernel_isa().describe(),
-              "spec": json.loads(args.spec), "words": args.words, "output_tokens": args.output_tokens,
+              "spec": json.loads(args.spec), "prompts": args.prompts, "words": args.words, "output_tokens": args.output_tokens,
               "cpu_count": os.cpu_count(), "rounds": args.rounds, "levels": [asdict(v) for v in levels],
               "spec_counters": got, "ratios": lines}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"`{report['command']}` on {os.cpu_count()} cores, SmolLM2-135M-Instruct float32, prompts quoting "
+    print(f"`{report['command']}` on {os.cpu_count()} cores, SmolLM2-135M-Instruct float32, {args.prompts} prompts of "
           f"{args.words}-word passages, max_tokens {args.output_tokens}, kernels {kernel_isa().describe()}\n")
     print(table(levels))
     print("\n" + "\n".join(lines))
