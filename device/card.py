@@ -24,6 +24,16 @@ DEFAULT_MEMORY_BYTES = 4 << 30
 DEFAULT_CORES = 32  # Spyre has 32 AI cores
 
 
+def share_cores(stream: Stream, cards: int) -> None:
+    """`stream`'s kernels run on one card's share of the host's cores when `cards` cards share
+    the host: NUMBA_NUM_THREADS // cards threads (at least one). Numba's thread count belongs to
+    a host thread, and each stream is one: the setting is a command on the stream."""
+    import numba
+
+    threads = max(1, numba.config.NUMBA_NUM_THREADS // cards)
+    stream.enqueue(numba.set_num_threads, threads, compute=False, label="card_threads")
+
+
 class Card:
     def __init__(self, memory_bytes: int = DEFAULT_MEMORY_BYTES, cores: int = DEFAULT_CORES,
                  stream_depth: int = DEFAULT_DEPTH):

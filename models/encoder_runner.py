@@ -15,7 +15,9 @@ max_num_seqs sequences of max_model_len, which cost nothing and are never read.
 
 `launch` packs the tokens, copies them to the card and launches the bucket's program, all on one
 compute stream (FIFO: the host packs step N+1 while the card runs step N); it returns a handle
-at once, and `handle.result()` waits for the readback of the pooled rows.
+at once, and `handle.result()` waits for the readback of the pooled rows. The handle carries
+the step's time on a real card (`projected_seconds`, priced by `runner.projector`: an
+EncoderProjector, models/encoder_projection.py), as a generating runner's does.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from spyre_serve.device.isa import current
 from spyre_serve.device.kernels.pooling import POOLING_TYPES
 from spyre_serve.models.buffer_layout import Placement
 from spyre_serve.models.encoder_program import INPUTS, OUTPUTS, SLOTS, WORKSPACE, encoder_entry
+from spyre_serve.models.encoder_projection import EncoderProjector
 from spyre_serve.models.encoder_weights import build_encoder_layer_table
 from spyre_serve.models.programs import StepPrograms, bucket, buckets
+from spyre_serve.models.projection import step_of_work
 from spyre_serve.models.step_io import SeqWork, SeqWorkError, StepOutput
 from spyre_serve.models.threads import use_every_core
 
@@ -60,6 +64,7 @@ class EncoderHandle:
     seq_ids: list[int]
     pooled: np.ndarray            # float32[S bucket, H], filled by the readback
     bucket: tuple[int, int]       # (tokens, sequences) of the program this step ran
+    projected_seconds: float = 0.0   # the step on a real card (models/encoder_projection.py)
 
     def done(self) -> bool:
         return self.launch.done()
@@ -127,6 +132,7 @@ class EncoderRunner:
         self._programs = EncoderPrograms(card, self.t_buckets, self.s_buckets,
                                          self._static_bindings(), {"H": h, "V": cfg.vocab_size})
         self.programs = self._programs.programs        # filled as buckets are prepared
+        self.projector = EncoderProjector.of_weights(cfg, self.weights, pooling_type)
         self.bucket_shapes = self._programs.bucket_shapes
 
     def _alloc(self, nbytes: int, zero: bool = False) -> DeviceTensor:
@@ -209,7 +215,9 @@ class EncoderRunner:
     def launch(self, work: list[SeqWork]) -> EncoderHandle:
         """Launch one step for `work`; returns at once. Results come from `handle.result()`."""
         n_tok = self.check(work)
-        return self._launch(bucket(self.t_buckets, n_tok), bucket(self.s_buckets, len(work)), work)
+        handle = self._launch(bucket(self.t_buckets, n_tok), bucket(self.s_buckets, len(work)), work)
+        handle.projected_seconds = self.projector.seconds(step_of_work(work))
+        return handle
 
     def pack(self, work: list[SeqWork], t: int, s: int) -> tuple[np.ndarray, Placement]:
         """The INPUTS buffer of a launch of bucket (t, s): each prompt's tokens one after the

@@ -124,7 +124,7 @@ class StepCost:
 
 
 @dataclass(frozen=True, slots=True)
-class _Linear:
+class LinearKernel:
     """A kernel whose bytes and FLOPs grow by a fixed amount per row: `weight` bytes read
     once, then per row `read` and `written` bytes and `flops`, `times` per step."""
 
@@ -135,6 +135,21 @@ class _Linear:
     written: float
     flops: float
     fmt: str = "fp16"
+
+
+def linear_seconds(k: LinearKernel, rows: int, spec: CardSpec = SPYRE) -> float:
+    """One run of kernel `k` over `rows` rows on the card (0 without rows)."""
+    if rows == 0:
+        return 0.0
+    written = rows * k.written
+    return kernel_seconds(k.weight + rows * k.read + written, rows * k.flops, k.fmt, spec, written)
+
+
+def step_cost(out: dict[str, float], host_bytes: float, spec: CardSpec = SPYRE) -> StepCost:
+    """A step's kernels (`out`) with its copies over the host link ("pcie") and its launch."""
+    out["pcie"] = host_bytes / spec.link_bw
+    out["launch"] = spec.launch_seconds
+    return StepCost(sum(out.values()), out)
 
 
 def weight_formats(formats: str | Mapping[str, str]) -> dict[str, str]:
@@ -180,23 +195,23 @@ class StepProjector:
         qkv = (hq + 2 * hkv) * d
         per_layer = [   # kernels on the T token rows, `times` per step
             # the embedding's rows live on one card each: 1/tp of them per card
-            _Linear("embedding", 1, 0.0, rb(h, w["embed"]) / tp, rb(h), 0.0),
-            _Linear("rmsnorm", 2 * L, rb(h), rb(h), rb(h), 0.0),
-            _Linear("qkv", L, h * rb(qkv, w["qkv"]), rb(h), rb(qkv), 2.0 * h * qkv, f["qkv"]),
-            _Linear("rope", L, 0.0, rb(hq * d) + rb(hkv * d), rb(hq * d) + rb(hkv * d), 0.0),
-            _Linear("write_kv", L, 0.0, 2 * rb(hkv * d), 2 * rb(hkv * d, kv_bytes), 0.0),
-            _Linear("o_proj", L, hq * d * rb(h, w["o"]), rb(hq * d), rb(h), 2.0 * hq * d * h, f["o"]),
-            _Linear("residual", 2 * L, 0.0, 2 * rb(h), rb(h), 0.0),
-            _Linear("gate_up", L, h * rb(2 * inter, w["gate_up"]), rb(h), rb(2 * inter),
+            LinearKernel("embedding", 1, 0.0, rb(h, w["embed"]) / tp, rb(h), 0.0),
+            LinearKernel("rmsnorm", 2 * L, rb(h), rb(h), rb(h), 0.0),
+            LinearKernel("qkv", L, h * rb(qkv, w["qkv"]), rb(h), rb(qkv), 2.0 * h * qkv, f["qkv"]),
+            LinearKernel("rope", L, 0.0, rb(hq * d) + rb(hkv * d), rb(hq * d) + rb(hkv * d), 0.0),
+            LinearKernel("write_kv", L, 0.0, 2 * rb(hkv * d), 2 * rb(hkv * d, kv_bytes), 0.0),
+            LinearKernel("o_proj", L, hq * d * rb(h, w["o"]), rb(hq * d), rb(h), 2.0 * hq * d * h, f["o"]),
+            LinearKernel("residual", 2 * L, 0.0, 2 * rb(h), rb(h), 0.0),
+            LinearKernel("gate_up", L, h * rb(2 * inter, w["gate_up"]), rb(h), rb(2 * inter),
                     4.0 * h * inter, f["gate_up"]),
-            _Linear("swiglu", L, 0.0, rb(2 * inter), rb(inter), 0.0),
-            _Linear("down", L, inter * rb(h, w["down"]), rb(inter), rb(h), 2.0 * inter * h, f["down"]),
+            LinearKernel("swiglu", L, 0.0, rb(2 * inter), rb(inter), 0.0),
+            LinearKernel("down", L, inter * rb(h, w["down"]), rb(inter), rb(h), 2.0 * inter * h, f["down"]),
         ]
         per_logit_row = [   # kernels on the logit rows
-            _Linear("rmsnorm", 1, rb(h), rb(h), rb(h), 0.0),
-            _Linear("lm_head", 1, h * rb(vocab, w["lm_head"]), rb(h), rb(vocab), 2.0 * h * vocab,
+            LinearKernel("rmsnorm", 1, rb(h), rb(h), rb(h), 0.0),
+            LinearKernel("lm_head", 1, h * rb(vocab, w["lm_head"]), rb(h), rb(vocab), 2.0 * h * vocab,
                     f["lm_head"]),
-            _Linear("sampling", 1, 0.0, SAMPLING_PASSES * rb(self.vocab), OUTPUT_BYTES_PER_ROW, 0.0),
+            LinearKernel("sampling", 1, 0.0, SAMPLING_PASSES * rb(self.vocab), OUTPUT_BYTES_PER_ROW, 0.0),
         ]
         self._token_kernels, self._row_kernels = per_layer, per_logit_row
         self._layers = L
@@ -207,12 +222,8 @@ class StepProjector:
         self._row_h = rb(h)
         self._row_vocab = rb(vocab)
 
-    def _linear(self, k: _Linear, rows: int) -> float:
-        if rows == 0:
-            return 0.0
-        written = rows * k.written
-        return kernel_seconds(k.weight + rows * k.read + written, rows * k.flops, k.fmt, self.spec,
-                              written)
+    def _linear(self, k: LinearKernel, rows: int) -> float:
+        return linear_seconds(k, rows, self.spec)
 
     def project(self, step: StepShape) -> StepCost:
         """The step's seconds on the card, by kernel (KERNELS)."""
@@ -237,9 +248,7 @@ class StepProjector:
             out["logits_gather"] = allgather_seconds(r * self._row_vocab * self.tp, self.tp, spec)
         host = (t * INPUT_BYTES_PER_ROW + step.seqs * INPUT_BYTES_PER_SEQ
                 + kv_tokens // KV_BLOCK * INPUT_BYTES_PER_BLOCK + r * OUTPUT_BYTES_PER_ROW)
-        out["pcie"] = host / spec.link_bw
-        out["launch"] = spec.launch_seconds
-        return StepCost(sum(out.values()), out)
+        return step_cost(out, host, spec)
 
     def seconds(self, step: StepShape) -> float:
         """The step's seconds on the card."""

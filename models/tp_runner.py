@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 import threading
 
-import numba
-
 from spyre_serve.device import Card
+from spyre_serve.device.card import share_cores
 from spyre_serve.models.checkpoint import load_checkpoint, stored_width
 from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.loader import LoadedModel, tokenizer_of
@@ -118,9 +117,8 @@ class TensorParallelRunner:
         self.compute_dtype, self.kv_cache_dtype, self.pooling = r0.compute_dtype, r0.kv_cache_dtype, None
         self.numerics = f"{r0.numerics},tp={self.tp}"
         self.projector = StepProjector.of_weights(full_config, r0.weights, r0.kv_cache_dtype, tp=self.tp)
-        threads = max(1, numba.config.NUMBA_NUM_THREADS // self.tp)   # each card its share of the cores
         for r in self.runners:
-            r.stream.enqueue(numba.set_num_threads, threads, compute=False, label="card_threads")
+            share_cores(r.stream, self.tp)   # each card its share of the host's cores
         self._halves = 2 * full_config.num_hidden_layers
 
     # ---- what the engine and the CLI read ---------------------------------------------

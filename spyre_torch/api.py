@@ -1,16 +1,29 @@
-"""`torch.spyre`: the device module of the emulated card, mirroring `torch.cuda`.
+"""`torch.spyre`: the device module of the emulated cards, mirroring `torch.cuda`.
 
-    torch.spyre.is_available(), device_count(), current_device(), set_device(0)
-    torch.spyre.get_device_properties()       # name, cores, total_memory
-    torch.spyre.synchronize(), manual_seed(s)
-    torch.spyre.Stream / Event / stream(s) / current_stream() / default_stream()
-    torch.spyre.memory_allocated() / max_memory_allocated() / memory_reserved() /
-               empty_cache() / memory_stats() / mem_get_info() / reset_peak_memory_stats()
+    torch.spyre.is_available(), device_count(), current_device(), set_device(1), device(1)
+    torch.spyre.get_device_properties(i)      # name, cores, total_memory
+    torch.spyre.synchronize(i), manual_seed(s)
+    torch.spyre.Stream(device=i) / Event / stream(s) / current_stream(i) / default_stream(i)
+    torch.spyre.memory_allocated(i) / max_memory_allocated(i) / memory_reserved(i) /
+               empty_cache() / memory_stats(i) / mem_get_info(i) / reset_peak_memory_stats(i)
     torch.spyre.fallback_counts()             # op -> calls that ran on the CPU
-    torch.spyre.counters()                    # the card's: launches, compiles, bytes copied...
+    torch.spyre.counters(i)                   # card i's: launches, compiles, bytes copied...
 
-Every function here is cheap until the card is needed: asking whether a card is there, or
-how much memory tensors hold, does not make one (0 before the first spyre tensor).
+How many cards: `$SPYRE_DEVICE_COUNT` (default 1; a whole number from 1 to 128, else
+RuntimeError naming the value), read once per process, the first time it is asked for. Each
+card ("spyre:0", "spyre:1", ...) has its own arena, caching allocator, streams and counters,
+and is made on first use; an index past the last is torch.cuda's "invalid device ordinal"
+(naming the count). `i` above is an int, "spyre:i" or a torch.device; left out (or a bare
+"spyre"), it is the current card: this host thread's, 0 until `set_device`. torch itself
+resolves a bare "spyre" in `Tensor.to("spyre")`, `torch.tensor(..., device="spyre")` and
+`Module.to("spyre")` to spyre:0 whatever the current card (its Python-backend device guard
+answers 0), while `torch.empty(..., device="spyre")` and `Tensor.spyre()` follow
+`set_device`: name the card ("spyre:1") where it matters. For the same reason (one device as
+torch's C++ sees it) torch's autograd engine has one device queue: a backward pass through
+tensors of spyre:1 and up fails inside torch; card 0's works.
+
+Every function here is cheap until a card is needed: asking whether a card is there, how many
+there are, or how much memory tensors hold, does not make one (0 before its first tensor).
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spyre_torch import runtime as _runtime
 from spyre_torch.memory import (  # noqa: F401 - the module's API
     empty_cache,
     max_memory_allocated,
@@ -75,59 +89,59 @@ def _is_in_bad_fork() -> bool:
 
 
 def init() -> None:
+    """Make the current card."""
     runtime()
 
 
 def device_count() -> int:
-    return 1
+    """`$SPYRE_DEVICE_COUNT` (default 1), without making a card."""
+    return _runtime.device_count()
 
 
 def current_device() -> int:
-    return 0
-
-
-def _index(device) -> int:
-    if device is None:
-        return 0
-    if isinstance(device, int):
-        index = device
-    else:
-        d = torch.device(device)
-        if d.type != "spyre":
-            raise ValueError(f"spyre: expected a spyre device, got {d}")
-        index = d.index or 0
-    if index != 0:
-        raise RuntimeError(f"spyre: there is one card (index 0); got index {index}")
-    return index
+    """This host thread's current card."""
+    return _runtime.current_index()
 
 
 def set_device(device) -> None:
-    _index(device)
+    """Make `device` (an index, "spyre:i", a torch.device) this host thread's current card;
+    a negative index changes nothing (as torch.cuda's)."""
+    if isinstance(device, int) and device < 0:
+        return
+    _runtime.set_current_index(_runtime.index_of(device))
 
 
 class device:  # noqa: N801 - torch.cuda.device's name
-    """`with torch.spyre.device(0):` (there is one card)."""
+    """`with torch.spyre.device(1):` card 1 is the current card inside the block (None or a
+    negative index: unchanged)."""
 
     def __init__(self, device):
-        _index(device)
+        if device is None or (isinstance(device, int) and device < 0):
+            self.idx = -1
+        else:
+            self.idx = _runtime.index_of(device)
+        self.prev_idx = -1
 
     def __enter__(self):
+        if self.idx >= 0:
+            self.prev_idx = _runtime.swap_index(self.idx)
         return self
 
     def __exit__(self, *exc):
+        if self.idx >= 0:
+            _runtime.swap_index(self.prev_idx)
         return False
 
 
 def get_device_name(device=None) -> str:
-    _index(device)
+    _runtime.index_of(device)
     return NAME
 
 
 def get_device_properties(device=None) -> SpyreDeviceProperties:
-    _index(device)
     from spyre_serve.device.memory import STICK
 
-    card = runtime().card
+    card = runtime(_runtime.index_of(device)).card
     return SpyreDeviceProperties(NAME, card.cores, card.capacity, STICK)
 
 
@@ -140,15 +154,16 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float32]
 
 
-def counters() -> dict:
+def counters(device=None) -> dict:
     """The card's counters (device.Counters): compiles, prepares, launches, bytes patched,
     host and compute seconds, bytes copied each way; empty before the card exists."""
-    return runtime().card.counters.snapshot() if initialized() else {}
+    index = _runtime.index_of(device)
+    return runtime(index).card.counters.snapshot() if initialized(index) else {}
 
 
-def card():
-    """The device.Card behind "spyre" (made if need be): for tools such as spyre-smi."""
-    return runtime().card
+def card(device=None):
+    """The device.Card behind "spyre:i" (made if need be): for tools such as spyre-smi."""
+    return runtime(_runtime.index_of(device)).card
 
 
 def warmup() -> None:

@@ -28,7 +28,7 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
     def has_primary_context(self, device_index) -> bool:
         from spyre_torch.runtime import initialized
 
-        return initialized()
+        return initialized(device_index)
 
     def is_built(self) -> bool:
         return True
@@ -56,8 +56,9 @@ def _storages_on_the_card() -> None:
                 raise RuntimeError("spyre: a storage on the card is made from a size in bytes: "
                                    "torch.UntypedStorage(nbytes, device='spyre')")
             from spyre_torch.memory import new_storage
+            from spyre_torch.runtime import index_of
 
-            return new_storage(args[0])
+            return new_storage(args[0], index_of(device))
         return base_new(cls, *args, **kwargs)
 
     torch.UntypedStorage.__new__ = new

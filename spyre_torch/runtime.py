@@ -1,21 +1,29 @@
-"""The card behind torch's "spyre" device: made on first use, one per process.
+"""The cards behind torch's "spyre" device: `$SPYRE_DEVICE_COUNT` of them, each made on first use.
 
-Nothing here runs at `import torch`: the first tensor on "spyre" (or the first call that needs
-the card) creates the `Runtime`, which imports `device` (Numba) and makes the `Card`. Its size
-is `$SPYRE_SERVE_DEVICE_MEMORY` (e.g. `8G`, read by `device.memory.parse_bytes`) or the card's
-default of 4 GiB; the arena's pages are only touched when used.
+Nothing here runs at `import torch`: the first tensor on "spyre:i" (or the first call that needs
+card i) creates its `Runtime`, which imports `device` (Numba) and makes the `Card`. How many
+cards there are is `$SPYRE_DEVICE_COUNT` (default 1), read once, the first time it is asked
+for (`device_count()`, or the first card): asking makes no card. Each card's size is
+`$SPYRE_SERVE_DEVICE_MEMORY` (e.g. `8G`, read by `device.memory.parse_bytes`) or the card's
+default of 4 GiB; the arena's pages are only touched when used. With several cards each has
+its share of the host's cores, as a tensor-parallel server's cards do (`device.card.
+share_cores`: each of its streams runs its kernels on NUMBA_NUM_THREADS // count threads).
 
-The runtime owns:
-- the card, its default stream and a pool of side streams (`torch.spyre.Stream()` takes the
-  next one round-robin, as torch.cuda takes streams from a pool);
-- each host thread's current stream (`torch.spyre.stream(s)` sets it);
-- tensor memory: blocks of the card's caching allocator, counted for `memory_allocated()`.
+Each runtime owns:
+- its card, the card's default stream and a pool of side streams (`torch.spyre.Stream()` takes
+  the next one round-robin, as torch.cuda takes streams from a pool);
+- each host thread's current stream on that card (`torch.spyre.stream(s)` sets it);
+- tensor memory: blocks of the card's caching allocator, counted for `memory_allocated(i)`.
   A block whose tensor dies while a stream that used it still has queued work is freed once
   that stream has passed the point where the tensor died (CUDA's caching allocator reuses a
   block only in its stream's order; ours is shared by every stream, so it waits instead);
 - one prepared program per (torch op, stream), all of one kernel family sharing its compiled
   entry: a program's launches share its operand table, so two streams never launch the same
   program object.
+
+Each host thread has a current card (`set_device(i)`, 0 to begin with, as CUDA's current
+device is the thread's); an op runs on its tensors' card (ops/devices.py switches the thread's
+current card for the op's duration), so `runtime()` inside an op is that card's.
 """
 
 from __future__ import annotations
@@ -25,17 +33,92 @@ import os
 import threading
 
 MEMORY_ENV = "SPYRE_SERVE_DEVICE_MEMORY"
+COUNT_ENV = "SPYRE_DEVICE_COUNT"
+MAX_CARDS = 128  # torch's device index is an int8
 SIDE_STREAMS = 8  # side streams in the pool (torch.cuda has 32 per priority)
 
 _lock = threading.Lock()
-_runtime: Runtime | None = None
+_runtimes: dict[int, Runtime] = {}
+_count: list[int] = []  # $SPYRE_DEVICE_COUNT, once read
+_tls = threading.local()  # .device: this host thread's current card
 
 
-def runtime() -> Runtime:
-    """The process's runtime, made (card and all) on the first call."""
-    rt = _runtime
+def device_count() -> int:
+    """`$SPYRE_DEVICE_COUNT` (default 1), read and checked the first time it is asked for."""
+    if _count:
+        return _count[0]
+    raw = os.environ.get(COUNT_ENV, "1")
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_CARDS:
+        raise RuntimeError(f"spyre: ${COUNT_ENV} must be a whole number of cards from 1 to "
+                           f"{MAX_CARDS}, got {raw!r}")
+    _count.append(n)
+    return n
+
+
+def check_index(index: int) -> int:
+    """`index` if there is such a card, else torch.cuda's "invalid device ordinal" with the count."""
+    n = device_count()
+    if not 0 <= index < n:
+        raise RuntimeError(f"spyre: invalid device ordinal {index}: there {'is' if n == 1 else 'are'} "
+                           f"{n} card{'' if n == 1 else 's'} (spyre:0 to spyre:{n - 1}; ${COUNT_ENV}={n})")
+    return index
+
+
+def current_index() -> int:
+    """This host thread's current card (0 until set_device)."""
+    return getattr(_tls, "device", 0)
+
+
+def set_current_index(index: int) -> None:
+    _tls.device = check_index(index)
+
+
+def swap_index(index: int) -> int:
+    """Make `index` this thread's current card (unchecked: an op's own tensors' card); returns
+    the one it replaces."""
+    prev = getattr(_tls, "device", 0)
+    _tls.device = index
+    return prev
+
+
+def index_of(device) -> int:
+    """The card index of `device` (None, an int, "spyre", "spyre:1", a torch.device), checked;
+    None and a bare "spyre" are this thread's current card."""
+    if device is None:
+        return current_index()
+    if isinstance(device, int):
+        return check_index(device)
+    import torch
+
+    d = torch.device(device)
+    if d.type != "spyre":
+        raise ValueError(f"spyre: expected a spyre device, got {d}")
+    return current_index() if d.index is None else check_index(d.index)
+
+
+class on_card:  # noqa: N801 - a context manager, named as one
+    """`with on_card(i):` card i is this thread's current card inside the block."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __enter__(self):
+        self.prev = swap_index(self.index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        swap_index(self.prev)
+
+
+def runtime(index: int | None = None) -> Runtime:
+    """Card `index`'s runtime (this thread's current card by default), made on first use."""
+    rt = _runtimes.get(getattr(_tls, "device", 0) if index is None else index)
     if rt is None:
-        rt = _create()
+        rt = _create(current_index() if index is None else index)
     elif rt.pid != os.getpid():
         raise RuntimeError("spyre: the card was made in the parent process; a forked child "
                            "has no copy of its streams (use the 'spawn' start method, or make "
@@ -43,25 +126,31 @@ def runtime() -> Runtime:
     return rt
 
 
-def initialized() -> bool:
-    return _runtime is not None
+def initialized(index: int | None = None) -> bool:
+    """Whether card `index` was made (any card: None)."""
+    return bool(_runtimes) if index is None else index in _runtimes
+
+
+def made() -> list[Runtime]:
+    """The runtimes made so far, by card index."""
+    return [_runtimes[i] for i in sorted(_runtimes)]
 
 
 def in_bad_fork() -> bool:
-    """True in a process forked after the card was made (torch.cuda's notion)."""
-    return _runtime is not None and _runtime.pid != os.getpid()
+    """True in a process forked after a card was made (torch.cuda's notion)."""
+    return any(rt.pid != os.getpid() for rt in list(_runtimes.values()))
 
 
-def _create() -> Runtime:
-    global _runtime
+def _create(index: int) -> Runtime:
+    check_index(index)
     with _lock:
-        if _runtime is None:
-            _runtime = Runtime()
-        return _runtime
+        if index not in _runtimes:
+            _runtimes[index] = Runtime(index, device_count())
+        return _runtimes[index]
 
 
 class Runtime:
-    def __init__(self):
+    def __init__(self, index: int = 0, cards: int = 1):
         import torch
 
         from spyre_serve.device import Card
@@ -69,9 +158,12 @@ class Runtime:
         from spyre_serve.device.memory import DeviceOutOfMemory, parse_bytes
 
         size = os.environ.get(MEMORY_ENV)
+        self.index = index
+        self.cards = cards
         self.card = Card(parse_bytes(size) if size else DEFAULT_MEMORY_BYTES)
         self.pid = os.getpid()
-        self.default_stream = self.card.default_stream
+        self.device = torch.device("spyre", index)
+        self.default_stream = self._share(self.card.default_stream)
         self._side: list = []
         self._next_side = 0
         self._tls = threading.local()
@@ -104,8 +196,16 @@ class Runtime:
             i = self._next_side % SIDE_STREAMS
             self._next_side += 1
             if i == len(self._side):
-                self._side.append(self.card.new_stream(f"torch-{i}"))
+                self._side.append(self._share(self.card.new_stream(f"torch-{i}")))
             return self._side[i]
+
+    def _share(self, stream):
+        """`stream`, its kernels on this card's share of the host's cores (one card: all)."""
+        if self.cards > 1:
+            from spyre_serve.device.card import share_cores
+
+            share_cores(stream, self.cards)
+        return stream
 
     def stream_id(self, stream) -> int:
         """torch's id of a stream: 0 the default stream, i + 1 the pool's i-th."""
@@ -132,7 +232,7 @@ class Runtime:
             except self._oom as e:
                 with self._mem:
                     self.num_ooms += 1
-                raise self._torch_oom(f"spyre: {e}") from e
+                raise self._torch_oom(f"spyre:{self.index}: {e}") from e
         size = allocator.size_of(addr)
         with self._mem:
             self._blocks[addr] = (size, [self.current_stream()])

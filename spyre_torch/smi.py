@@ -12,10 +12,11 @@ its peak and the card's size; program launches, bytes copied host->device and de
 per second over the interval; compilations since warm-up (a server's
 `spyre_compiles_after_warmup`, which stays 0; in-process: since the monitor started).
 
-In-process (a card of this process, torch's "spyre" card by default):
+In-process (cards of this process: torch's "spyre" cards by default, a line for each of the
+`torch.spyre.device_count()` cards, each made if need be, named by its index):
 
     from spyre_torch import smi
-    with smi.monitor(interval=1.0):        # prints a line per second on stderr while the block runs
+    with smi.monitor(interval=1.0):        # prints a line per card per second on stderr while the block runs
         model.generate(...)
     smi.sample_card(card)                  # one reading, as a Sample
 
@@ -123,7 +124,7 @@ def read_url(url: str, timeout: float = 10.0) -> list[Sample]:
 # ---- a card of this process ------------------------------------------------------------------
 
 def sample_card(card=None, compiles_at_start: int = 0, name: str = "0") -> Sample:
-    """A reading of `card` (default: torch's "spyre" card, made if need be)."""
+    """A reading of `card` (default: torch's current "spyre" card, made if need be)."""
     if card is None:
         from spyre_torch.api import card as torch_card
 
@@ -136,25 +137,36 @@ def sample_card(card=None, compiles_at_start: int = 0, name: str = "0") -> Sampl
                   mem_total=s.capacity, compiles=int(c["compiles"]) - compiles_at_start)
 
 
+def torch_cards() -> dict[str, object]:
+    """torch's "spyre" cards by name ("0", "1", ...): all `device_count()` of them, made if need be."""
+    from spyre_torch.api import card as torch_card
+    from spyre_torch.runtime import device_count
+
+    return {str(i): torch_card(i) for i in range(device_count())}
+
+
 @contextlib.contextmanager
 def monitor(card=None, interval: float = 1.0, out=None):
-    """Print a line per `interval` seconds for `card` while the block runs (and one at its end)."""
+    """Print a line per card per `interval` seconds while the block runs (and one at its end):
+    `card`'s, or each of torch's "spyre" cards'."""
     out = out or sys.stderr
-    if card is None:
-        from spyre_torch.api import card as torch_card
-
-        card = torch_card()
-    start = card.counters["compiles"]
+    cards = torch_cards() if card is None else {"0": card}
+    start = {name: c.counters["compiles"] for name, c in cards.items()}
     stop = threading.Event()
 
+    def read() -> list[Sample]:
+        return [sample_card(c, start[name], name) for name, c in cards.items()]
+
     def run():
-        before = sample_card(card, start)
+        before = read()
         print(HEADER, file=out, flush=True)
         while not stop.wait(interval):
-            after = sample_card(card, start)
-            print(line(before, after), file=out, flush=True)
+            after = read()
+            for b, a in zip(before, after, strict=True):
+                print(line(b, a), file=out, flush=True)
             before = after
-        print(line(before, sample_card(card, start)), file=out, flush=True)
+        for b, a in zip(before, read(), strict=True):
+            print(line(b, a), file=out, flush=True)
 
     thread = threading.Thread(target=run, name="spyre-smi", daemon=True)
     thread.start()

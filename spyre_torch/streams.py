@@ -1,6 +1,7 @@
-"""torch.spyre.Stream and torch.spyre.Event on the card's FIFO streams and events.
+"""torch.spyre.Stream and torch.spyre.Event on the cards' FIFO streams and events.
 
-    s = torch.spyre.Stream()            # a stream of the card's pool (device.Stream)
+    s = torch.spyre.Stream()            # a stream of the current card's pool (device.Stream)
+    s1 = torch.spyre.Stream(device=1)   # one of card 1's
     with torch.spyre.stream(s):         # ops on this host thread go to s
         y = x @ w
     torch.spyre.current_stream().wait_stream(s)
@@ -8,22 +9,15 @@
     start.record(); ...; end.record(); end.synchronize(); start.elapsed_time(end)   # ms
 
 As with CUDA, ops are enqueued and return at once; a copy to the host waits for its stream.
+Each card has its own default stream and pool; `stream(s)` makes s's card the current card too,
+and an Event records on (and waits on) a stream of any card.
 """
 
 from __future__ import annotations
 
 import torch
 
-from spyre_torch.runtime import runtime
-
-
-def _check_device(device) -> None:
-    if device is None:
-        return
-    d = torch.device("spyre", device) if isinstance(device, int) else torch.device(device)
-    if d.type != "spyre" or d.index not in (None, 0):
-        raise ValueError(f"spyre: expected the spyre device (spyre:0), got {d}")
-
+from spyre_torch.runtime import index_of, made, runtime, swap_index
 
 _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
 
@@ -35,19 +29,18 @@ class Stream(torch.Stream):
     `tensor.record_stream(s)` reaches the card: the tensor's block then waits for `s` too
     before it is handed out again."""
 
-    def __new__(cls, device=None, priority: int = 0, *, _stream=None):
-        _check_device(device)
-        rt = runtime()
+    def __new__(cls, device=None, priority: int = 0, *, _stream=None, _index=None):
+        rt = runtime(index_of(device) if _index is None else _index)
         stream = _stream if _stream is not None else rt.side_stream()
-        obj = super().__new__(cls, stream_id=rt.stream_id(stream), device_index=0,
+        obj = super().__new__(cls, stream_id=rt.stream_id(stream), device_index=rt.index,
                               device_type=_PRIVATEUSE1)
         obj._stream = stream
         return obj
 
-    def __init__(self, device=None, priority: int = 0, *, _stream=None):
+    def __init__(self, device=None, priority: int = 0, *, _stream=None, _index=None):
         pass
 
-    device = property(lambda self: torch.device("spyre", 0))
+    device = property(lambda self: torch.device("spyre", self.device_index))
 
     def query(self) -> bool:
         """True when everything enqueued on this stream has run."""
@@ -77,7 +70,7 @@ class Stream(torch.Stream):
         return hash(self._stream)
 
     def __repr__(self) -> str:
-        return f"<torch.spyre.Stream {self._stream.name!r} device=spyre:0>"
+        return f"<torch.spyre.Stream {self._stream.name!r} device=spyre:{self.device_index}>"
 
 
 class Event:
@@ -117,38 +110,44 @@ class Event:
 
 
 def current_stream(device=None) -> Stream:
-    _check_device(device)
-    rt = runtime()
-    return Stream(_stream=rt.current_stream())
+    """The card's current stream on this host thread (the current card's by default)."""
+    index = index_of(device)
+    return Stream(_stream=runtime(index).current_stream(), _index=index)
 
 
 def default_stream(device=None) -> Stream:
-    _check_device(device)
-    return Stream(_stream=runtime().default_stream)
+    index = index_of(device)
+    return Stream(_stream=runtime(index).default_stream, _index=index)
 
 
 def set_stream(stream: Stream) -> None:
-    """Make `stream` the current stream of this host thread."""
-    runtime().set_current_stream(stream._stream)
+    """Make `stream` the current stream of its card on this host thread, and its card the
+    current card (as torch.cuda.set_stream)."""
+    runtime(stream.device_index).set_current_stream(stream._stream)
+    swap_index(stream.device_index)
 
 
 class StreamContext:
-    """`with torch.spyre.stream(s):` ops of this host thread go to `s`, then back."""
+    """`with torch.spyre.stream(s):` ops of this host thread go to `s` (its card the current
+    card), then back."""
 
     def __init__(self, stream: Stream | None):
         self.stream = stream
         self._prev = None
+        self._prev_index = None
 
     def __enter__(self) -> Stream | None:
         if self.stream is not None:
-            rt = runtime()
+            rt = runtime(self.stream.device_index)
             self._prev = rt.current_stream()
             rt.set_current_stream(self.stream._stream)
+            self._prev_index = swap_index(rt.index)
         return self.stream
 
     def __exit__(self, *exc) -> None:
         if self.stream is not None:
-            runtime().set_current_stream(self._prev)
+            runtime(self.stream.device_index).set_current_stream(self._prev)
+            swap_index(self._prev_index)
 
 
 def stream(stream: Stream | None) -> StreamContext:
@@ -156,9 +155,9 @@ def stream(stream: Stream | None) -> StreamContext:
 
 
 def synchronize(device=None) -> None:
-    """Wait for every stream of the card (re-raises a failed command's error)."""
-    _check_device(device)
-    from spyre_torch.runtime import initialized
-
-    if initialized():
-        runtime().synchronize()
+    """Wait for every stream of the card (the current one by default; re-raises a failed
+    command's error). A card not made yet has nothing to wait for."""
+    index = index_of(device)
+    for rt in made():
+        if rt.index == index:
+            rt.synchronize()

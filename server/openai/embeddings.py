@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from spyre_serve.models.step_io import SamplingParams
-from spyre_serve.server.openai.bridge import collect
+from spyre_serve.server.openai.bridge import collect, spyre_usage
 from spyre_serve.server.openai.errors import APIError, internal_error
 from spyre_serve.server.openai.limits import check_priority
 from spyre_serve.server.openai.openapi import GENERATION_ERRORS, route
@@ -83,20 +83,23 @@ async def pooling_answer(request: Request, prefix: str, body: type[PoolingReques
     vectors = await embed(serving, request, engine_id, req, inputs_of(req))
     if isinstance(vectors, Response):
         return vectors
-    vectors, tokens = vectors
+    vectors, tokens, projected = vectors
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     if isinstance(req, ScoreRequest):
         usage["completion_tokens"] = 0             # vLLM's score usage has it
+    if projected:                                  # the steps on a real card, as a generation's
+        usage["spyre"] = spyre_usage(projected)
     data = data_of(req, vectors, normalize)
     return JSONResponse({"id": response_id, "object": "list", "created": int(time.time()),
                          "model": serving.model_name, "data": data, "usage": usage})
 
 
 async def embed(serving: Serving, request: Request, engine_id: str, req: PoolingRequest,
-                groups: list[tuple]) -> tuple[list[np.ndarray], int] | Response:
-    """Each input's pooled vector and the request's prompt tokens, or the response to give
-    instead (499: the client left first). ``groups``: (inputs, the field they came from); an
-    input over a cap or the context is a 400 naming its field."""
+                groups: list[tuple]) -> tuple[list[np.ndarray], int, list] | Response:
+    """Each input's pooled vector, the request's prompt tokens and the inputs' projected times
+    on a real card (those the runner projects), or the response to give instead (499: the
+    client left first). ``groups``: (inputs, the field they came from); an input over a cap or
+    the context is a 400 naming its field."""
     check_priority(req.priority, serving.settings)
     cap, keep = serving.settings, keep_tokens(req.truncate_prompt_tokens, serving.engine.max_model_len)
     params = [GenerationParams(SamplingParams(), max_tokens=0, pooling=True, priority=req.priority)]
@@ -121,7 +124,8 @@ async def embed(serving: Serving, request: Request, engine_id: str, req: Pooling
         return Response(status_code=CLIENT_CLOSED)
     if sub.error:
         raise internal_error(sub.error, sub.request_id)
-    return [c.embedding for c in sub.choices], sum(map(len, prompts))
+    projected = [c.projected for c in sub.choices if c.projected is not None]
+    return [c.embedding for c in sub.choices], sum(map(len, prompts)), projected
 
 
 def keep_tokens(truncate: int | None, max_model_len: int) -> int | None:

@@ -16,7 +16,10 @@ implementation that meets a case its kernel does not cover (a dtype, a layout) r
 | nn.py | embedding, scaled_dot_product_attention |
 | index.py | index_select, index.Tensor, cat, isin |
 
-Nothing here imports Numba or makes the card: that happens at the first spyre tensor.
+Each op runs on its tensors' card, which is the thread's current card while it runs (several
+cards: ops/devices.py; tensors of two cards raise torch's "Expected all tensors to be on the
+same device"). Nothing here imports Numba or makes a card: that happens at the first spyre
+tensor.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from __future__ import annotations
 import torch
 
 from spyre_torch.ops import fallback
+from spyre_torch.ops.devices import op_card
 from spyre_torch.ops.fallback import NoCardKernel
+from spyre_torch.runtime import device_count, swap_index
 
 _IMPLS: list[tuple[str, object]] = []
 
@@ -43,12 +48,29 @@ def _overload(name: str):
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
 
+# ops that take tensors of two cards and choose each side's card themselves (ops/copy.py)
+CROSS_CARD = frozenset({"_copy_from", "_copy_from_and_resize"})
+
+
 def _wrap(name: str, fn):
-    def kernel(*args, **kwargs):
+    def call(args, kwargs):
         try:
             return fn(*args, **kwargs)
         except NoCardKernel as why:
             return fallback.run(_overload(name), args, kwargs, str(why))
+
+    if name in CROSS_CARD:
+        def kernel(*args, **kwargs):
+            return call(args, kwargs)
+    else:
+        def kernel(*args, **kwargs):
+            if device_count() == 1:
+                return call(args, kwargs)
+            prev = swap_index(op_card(name, args, kwargs))  # the op's card, current while it runs
+            try:
+                return call(args, kwargs)
+            finally:
+                swap_index(prev)
     kernel.__name__ = fn.__name__
     kernel.__qualname__ = f"spyre:{name}"
     return kernel

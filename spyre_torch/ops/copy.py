@@ -7,7 +7,9 @@ kernel. torch routes `copy_`, `.to()`, `.cpu()` and `.contiguous()` through `_co
 - card -> host: a row-major source is copied out (`Stream.copy_d2h`) and the stream waited for;
   any other layout is made row-major on the card first;
 - card -> card: the elementwise kernel's copy (any strides, broadcast, dtype casts); a source
-  sharing the destination's storage is copied aside first.
+  sharing the destination's storage is copied aside first;
+- one card -> another: through the host (a copy out of the source's card, then into the
+  destination's), each on its card's current stream.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from spyre_torch import dtypes, memory
 from spyre_torch.kernels import EW_OPS
 from spyre_torch.ops import aten
 from spyre_torch.ops.launch import elementwise
-from spyre_torch.runtime import runtime
+from spyre_torch.runtime import on_card, runtime
 
 
 def row_major(t: torch.Tensor) -> bool:
@@ -107,16 +109,27 @@ def copy_bytes(dst_storage, src_storage, nbytes: int, dst_offset: int = 0, src_o
 
 @aten("_copy_from")
 def copy_from(self, dst, non_blocking=False):
+    """Each side on its own card (the op is not given one: ops.CROSS_CARD)."""
     if self.device.type == "spyre" and dst.device.type == "spyre":
-        card_copy(dst, self)
+        if self.device == dst.device:
+            with on_card(dst.device.index):
+                card_copy(dst, self)
+        else:  # card to card: through the host
+            with on_card(self.device.index):
+                host = to_host(self)
+            with on_card(dst.device.index):
+                to_card(dst, host)
     elif dst.device.type == "spyre":
         if self.device.type != "cpu":
             raise RuntimeError(f"spyre: cannot copy from {self.device} to the card")
-        to_card(dst, self)
+        with on_card(dst.device.index):
+            to_card(dst, self)
     else:
         if dst.device.type != "cpu":
             raise RuntimeError(f"spyre: cannot copy from the card to {dst.device}")
-        dst.copy_(to_host(self))
+        with on_card(self.device.index):
+            host = to_host(self)
+        dst.copy_(host)
     return dst
 
 

@@ -10,16 +10,15 @@ from spyre_torch.kernels import EW_OPS
 from spyre_torch.ops import aten
 from spyre_torch.ops.fallback import NoCardKernel
 from spyre_torch.ops.launch import elementwise
-from spyre_torch.runtime import runtime
+from spyre_torch.runtime import index_of, runtime
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 def check_device(device) -> None:
-    if device is not None:
-        d = torch.device(device)
-        if d.type == "spyre" and d.index not in (None, 0):
-            raise RuntimeError(f"spyre: there is one card, spyre:0; got {d}")
+    """A spyre device argument names a card there is (the op runs on it: ops/devices.py)."""
+    if device is not None and torch.device(device).type == "spyre":
+        index_of(device)
 
 
 def _strides_for(shape, memory_format) -> tuple[int, ...] | None:
@@ -134,7 +133,7 @@ def set_tensor(self, source):
 @aten("set_")
 def set_empty(self):
     return _SET.source_Storage_storage_offset.redispatch(
-        _CPU_KEYS, self, memory.new_storage(0), 0, [0], [1])
+        _CPU_KEYS, self, memory.new_storage(0, self.device.index), 0, [0], [1])
 
 
 @aten("resize_")
@@ -146,7 +145,7 @@ def resize_(self, size, memory_format=None):
     need = memory.storage_bytes(size, strides, self.dtype, offset)
     storage = self.untyped_storage()
     if need > storage.nbytes():
-        old, storage = storage, memory.new_storage(need)
+        old, storage = storage, memory.new_storage(need, self.device.index)
         if old.nbytes():
             from spyre_torch.ops.copy import copy_bytes
 

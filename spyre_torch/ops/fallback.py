@@ -6,6 +6,9 @@ an op that returns a view of its input (a CPU copy is not a view of the card's t
 every op when the fallback is off (`torch.spyre.set_cpu_fallback(False)` or
 `SPYRE_TORCH_CPU_FALLBACK=0`).
 
+Its results go to the card of the op's spyre tensors (tensors of two cards raise, as a card
+kernel's would: ops/devices.py), or to its `device` argument's.
+
 The fallback is registered for PrivateUse1 as a boxed kernel of every op (torch's dispatcher
 uses it for ops with no spyre kernel and no composite one); ops with a card kernel call `run`
 themselves for the dtypes or layouts their kernel does not cover (`NoCardKernel`).
@@ -20,6 +23,8 @@ import warnings
 
 import torch
 from torch.utils._pytree import tree_map
+
+from spyre_torch.ops.devices import op_card
 
 ENV = "SPYRE_TORCH_CPU_FALLBACK"
 
@@ -63,8 +68,10 @@ def _to_cpu(x):
     return x
 
 
-def _to_spyre(x):
-    return x.to("spyre") if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x
+def _to_card(device: torch.device):
+    def to(x):
+        return x.to(device) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x
+    return to
 
 
 def run(op, args: tuple, kwargs: dict, reason: str = ""):
@@ -72,6 +79,7 @@ def run(op, args: tuple, kwargs: dict, reason: str = ""):
     copied back."""
     name = op.name()
     schema = op._schema
+    card = torch.device("spyre", op_card(name, args, kwargs))  # where the results go back to
     if not _state["enabled"]:
         why = f" ({reason})" if reason else ""
         raise NotImplementedError(
@@ -123,7 +131,7 @@ def run(op, args: tuple, kwargs: dict, reason: str = ""):
             for alias in ret.alias_info.before_set:
                 if alias in written:
                     return written[alias]
-        return tree_map(_to_spyre, value)
+        return tree_map(_to_card(card), value)
 
     if len(schema.returns) == 1:
         return back(schema.returns[0], result)

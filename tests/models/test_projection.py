@@ -145,3 +145,55 @@ def test_granite_8b_decode_reads_its_weights_once_and_tp_divides_it():
     prefill = project_step(GRANITE_8B, StepShape((512,), (512,), 1))
     # at 512 rows the MLP's GEMMs are about as long in FLOPs as in bytes
     assert prefill.by_kernel["gate_up"] == pytest.approx(40 * 2 * 512 * 4096 * 25600 / 72.96e12, rel=0.2)
+
+
+def tiny_encoder(layers: int = 1):
+    """H 128, 2 heads of 64, MLP 256, vocab 1000: RoBERTa's shape, small."""
+    from spyre_serve.models.encoder_config import EncoderConfig
+
+    return EncoderConfig(architecture="XLMRobertaModel", vocab_size=1000, hidden_size=128,
+                         num_hidden_layers=layers, num_attention_heads=2, intermediate_size=256,
+                         max_position_embeddings=66, type_vocab_size=1, layer_norm_eps=1e-5,
+                         pad_token_id=1, bos_token_id=0, eos_token_id=[2], torch_dtype="float32")
+
+
+def test_an_encoder_step_by_hand():
+    from spyre_serve.models.encoder_projection import ENCODER_KERNELS, EncoderProjector
+
+    work = [SeqWork(i, list(range(5, 5 + n)), 0, [i], False, SamplingParams(), pool=True)
+            for i, n in enumerate((3, 5))]
+    step = step_of_work(work)                             # two whole prompts: T 8, S 2
+    assert (step.queries, step.contexts, step.logit_rows) == ((3, 5), (3, 5), 0)
+    projector = EncoderProjector(tiny_encoder(), {"embed": "fp32"}, "CLS")   # GEMMs fp16
+    cost = projector.project(step)
+    # fp16 rows in whole 64-value sticks: [H] 256 bytes, [3H] 768, [I] 512; an fp32 [H] row 512
+    expected = {
+        "embedding": mem(512 + 8 * 2 * 512, 8 * 256),     # type row once; word + position rows in
+        "layernorm": 3 * mem(2 * 256 + 8 * 256, 8 * 256), # the embeddings' and two a layer
+        "qkv": mem(128 * 768 + 8 * 256, 8 * 768),         # W [128, 384] + rows in, rows out
+        "bias": mem(768 + 8 * 768, 8 * 768) + mem(512 + 8 * 512, 8 * 512)     # qkv, up,
+                + 2 * mem(256 + 8 * 256, 8 * 256),                              # o and down
+        # each prompt's q, k, v rows in, out rows written; 4 H (3 x 3 + 5 x 5) FLOPs: not the bound
+        "attention": mem(3 * 8 * 256, 8 * 256),
+        "o_proj": mem(128 * 256 + 8 * 256, 8 * 256),
+        "residual": 2 * mem(2 * 8 * 256, 8 * 256),
+        "up": mem(128 * 512 + 8 * 256, 8 * 512),
+        "gelu": mem(8 * 512, 8 * 512),
+        "down": mem(256 * 256 + 8 * 512, 8 * 256),
+        "pooling": mem(2 * 256, 2 * 256),                 # CLS: one row of each prompt in, one out
+        # tokens and positions (8 a row) + query_start (3 x 4) in, two float32 [128] rows back
+        "pcie": (8 * 8 + 3 * 4 + 2 * 128 * 4) / (64 * GB),
+        "launch": 50e-6,
+    }
+    assert set(cost.by_kernel) == set(ENCODER_KERNELS) == set(expected)
+    for name, seconds in expected.items():
+        assert cost.by_kernel[name] == pytest.approx(seconds, rel=1e-12, abs=1e-18), name
+    assert cost.seconds == pytest.approx(sum(expected.values()))
+    assert 4 * 128 * (9 + 25) / 72.96e12 < expected["attention"] / 10
+    mean = EncoderProjector(tiny_encoder(), {"embed": "fp32"}, "MEAN").project(step)
+    assert mean.by_kernel["pooling"] == pytest.approx(mem(8 * 256, 2 * 256))   # every row in
+    two = EncoderProjector(tiny_encoder(layers=2), {"embed": "fp32"}, "CLS").project(step)
+    assert two.by_kernel["layernorm"] == pytest.approx(5 * mem(2 * 256 + 8 * 256, 8 * 256))
+    assert two.by_kernel["qkv"] == pytest.approx(2 * expected["qkv"])
+    with pytest.raises(ValueError, match="unknown matrices \\['gate_up'\\]"):
+        EncoderProjector(tiny_encoder(), {"gate_up": "fp16"})

@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
+from spyre_serve.models.projection import StepShape
 from tests.server.servers import POOLING_CONTEXT as CONTEXT
 from tests.server.servers import ServerThread, http_client, real_settings
 
@@ -46,6 +47,15 @@ def tokens(http, text: str) -> list[int]:
     return r.json()["tokens"]
 
 
+def assert_projected(usage: dict) -> None:
+    """An embedding answer's usage carries its steps on a real card, as a generation's does:
+    each input's whole prompt in one step, so no later steps."""
+    spyre = usage["spyre"]
+    assert set(spyre) == {"projected_ttft_seconds", "projected_tpot_seconds", "projected_seconds"}
+    assert 0 < spyre["projected_ttft_seconds"] <= spyre["projected_seconds"]
+    assert spyre["projected_tpot_seconds"] == 0.0
+
+
 def assert_close(got, want):
     got = np.asarray(got, np.float32)
     assert 1.0 - float(got @ want) / float(np.linalg.norm(got)) <= 1e-5
@@ -59,7 +69,9 @@ def test_embeddings_of_texts_equal_transformers(http, reference, pooling_server)
     assert body["object"] == "list" and body["model"] == "granite-tiny"
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
     ids = [tokens(http, t) for t in TEXTS]
-    assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids))}
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["total_tokens"]) == (sum(map(len, ids)), sum(map(len, ids)))
+    assert_projected(usage)                               # the decoder's steps, projected
     for d, i in zip(body["data"], ids, strict=True):
         assert d["object"] == "embedding" and len(d["embedding"]) == pooling_server.built.model.config.hidden_size
         assert_close(d["embedding"], reference(i))
@@ -214,12 +226,19 @@ def test_an_encoder_checkpoint_serves_embeddings_equal_to_transformers(encoder_s
         ids = [c.post("/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
         assert all(i[0] == 0 and i[-1] == 2 for i in ids)          # <s> ... </s>, as RoBERTa's
         body = c.post("/v1/embeddings", json={"input": texts}).json()
+        alone = c.post("/v1/embeddings", json={"input": texts[1]}).json()
         too_long = c.post("/v1/embeddings", json={"input": [5] * 40})
         gen = c.post("/v1/completions", json={"prompt": "x"})
     want = reference_pooled(encoder_server.built.model.path, ids, "MEAN")
     for d, w in zip(body["data"], want, strict=True):
         assert_close(d["embedding"], w)
     assert body["usage"]["prompt_tokens"] == sum(map(len, ids))
+    assert_projected(body["usage"])
+    # alone in its step, an input's projection is the encoder projector's for its prompt
+    one = alone["usage"]["spyre"]
+    step = StepShape((len(ids[1]),), (len(ids[1]),), 0)
+    assert one["projected_ttft_seconds"] == one["projected_seconds"] == pytest.approx(
+        encoder_server.built.runner.projector.seconds(step), rel=1e-9)
     limit = encoder_server.built.runner.max_model_len       # 32: RoBERTa's 34 positions - pad - 1
     assert too_long.status_code == 400 and f"maximum context length is {limit} tokens" in too_long.text
     assert gen.status_code == 400

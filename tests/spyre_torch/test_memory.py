@@ -89,7 +89,7 @@ def test_a_tensor_too_big_for_the_card_is_refused_with_the_numbers():
                    "print(torch.spyre.memory_stats()['num_ooms'])",
                    env={"SPYRE_SERVE_DEVICE_MEMORY": "16M"})
     assert r.returncode == 0, r.stderr
-    assert "OOM spyre: device out of memory: requested 33554432 bytes" in r.stdout
+    assert "OOM spyre:0: device out of memory: requested 33554432 bytes" in r.stdout
     assert r.stdout.strip().endswith("1")
 
 
