@@ -115,6 +115,8 @@ class SeqWork:                    # one sequence's share of a step
                                                 # of word t//32), or None
     pool: bool = False            # an embedding: the whole prompt in this chunk, pooled (a
                                   # pooling runner's work; it samples nothing)
+    lora: str | None = None       # the LoRA adapter its rows run with (registered in the
+                                  # runner's `lora` arena), None: the base model
 
 
 @dataclass
