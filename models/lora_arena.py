@@ -17,6 +17,7 @@ models/lora_layout.py.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -45,6 +46,7 @@ class LoraArena:
         self._lru: OrderedDict[int, None] = OrderedDict()     # slots, least recently used first
         self._pins: dict[int, int] = {}                       # seq_id -> slot
         self._pinned = [0] * max_loras                        # sequences holding each slot
+        self._lock = threading.RLock()    # the registry changes from the API's side at run time
 
     @property
     def nbytes(self) -> int:
@@ -56,21 +58,27 @@ class LoraArena:
         return [(self.tensor.address + i * row, self.max_rank, self.max_loras)
                 for i in range(self.layers)]
 
-    # ---- registry ---------------------------------------------------------------------
+    # ---- registry (any thread: under the lock) -----------------------------------------
     def register(self, name: str, adapter: LoraAdapter) -> None:
         if adapter.rank > self.max_rank:
             raise LoraError(f"{adapter.path}: LoRA rank {adapter.rank} is greater than "
                             f"max_lora_rank {self.max_rank}", rank_over=True)
-        self.unregister(name)
-        self.adapters[name] = adapter
+        with self._lock:
+            self._forget(name)
+            self.adapters[name] = adapter
 
     def unregister(self, name: str) -> None:
         """Forget `name`; a slot holding it is free now, or once its sequences are unpinned."""
+        with self._lock:
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
         self.adapters.pop(name, None)
         for s, held in enumerate(self.slots):
-            if held == name and not self._pinned[s]:
-                self.slots[s] = None
+            if held == name:
                 self._lru.pop(s, None)
+                # pinned: its sequences keep reading it; the name no longer finds it
+                self.slots[s] = None if not self._pinned[s] else f"\0{name}"
 
     # ---- slots ------------------------------------------------------------------------
     def slot_of(self, seq_id: int) -> int:
@@ -79,39 +87,42 @@ class LoraArena:
 
     def can_pin(self, name: str) -> bool:
         """Whether `pin` would find a slot for `name` now."""
-        return name in self.slots or any(not n for n in self._pinned)
+        with self._lock:
+            return name in self.slots or any(not n for n in self._pinned)
 
     def pin(self, seq_id: int, name: str) -> int | None:
         """The slot holding adapter `name` for seq_id (idempotent), placing it in the least
         recently used unpinned slot if it is not on the card; None when every slot is pinned.
         KeyError for an adapter not registered."""
-        if seq_id in self._pins:
-            slot = self._pins[seq_id]
-            if self.slots[slot] == name:
-                return slot
-            self.unpin(seq_id)
-        if name not in self.adapters:
-            raise KeyError(f"LoRA adapter {name!r} is not registered")
-        slot = self.slots.index(name) if name in self.slots else self._victim()
-        if slot is None:
-            return None
-        if self.slots[slot] != name:
-            self._place(slot, self.adapters[name])
-            self.slots[slot] = name
-        self._pins[seq_id] = slot
-        self._pinned[slot] += 1
-        self._lru.pop(slot, None)
-        self._lru[slot] = None
-        return slot
+        with self._lock:
+            if seq_id in self._pins:
+                slot = self._pins[seq_id]
+                if self.slots[slot] == name:
+                    return slot
+                self.unpin(seq_id)
+            if name not in self.adapters:
+                raise KeyError(f"LoRA adapter {name!r} is not registered")
+            slot = self.slots.index(name) if name in self.slots else self._victim()
+            if slot is None:
+                return None
+            if self.slots[slot] != name:
+                self._place(slot, self.adapters[name])
+                self.slots[slot] = name
+            self._pins[seq_id] = slot
+            self._pinned[slot] += 1
+            self._lru.pop(slot, None)
+            self._lru[slot] = None
+            return slot
 
     def unpin(self, seq_id: int) -> None:
-        slot = self._pins.pop(seq_id, None)
-        if slot is None:
-            return
-        self._pinned[slot] -= 1
-        if not self._pinned[slot] and self.slots[slot] not in self.adapters:
-            self.slots[slot] = None          # unregistered while in use
-            self._lru.pop(slot, None)
+        with self._lock:
+            slot = self._pins.pop(seq_id, None)
+            if slot is None:
+                return
+            self._pinned[slot] -= 1
+            if not self._pinned[slot] and self.slots[slot] not in self.adapters:
+                self.slots[slot] = None          # unregistered while in use
+                self._lru.pop(slot, None)
 
     def pinned(self) -> int:
         """Sequences holding a slot: 0 once every sequence is unpinned."""

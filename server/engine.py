@@ -47,6 +47,7 @@ from spyre_serve.server.engine_stats import (
     projected_of,
 )
 from spyre_serve.server.inbox import Inbox
+from spyre_serve.server.lora import lora_admits
 from spyre_serve.server.open_requests import EngineRequest, OpenRequests
 from spyre_serve.server.output_processor import OutputProcessor
 from spyre_serve.server.outputs import SeqUpdate, store_prompt_logprobs
@@ -104,7 +105,8 @@ class Engine:
                                    on_release=lambda seq: runner.forget(seq.seq_id),
                                    max_prefill_with_decodes=max_prefill_with_decodes,
                                    max_scored_tokens_per_step=max_scored_tokens_per_step,
-                                   policy=scheduling_policy, compat=spyre_compat)
+                                   policy=scheduling_policy, compat=spyre_compat,
+                                   admits=lora_admits(runner))
         self.stats = EngineStats()
         # a grammar's mask needs its previous token: wait for it (True) or skip a step (False)
         self.structured_output_wait = structured_output_wait

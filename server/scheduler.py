@@ -64,7 +64,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  token_buckets: list[int] | None = None, on_release: Callable[[Sequence], None] | None = None,
                  max_prefill_with_decodes: int | None = None, max_scored_tokens_per_step: int | None = None,
-                 policy: str = "fcfs", compat: SpyreCompat | None = None) -> None:
+                 policy: str = "fcfs", compat: SpyreCompat | None = None, admits=lambda seq: True) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be positive")
@@ -79,6 +79,7 @@ class Scheduler:
         self.max_scored = max_scored_tokens_per_step
         self.on_release = on_release
         self.compat = compat  # the plugin's rules (--spyre-compat), or None: the freer default
+        self.admits = admits  # a gate a waiting sequence passes last (its LoRA slot: server/lora.py)
         self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []  # in admission order
         self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
@@ -328,7 +329,7 @@ class Scheduler:
                 scores = self._scores(seq)
                 num_new = min(remaining, budget, scored if scores else budget)
                 if num_new == 0 or (seq.params.pooling and num_new < remaining) or \
-                        not self.blocks.can_share(seq, hit, start + num_new):
+                        not self.blocks.can_share(seq, hit, start + num_new) or not self.admits(seq):
                     break
                 self.waiting.popleft()
                 if hit:

@@ -57,6 +57,7 @@ def seq_work(c: ScheduledChunk, eos_ids: frozenset[int], vocab_size: int) -> Seq
         from_device=c.from_device,
         prompt_logprobs=c.prompt_logprobs,
         pool=p.pooling,
+        lora=p.lora,
         # the card keeps the penalty state from the tokens it computes; positions below
         # num_prompt are the prompt's (vLLM: repetition counts them, presence and
         # frequency only the output), so the host sends no token history
