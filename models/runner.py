@@ -190,8 +190,9 @@ class ModelRunner:
 
     @property
     def memory_plan(self) -> dict[str, int]:
-        """Device bytes the runner planned, by use (see models/memory_plan.py)."""
-        return self.memory.plan
+        """Device bytes the runner planned, by use (see models/memory_plan.py); with LoRA,
+        'lora_arena' too (its adapter slots: models/lora_arena.py)."""
+        return {**self.memory.plan, **({"lora_arena": self.lora.nbytes} if self.lora else {})}
 
     # ---- programs -------------------------------------------------------------------
     @property

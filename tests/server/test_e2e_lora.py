@@ -208,3 +208,27 @@ def test_prefix_cache_blocks_are_never_shared_across_adapters(client, server, lo
         hits.append(stats.hits - before)
     assert hits == [0, 32, 0, 32]      # two full 16-token blocks of the 40-token prompt
     wait_idle(server)
+
+
+def test_the_engine_in_its_own_process_serves_and_loads_adapters(lora):
+    """serve's default: adapters at start and loaded at run time reach the engine process's
+    card through its pipe, answering as transformers + peft do."""
+    with running_server(engine_process=True, **lora_settings(lora)) as s, \
+            httpx.Client(base_url=s.url, timeout=600) as c:
+        r = c.post("/v1/completions", json=completion("all4", lora.prompts[0]))
+        assert r.status_code == 200 and answered(s, r.json(), lora.expected["all4"][0][0]), r.text
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "runtime", "lora_path": str(lora.paths["runtime"])})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/completions", json=completion("runtime", lora.prompts[0]))
+        assert r.status_code == 200 and answered(s, r.json(), lora.expected["runtime"][0][0]), r.text
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(lora.base)})
+        assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "runtime"}).status_code == 200
+        assert c.post("/v1/completions", json=completion("runtime", lora.prompts[0])).status_code == 404
+
+
+def test_a_bad_adapter_at_start_is_refused_naming_it(lora, tmp_path):
+    from spyre_serve.server.cli import build
+
+    with pytest.raises(ValueError, match="--lora-modules bad=.*adapter_config.json"):
+        build(real_settings(**lora_settings(lora, lora_modules={"bad": str(tmp_path)})), progress=False)
