@@ -91,13 +91,14 @@ class LoraArena:
             return name in self.slots or any(not n for n in self._pinned)
 
     def pin(self, seq_id: int, name: str) -> int | None:
-        """The slot holding adapter `name` for seq_id (idempotent), placing it in the least
-        recently used unpinned slot if it is not on the card; None when every slot is pinned.
-        KeyError for an adapter not registered."""
+        """The slot holding adapter `name` for seq_id (idempotent: a sequence keeps its slot
+        even if the adapter is unregistered meanwhile), placing it in the least recently used
+        unpinned slot if it is not on the card; None when every slot is pinned. KeyError for an
+        adapter not registered."""
         with self._lock:
             if seq_id in self._pins:
                 slot = self._pins[seq_id]
-                if self.slots[slot] == name:
+                if self.slots[slot] in (name, f"\0{name}"):    # unregistered since: it finishes
                     return slot
                 self.unpin(seq_id)
             if name not in self.adapters:

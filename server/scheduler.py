@@ -6,7 +6,7 @@ Policy (the block manager does the accounting):
 2. running sequences still prefilling get the next chunk of their prompt;
 3. waiting sequences are admitted in the queue's order (first come, first served, or by
    priority: ``server/waiting.py``) while the token budget,
-   ``max_num_seqs`` and the free KV blocks allow; one that starts from position 0 starts
+   ``max_num_seqs``, the free KV blocks and ``admits`` (a LoRA slot) allow; one from position 0 starts
    instead from the longest prefix of its tokens whose full KV blocks are cached
    (server/block_manager.py), sharing them, unless it asks for prompt logprobs or
    penalties (``GenerationParams.reads_prefix_cache``).

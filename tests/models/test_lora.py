@@ -110,6 +110,30 @@ def test_more_adapters_than_slots_evicts_the_least_recently_used(lora_setup):
         card.close()
 
 
+def test_an_adapter_unloaded_while_in_use_keeps_its_slot_until_its_sequences_end(lora_setup):
+    base, paths, prompts, _, expected = lora_setup
+    card = Card(256 << 20)
+    model, runner = _runner(base, card, max_loras=2)
+    try:
+        arena = runner.lora
+        arena.register("qv8", read_adapter(paths["qv8"], model.config, 16))
+        slot = arena.pin(1, "qv8")
+        arena.unregister("qv8")
+        assert arena.pin(1, "qv8") == slot            # the running sequence keeps reading it
+        with pytest.raises(KeyError, match="not registered"):
+            arena.pin(2, "qv8")                        # a new one does not find it
+        arena.register("qv8", read_adapter(paths["qv8"], model.config, 16))
+        assert arena.pin(2, "qv8") != slot             # loaded again: placed afresh
+        arena.unpin(1)
+        arena.unpin(2)
+        assert arena.slots.count(None) == 1 and arena.pinned() == 0
+        got = runner_greedy_lora(runner, prompts[:1], ["qv8"], N_NEW, first_seq=10)
+        assert got[0] == expected["qv8"][0][0]
+    finally:
+        runner.close()
+        card.close()
+
+
 def _edit_config(path, **changes):
     cfg_file = path / "adapter_config.json"
     cfg = json.loads(cfg_file.read_text())
