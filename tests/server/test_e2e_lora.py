@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -170,8 +172,26 @@ def test_runtime_load_and_unload(client, server, lora, tmp_path):
     r = client.post("/v1/completions", json=completion("runtime", lora.prompts[1]))
     assert r.status_code == 200, r.text
     assert answered(server, r.json(), lora.expected["runtime"][1][0])
-    # unloaded: gone from the list, a 404 to use, a 404 to unload again
-    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "runtime"}).status_code == 200
+    # unloaded while a stream of it runs: the stream ends as it would have; then it is gone
+    # from the list, a 404 to use, a 404 to unload again
+    first = threading.Event()
+
+    def stream() -> list:
+        body = {**completion("runtime", lora.prompts[0]), "max_tokens": 60, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=600) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            chunks = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    first.set()
+            return chunks
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream)
+        assert first.wait(60)
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "runtime"}).status_code == 200
+        chunks = running.result(120)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "error" not in chunks[-1]
     assert "runtime" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert client.post("/v1/completions", json=completion("runtime", lora.prompts[1])).status_code == 404
     r = client.post("/v1/unload_lora_adapter", json={"lora_name": "runtime"})
