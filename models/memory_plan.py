@@ -32,7 +32,8 @@ class StepMemory:
 
     def __init__(self, card: Card, cfg: GraniteConfig, weights: ModelWeights, cap: Capacity,
                  block_size: int, num_kv_blocks: int | None, kv_cache_fraction: float,
-                 kv_cache_dtype: str = "float32"):
+                 kv_cache_dtype: str = "float32",
+                 lora_columns: list[tuple[int, int, int]] | None = None):
         self.card = card
         self.inputs_layout: Layout = INPUTS
         self.outputs_layout: Layout = OUTPUTS
@@ -45,7 +46,7 @@ class StepMemory:
             self.outputs = [self._alloc(sizes["output"], zero=True) for _ in range(2)]
             self.kv = KVCache(card, cfg, block_size, num_kv_blocks, kv_cache_fraction,
                               kv_cache_dtype)
-            self.layer_table = build_layer_table(card, weights, self.kv.k, self.kv.v)
+            self.layer_table = build_layer_table(card, weights, self.kv.k, self.kv.v, lora_columns)
             self._allocated.append(self.layer_table)
         except BaseException:
             self.free()

@@ -47,10 +47,10 @@ ACT_BYTES = 2              # activations on the card: fp16 (DLFloat16) [DESIGN]
 KV_BLOCK = 64              # tokens of a KV cache block, read whole (the plugin's block size)
 SAMPLING_PASSES = 2        # a softmax reads each logit row twice: its max and sum, then the draw
 # what the host copies per step (models/step_program.py's INPUTS and OUTPUTS tables): per token
-# row its token, position, slot and source row (int32 each); per sequence its record of sampling
+# row its token, position, slot, source row and LoRA slot (int32 each); per sequence its record of sampling
 # parameters and eight int32 fields (56 + 32); per KV block of its table an int32; per logit row
 # back its sampled id and logprob
-INPUT_BYTES_PER_ROW, INPUT_BYTES_PER_SEQ, INPUT_BYTES_PER_BLOCK, OUTPUT_BYTES_PER_ROW = 16, 88, 4, 8
+INPUT_BYTES_PER_ROW, INPUT_BYTES_PER_SEQ, INPUT_BYTES_PER_BLOCK, OUTPUT_BYTES_PER_ROW = 20, 88, 4, 8
 MATRICES = ("embed", "qkv", "o", "gate_up", "down", "lm_head")
 KERNELS = ("embedding", "rmsnorm", "qkv", "rope", "write_kv", "attention", "o_proj", "residual",
            "gate_up", "swiglu", "down", "all_reduce", "lm_head", "logits_gather", "sampling",

@@ -31,6 +31,7 @@ from spyre_serve.device.profile import ticks_per_second
 from spyre_serve.models.buffer_layout import Placement, length_slot
 from spyre_serve.models.fit import capacity
 from spyre_serve.models.kv_cache import resolve_dtype as resolve_kv_dtype
+from spyre_serve.models.lora_arena import LoraArena
 from spyre_serve.models.memory_plan import StepMemory
 from spyre_serve.models.penalty_slots import PenaltySlots
 from spyre_serve.models.programs import StepPrograms, bucket, buckets
@@ -89,11 +90,13 @@ class ModelRunner:
                  block_size: int = 64, num_kv_blocks: int | None = None,
                  kv_cache_fraction: float = 0.9, max_model_len: int | None = None,
                  seed: int | None = None, compute_dtype: str = "auto",
-                 kv_cache_dtype: str = "auto", pooling: tuple[str, bool] | None = None):
+                 kv_cache_dtype: str = "auto", pooling: tuple[str, bool] | None = None,
+                 lora: tuple[int, int] | None = None):
         """`pooling`: (type, normalize) serves embeddings instead of generating (`--runner
         pooling`): each work item is a whole prompt (`SeqWork.pool`), and the step returns its
         rows pooled (device.kernels.pooling: LAST, MEAN or CLS) in `StepOutput.pooled`; a
-        context never exceeds one step's tokens."""
+        context never exceeds one step's tokens. `lora`: (max_loras, max_rank), an adapter
+        arena of that many slots (`self.lora`, models/lora_arena.py; `SeqWork.lora`)."""
         cfg = model.config
         self.compute_dtype = resolve_compute_dtype(compute_dtype, model.weights)
         self.kv_cache_dtype = resolve_kv_dtype(kv_cache_dtype, self.compute_dtype)
@@ -119,8 +122,16 @@ class ModelRunner:
             want_len = min(want_len, max_num_batched_tokens)
         cap = capacity(cfg, max_num_seqs, max_num_batched_tokens, want_len, block_size)
         smax = cap.smax
-        self.memory = StepMemory(card, cfg, self.weights, cap, block_size, num_kv_blocks,
-                                 kv_cache_fraction, self.kv_cache_dtype)
+        self.stream = card.new_stream("compute")
+        self.lora = LoraArena(card, cfg, *lora, self.stream) if lora else None
+        try:
+            self.memory = StepMemory(card, cfg, self.weights, cap, block_size, num_kv_blocks,
+                                     kv_cache_fraction, self.kv_cache_dtype,
+                                     self.lora.layer_columns() if self.lora else None)
+        except BaseException:
+            if self.lora:
+                self.lora.free()
+            raise
         self.kv = self.memory.kv
         self.num_kv_blocks = self.kv.num_blocks
         self.max_model_len = min(want_len, self.kv.num_tokens)
@@ -131,7 +142,6 @@ class ModelRunner:
             max_blocks_per_seq=cap.mbmax, num_penalty_slots=2 * smax,
             vocab_size=cfg.vocab_size,
             seed=random.randrange(1 << 62) if seed is None else int(seed))
-        self.stream = card.new_stream("compute")
         self.stream.enqueue(use_every_core, compute=False, label="use_every_core")
         self._programs = StepPrograms(card, self.t_buckets, self.s_buckets, self._static_bindings(),
                                       {"H": cfg.hidden_size, "V": cfg.vocab_size})
@@ -180,8 +190,9 @@ class ModelRunner:
 
     @property
     def memory_plan(self) -> dict[str, int]:
-        """Device bytes the runner planned, by use (see models/memory_plan.py)."""
-        return self.memory.plan
+        """Device bytes the runner planned, by use (see models/memory_plan.py); with LoRA,
+        'lora_arena' too (its adapter slots: models/lora_arena.py)."""
+        return {**self.memory.plan, **({"lora_arena": self.lora.nbytes} if self.lora else {})}
 
     # ---- programs -------------------------------------------------------------------
     @property
@@ -208,27 +219,54 @@ class ModelRunner:
                  for w in work if w.pool != bool(self.pooling) or (w.pool and w.start_pos)}
         if wrong:
             raise SeqWorkError(wrong)
+        lora_slots = self._lora_slots(work)
         pen_slots = self._pen_slots.assign(work)
         t = bucket(self.t_buckets, n_tok)
         s = bucket(self.s_buckets, len(work))
         return self._launch(t, s, work, return_rows=return_logits, return_logits=return_logits,
-                            pen_slots=pen_slots, projected=self.projector.seconds(step_of_work(work)))
+                            pen_slots=pen_slots, projected=self.projector.seconds(step_of_work(work)),
+                            lora_slots=lora_slots)
+
+    def _lora_slots(self, work: list[SeqWork]) -> dict[int, int]:
+        """The adapter slot of each item with a LoRA adapter (pinned until `forget`); a
+        SeqWorkError for an adapter not registered or with no slot free of other pins."""
+        slots, bad = {}, {}
+        for w in work:
+            if w.lora is None:
+                continue
+            try:
+                if self.lora is None:
+                    raise KeyError("this runner serves no LoRA adapters")
+                slot = self.lora.pin(w.seq_id, w.lora)
+            except KeyError as e:
+                bad[w.seq_id] = f"seq {w.seq_id}: LoRA adapter {w.lora!r}: {e.args[0]}"
+                continue
+            if slot is None:
+                bad[w.seq_id] = (f"seq {w.seq_id}: LoRA adapter {w.lora!r}: all "
+                                 f"{self.lora.max_loras} slots are held by running sequences")
+            else:
+                slots[w.seq_id] = slot
+        if bad:
+            raise SeqWorkError(bad)
+        return slots
 
     def _launch(self, t: int, s: int, work: list[SeqWork], return_rows: bool,
                 return_logits: bool, pen_slots: dict[int, int] | None = None,
-                projected: float = 0.0) -> StepHandle:
-        step, bindings, readback = self.prepare_launch(t, s, work, return_rows, return_logits, pen_slots)
+                projected: float = 0.0, lora_slots: dict[int, int] | None = None) -> StepHandle:
+        step, bindings, readback = self.prepare_launch(t, s, work, return_rows, return_logits, pen_slots,
+                                                       lora_slots)
         handle = self._programs.get(t, s).launch(self.stream, bindings, readback=readback)
         return StepHandle(handle, step, self._prompt_logprobs, projected)
 
     def prepare_launch(self, t: int, s: int, work: list[SeqWork], return_rows: bool, return_logits: bool,
-                       pen_slots: dict[int, int] | None) -> tuple[_Launched, dict, list]:
+                       pen_slots: dict[int, int] | None,
+                       lora_slots: dict[int, int] | None = None) -> tuple[_Launched, dict, list]:
         """Pack `work` into bucket (t, s), copy it to the card, and count the launch as made:
         (what its result is read from, the program's bindings, the readbacks). The caller
         launches `programs[(t, s)]` with them, whole or in parts (models/tp_runner.py)."""
         mem, stream = self.memory, self.stream
         packed = pack_step(mem.inputs_layout, work, t, s, return_rows, self.limits,
-                           self._last_rows, pen_slots)
+                           self._last_rows, pen_slots, lora_slots)
         dims = packed.dims
         stream.copy_h2d(mem.inputs_prefix(packed.placement.nbytes), packed.host)
         out_dev = mem.outputs[self._launches & 1]
@@ -288,11 +326,16 @@ class ModelRunner:
         aborted, failed) or is preempted (a recompute starts again from position 0)."""
         self._prompt_logprobs.forget(seq_id)
         self._pen_slots.forget(seq_id)
+        if self.lora is not None:
+            self.lora.unpin(seq_id)
 
     def held(self) -> dict[str, int]:
         """Sequences the runner keeps state for between steps, by kind: all 0 once every
         sequence it saw was forgotten."""
-        return {"prompt_logprob_rows": len(self._prompt_logprobs), "penalty_slots": len(self._pen_slots)}
+        out = {"prompt_logprob_rows": len(self._prompt_logprobs), "penalty_slots": len(self._pen_slots)}
+        if self.lora is not None:
+            out["lora_pins"] = self.lora.pinned()
+        return out
 
     # ---- lifetime -------------------------------------------------------------------
     def close(self) -> None:
@@ -300,6 +343,8 @@ class ModelRunner:
         self.profile(False)
         self._programs.release()
         self.memory.free()
+        if self.lora is not None:
+            self.lora.free()
 
 
 def step_output(step: _Launched, prompt_logprobs: PromptLogprobs) -> StepOutput:

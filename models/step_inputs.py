@@ -225,10 +225,12 @@ def seed_of(w: SeqWork, runner_seed: int) -> int:
 
 def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: bool,
               limits: StepLimits, last_rows: dict[int, int],
-              pen_slots: dict[int, int] | None = None) -> PackedStep:
+              pen_slots: dict[int, int] | None = None,
+              lora_slots: dict[int, int] | None = None) -> PackedStep:
     """The INPUTS buffer of a launch of bucket (t, s) for `work` (already checked; empty for
     a padding launch). `last_rows` are the previous launch's sample_rows; `pen_slots` the
-    penalty slot of each sequence with penalties (models/penalty_slots.py)."""
+    penalty slot of each sequence with penalties (models/penalty_slots.py); `lora_slots` the
+    adapter slot of each sequence with a LoRA adapter (models/lora_arena.py)."""
     pen_slots = pen_slots or {}
     missing = [w.seq_id for w in work if w.sampling.uses_penalties and w.seq_id not in pen_slots]
     if missing:
@@ -253,6 +255,8 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     records = _records(placement)
     _write_defaults(v, records, limits.trash_slot)
     row_start = _write_rows(v, work, limits.block_size, last_rows, pen_slots)
+    for w, r0 in zip(work, row_start, strict=True):
+        v["lora_slot"][r0:r0 + len(w.token_ids)] = (lora_slots or {}).get(w.seq_id, -1)
     sample_rows, first_rows = _write_sampling(v, records, work, row_start, bans, limits.seed, pen_slots)
     scored_rows, at = {}, 0
     if return_rows:
@@ -282,6 +286,7 @@ def _write_defaults(v: dict[str, np.ndarray], records: list[tuple[str, Record]],
     v["slot_mapping"][:] = trash_slot
     v["src_rows"][:] = -1
     v["count_slot"][:] = -1
+    v["lora_slot"][:] = -1
     for name, record in records:
         v[name][:] = record.defaults
 

@@ -119,6 +119,8 @@ class SeqWork:                    # one sequence's share of a step
                                   # proposed tokens; each of the last num_draft + 1 rows samples
                                   # (row j as output token num_generated + j), and the step keeps
                                   # the samples up to the first that differs from its proposal
+    lora: str | None = None       # the LoRA adapter its rows run with (registered in the
+                                  # runner's `lora` arena), None: the base model
 
 
 @dataclass

@@ -56,6 +56,7 @@ from spyre_serve.device.kernels.sampling import count_tokens, sample_rows
 from spyre_serve.device.kernels.softmax import log_softmax
 from spyre_serve.device.profile import lap
 from spyre_serve.models.buffer_layout import Field, Layout, Record, RowField, length_slot
+from spyre_serve.models.lora_layout import ON_DOWN, ON_GATE_UP, ON_O, ON_QKV, lora_layer
 from spyre_serve.models.step_inputs import greedy_or
 from spyre_serve.models.step_io import KMAX  # noqa: F401  (the top-logprobs width: this module's interface)
 
@@ -63,7 +64,9 @@ from spyre_serve.models.step_io import KMAX  # noqa: F401  (the top-logprobs wid
 # addresses, then each projection's number format (device.kernels.formats.FMT_*).
 COL_IN_NORM, COL_QKV, COL_O, COL_POST_NORM, COL_GATE_UP, COL_DOWN, COL_K_CACHE, COL_V_CACHE = range(8)
 COL_QKV_FMT, COL_O_FMT, COL_GATE_UP_FMT, COL_DOWN_FMT = range(8, 12)
-LAYER_FIELDS = 12
+# the layer's LoRA adapters (models/lora_layout.py): block address (0: none), rank, slots
+COL_LORA, COL_LORA_RANK, COL_LORA_SLOTS = range(12, 15)
+LAYER_FIELDS = 15
 # Indexes into the model's float32 constants (models/weights.py places them).
 CONST_EPS, CONST_EMB_MULT, CONST_ATTN_SCALE, CONST_RES_MULT, CONST_INV_LOGIT_SCALE = range(5)
 N_CONSTS = 8
@@ -117,6 +120,7 @@ INPUTS = Layout("inputs", [
     Field("bias_ids", I32, ("NBIAS",)),
     Field("bias", F32, ("NBIAS",)),
     Field("sample_rows", SAMPLE_ROW, ("SR",)),  # per sampling row: its parameters (above)
+    Field("lora_slot", I32, ("T",)),            # per token row: its LoRA adapter's slot, or -1
 ])
 
 # Read back after each launch; rows 0..NS-1 are written. Dims: SR sampling rows, K top
@@ -273,6 +277,7 @@ def step_entry(f32, i32, i64, u16, table):
     bias_ids = _i32(i32, table, Slot.bias_ids, NBIAS)
     bias = _f32(f32, table, Slot.bias, NBIAS)
     rows = _sample_rows(i64, table, SR)
+    lora_slot = _i32(i32, table, Slot.lora_slot, T)
 
     # Decode tokens sampled by the previous launch, read here instead of on the host.
     prev_sampled = _i32(i32, table, Slot.prev_sampled, table[Slot.prev_sampled + 1])
@@ -328,11 +333,13 @@ def step_entry(f32, i32, i64, u16, table):
         if half == 2 * L:
             break
         layer = half // 2
+        lora = layers[layer, COL_LORA:COL_LORA + 3]
         if half % 2 == 0:
             rmsnorm(hbuf, x, f32_at(f32, layers[layer, COL_IN_NORM], H), eps)
             t = lap(timers, K_RMSNORM, t)
             gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV,
                     layers[layer, COL_QKV_FMT], cfmt)
+            lora_layer(qkv, hbuf, f32, lora, lora_slot, ON_QKV[0], ON_QKV[1], H, QD, KD, INTER)
             t = lap(timers, K_QKV, t)
             split_rope(q3, k3, v3, qkv, rope_cos, rope_sin)
             t = lap(timers, K_ROPE, t)
@@ -341,16 +348,19 @@ def step_entry(f32, i32, i64, u16, table):
                              block_tables, query_start, context_lens, attn_scale, timers, t,
                              K_WRITE_KV, K_ATTENTION)
             gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H, layers[layer, COL_O_FMT], cfmt)
+            lora_layer(y, attn, f32, lora, lora_slot, ON_O[0], ON_O[1], H, QD, KD, INTER)
             t = lap(timers, K_O_PROJ, t)
         else:
             rmsnorm(hbuf, x, f32_at(f32, layers[layer, COL_POST_NORM], H), eps)
             t = lap(timers, K_RMSNORM, t)
             gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER,
                     layers[layer, COL_GATE_UP_FMT], cfmt)
+            lora_layer(gu, hbuf, f32, lora, lora_slot, ON_GATE_UP[0], ON_GATE_UP[1], H, QD, KD, INTER)
             t = lap(timers, K_GATE_UP, t)
             swiglu(act, gu)
             t = lap(timers, K_SWIGLU, t)
             gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H, layers[layer, COL_DOWN_FMT], cfmt)
+            lora_layer(y, act, f32, lora, lora_slot, ON_DOWN[0], ON_DOWN[1], H, QD, KD, INTER)
             t = lap(timers, K_DOWN, t)
 
     norm = f32_at(f32, table[Slot.norm], H)

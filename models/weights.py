@@ -47,6 +47,7 @@ from spyre_serve.models.step_program import (
     COL_GATE_UP_FMT,
     COL_IN_NORM,
     COL_K_CACHE,
+    COL_LORA,
     COL_O,
     COL_O_FMT,
     COL_POST_NORM,
@@ -256,9 +257,11 @@ def place_weights(card: Card, config: GraniteConfig,
 
 
 def build_layer_table(card: Card, weights: ModelWeights, k_caches: list[DeviceTensor],
-                      v_caches: list[DeviceTensor]) -> DeviceTensor:
+                      v_caches: list[DeviceTensor],
+                      lora: list[tuple[int, int, int]] | None = None) -> DeviceTensor:
     """int64[L, LAYER_FIELDS]: each layer's weights and KV cache by byte address, and each
-    projection's format (columns COL_* of models/step_program.py, which reads it)."""
+    projection's format (columns COL_* of models/step_program.py, which reads it); `lora`:
+    each layer's adapter block (address, rank, slots: models/lora_arena.py), else zeros."""
     L = len(weights.layers)
     if len(k_caches) != L or len(v_caches) != L:
         raise ValueError(f"KV cache has {len(k_caches)}/{len(v_caches)} layers, model has {L}")
@@ -276,6 +279,8 @@ def build_layer_table(card: Card, weights: ModelWeights, k_caches: list[DeviceTe
         host[i, COL_O_FMT] = lw.o.fmt
         host[i, COL_GATE_UP_FMT] = lw.gate_up.fmt
         host[i, COL_DOWN_FMT] = lw.down.fmt
+        if lora is not None:
+            host[i, COL_LORA:COL_LORA + 3] = lora[i]
     t = card.empty(host.shape, np.int64)
     t.numpy()[...] = host
     return t

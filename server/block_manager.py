@@ -38,10 +38,19 @@ from dataclasses import dataclass
 from spyre_serve.server.sequence import Sequence
 
 
-def salt_root(salt: str | None) -> bytes | None:
+def lora_key(params) -> tuple[str, int] | None:
+    """A sequence's adapter as the prefix cache keys it: (name, load id), None for the base."""
+    return None if params.lora is None else (params.lora, params.lora_id)
+
+
+def salt_root(salt: str | None, lora: tuple[str, int] | None = None) -> bytes | None:
     """What a salted sequence's first block hashes in place of a parent: a digest of its salt
-    (vLLM's cache_salt), so two salts never name the same block; None for no salt."""
-    return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
+    (vLLM's cache_salt) and its LoRA adapter (name, load id), so two salts or adapters never
+    name the same block; None for neither."""
+    if lora is None:
+        return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
+    text = f"{salt is not None}\0{salt or ''}\0{lora[0]}\0{lora[1]}"
+    return hashlib.sha256(b"lora\0" + text.encode()).digest()
 
 
 def hash_block(parent: bytes | None, tokens) -> bytes:
@@ -162,7 +171,7 @@ class BlockManager:
         hashes, bs, ids = seq.block_hashes, self.block_size, seq.token_ids
         while len(hashes) < num_blocks and (len(hashes) + 1) * bs <= len(ids):
             i = len(hashes)
-            parent = hashes[-1] if hashes else salt_root(seq.params.cache_salt)
+            parent = hashes[-1] if hashes else salt_root(seq.params.cache_salt, lora_key(seq.params))
             hashes.append(hash_block(parent, ids[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 

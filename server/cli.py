@@ -194,7 +194,8 @@ def memory_plan_text(card, model, runner) -> str:
             f"= {runner.num_kv_blocks * runner.block_size} tokens), scratch and I/O "
             f"{_mb(plan['workspace'] + plan['io'])} (step workspace {_mb(plan['workspace'])}, "
             f"I/O buffers {_mb(plan['io'])}), layer table {plan['layer_table']} B, "
-            f"in use {_mb(card.allocator.stats().allocated)}")
+            + (f"LoRA slots {_mb(plan['lora_arena'])}, " if "lora_arena" in plan else "")
+            + f"in use {_mb(card.allocator.stats().allocated)}")
 
 
 def warmup(s: Settings, progress: bool = True, out=None) -> int:

@@ -47,6 +47,7 @@ from spyre_serve.server.engine_stats import (
     projected_of,
 )
 from spyre_serve.server.inbox import Inbox
+from spyre_serve.server.lora import lora_admits
 from spyre_serve.server.open_requests import EngineRequest, OpenRequests
 from spyre_serve.server.output_processor import OutputProcessor
 from spyre_serve.server.outputs import SeqUpdate, store_prompt_logprobs
@@ -107,7 +108,8 @@ class Engine:
                                                            speculator and speculator.forget(seq.seq_id)),
                                    max_prefill_with_decodes=max_prefill_with_decodes,
                                    max_scored_tokens_per_step=max_scored_tokens_per_step,
-                                   policy=scheduling_policy, compat=spyre_compat, speculator=speculator)
+                                   policy=scheduling_policy, compat=spyre_compat, speculator=speculator,
+                                   admits=lora_admits(runner))
         self.stats = EngineStats()
         # a grammar's mask needs its previous token: wait for it (True) or skip a step (False)
         self.structured_output_wait = structured_output_wait
@@ -338,9 +340,7 @@ class Engine:
                 if not kept:
                     self.stats.tokens_discarded += 1
                     continue
-                stop, n = self._outputs.on_token(seq, out, rows[0], now), 1
-                while stop is None and n < len(rows) and self.scheduler.kept_proposal(seq, int(out.token_ids[rows[n]])):
-                    stop, n = self._outputs.on_token(seq, out, rows[n], now), n + 1
+                stop, n = self._outputs.on_tokens(seq, out, rows, now, self.scheduler.kept_proposal)
                 if stop is not None:
                     self._open.finish_seq(seq, *stop)
                 num_new_tokens += n

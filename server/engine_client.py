@@ -34,6 +34,7 @@ from spyre_serve.server.sequence import GenerationParams
 log = logging.getLogger("spyre_serve.api")
 
 METRICS_TIMEOUT = 2.0  # seconds /metrics waits for the engine process's part
+LORA_TIMEOUT = 120.0  # seconds a runtime LoRA load waits for the engine process (reading the files)
 
 
 @dataclass(slots=True)
@@ -135,16 +136,28 @@ class EngineClient:
         """The engine process's /metrics text; empty when it does not answer within METRICS_TIMEOUT."""
         if not self.alive:
             return b""
+        try:
+            return await self._ask(("metrics",), METRICS_TIMEOUT)
+        except TimeoutError:
+            return b""
+
+    async def lora_update(self, op: str, name: str, path: str | None):
+        """Load or unload a LoRA adapter in the engine process (server/lora.py ``apply_update``):
+        None, or (HTTP status, why) when refused."""
+        if not self.alive:
+            return 503, "the engine is not running"
+        return await self._ask(("lora", op, name, path), LORA_TIMEOUT)
+
+    async def _ask(self, item: tuple, timeout: float):
+        """Send ``item`` with a reply token (its second element) and wait for the reply's body."""
         token = next(self._tokens)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._replies[token] = future
-            self._outgoing.append(("metrics", token))
+            self._outgoing.append((item[0], token, *item[1:]))
             self._cond.notify()
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), METRICS_TIMEOUT)
-        except TimeoutError:
-            return b""
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         finally:
             self._replies.pop(token, None)
 

@@ -219,6 +219,10 @@ class EngineHost:
             elif kind == "metrics":
                 body, _ = self.metrics.render()
                 self.outboxes[i].reply(("metrics", item[1], body))
+            elif kind == "lora":                 # (lora, token, op, name, path): server/lora.py
+                from spyre_serve.server.lora import apply_update
+
+                self.outboxes[i].reply(("lora", item[1], apply_update(self.engine.runner, *item[2:])))
 
     def _add(self, i: int, request_id: str, prompt_ids: list[int], params_bytes: bytes, n: int) -> None:
         from spyre_serve.server.outputs import error_update

@@ -47,6 +47,15 @@ class OutputProcessor:
             stop = grammar_stop(seq, token)
         return stop
 
+    def on_tokens(self, seq: Sequence, out, rows: range, now: float, keep) -> tuple[tuple | None, int]:
+        """The token of ``out``'s first row of ``rows`` was added to ``seq``, and the others are its
+        kept proposals (speculative decoding): ``keep(seq, token)`` adds each while the sequence
+        goes on and is not stopped. Returns the stop (or None) and the tokens taken."""
+        stop, n = self.on_token(seq, out, rows[0], now), 1
+        while stop is None and n < len(rows) and keep(seq, int(out.token_ids[rows[n]])):
+            stop, n = self.on_token(seq, out, rows[n], now), n + 1
+        return stop, n
+
     def on_step(self, seq: Sequence, seconds: float | None) -> None:
         """``seq`` took part in a step read back (its token kept, if it sampled) that takes
         ``seconds`` on a real card (None: not projected): counted toward its projected TTFT up to

@@ -56,7 +56,9 @@ def make_runner(s, model, card):
     from spyre_serve.models import ModelRunner
 
     if runner_kind(s.runner, model) == "generate":
-        return ModelRunner(model, card, **generating_sizes(s))
+        return lora_runner(s, model, card) if s.enable_lora else ModelRunner(model, card, **generating_sizes(s))
+    if s.enable_lora:
+        raise ValueError(f"--enable-lora serves a generating model; {model.name} is served by a pooling runner")
     if s.max_model_len is not None and s.max_model_len > s.max_num_batched_tokens:
         raise ValueError(f"--max-model-len {s.max_model_len} is over --max-num-batched-tokens "
                          f"{s.max_num_batched_tokens}: a pooled prompt is computed in one step; raise "
@@ -69,3 +71,22 @@ def make_runner(s, model, card):
                              max_model_len=s.max_model_len, block_size=s.block_size, pooling_type=kind,
                              normalize=normalize)
     return ModelRunner(model, card, **generating_sizes(s), pooling=(kind, normalize))
+
+
+def lora_runner(s, model, card):
+    """A generating ModelRunner with an adapter arena (--max-loras slots of --max-lora-rank)
+    holding the --lora-modules adapters (server/lora.py); refused for a GGUF file."""
+    from spyre_serve.models import ModelRunner
+    from spyre_serve.models.gguf_file import is_gguf_file
+    from spyre_serve.server.lora import register_adapters
+
+    if is_gguf_file(model.path):
+        raise ValueError(f"--enable-lora serves adapters of a float checkpoint directory, not the GGUF file "
+                         f"{model.path}")
+    runner = ModelRunner(model, card, **generating_sizes(s), lora=(s.max_loras, s.max_lora_rank))
+    try:
+        register_adapters(runner, s)
+    except BaseException:
+        runner.close()
+        raise
+    return runner

@@ -6,7 +6,7 @@ Policy (the block manager does the accounting):
 2. running sequences still prefilling get the next chunk of their prompt;
 3. waiting sequences are admitted in the queue's order (first come, first served, or by
    priority: ``server/waiting.py``) while the token budget,
-   ``max_num_seqs`` and the free KV blocks allow; one that starts from position 0 starts
+   ``max_num_seqs``, the free KV blocks and ``admits`` (a LoRA slot) allow; one from position 0 starts
    instead from the longest prefix of its tokens whose full KV blocks are cached
    (server/block_manager.py), sharing them, unless it asks for prompt logprobs or
    penalties (``GenerationParams.reads_prefix_cache``).
@@ -67,7 +67,7 @@ class Scheduler(StepRecovery):
                  token_buckets: list[int] | None = None, on_release: Callable[[Sequence], None] | None = None,
                  max_prefill_with_decodes: int | None = None, max_scored_tokens_per_step: int | None = None,
                  policy: str = "fcfs", compat: SpyreCompat | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, admits=lambda seq: True) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be positive")
@@ -83,6 +83,7 @@ class Scheduler(StepRecovery):
         self.on_release = on_release
         self.compat = compat  # the plugin's rules (--spyre-compat), or None: the freer default
         self.speculator = speculator  # proposes tokens to a decode (--speculative-config), or None
+        self.admits = admits  # a gate a waiting sequence passes last (its LoRA slot: server/lora.py)
         self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []  # in admission order
         self.deferred_free: list[Sequence] = []  # finished while a launched step still uses them
@@ -304,7 +305,7 @@ class Scheduler(StepRecovery):
                 scores = self._scores(seq)
                 num_new = min(remaining, budget, scored if scores else budget)
                 if num_new == 0 or (seq.params.pooling and num_new < remaining) or \
-                        not self.blocks.can_share(seq, hit, start + num_new):
+                        not self.blocks.can_share(seq, hit, start + num_new) or not self.admits(seq):
                     break
                 self.waiting.popleft()
                 if hit:

@@ -41,6 +41,8 @@ class GenerationParams:
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within one salt
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority (server/waiting.py)
     pooling: bool = False  # an embedding: its whole prompt in one step, pooled (max_tokens 0)
+    lora: str | None = None  # the LoRA adapter it runs with (server/lora.py), None: the base model
+    lora_id: int = 0  # that adapter's load: prefix-cache blocks are shared only within one
 
     @property
     def uses_penalties(self) -> bool:

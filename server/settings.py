@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 from spyre_serve.device.memory import DeviceError, parse_bytes
+from spyre_serve.server.lora import check_lora_settings, parse_lora_module
 from spyre_serve.server.speculative import SpeculativeConfig
 from spyre_serve.server.spyre_compat import check_settings
 
@@ -160,10 +161,11 @@ def parse_chat_template(text: str) -> str:
 
 
 def _flag(default, help: str, parse: Callable[[str], object] = str, sizing: bool = False,
-          secret: bool = False):
+          secret: bool = False, nargs: str | None = None):
     """A Settings field; `secret`: its value (from the flag or the environment) is never
-    shown, in --help or anywhere else."""
-    return field(default=default, metadata={"help": help, "parse": parse, "sizing": sizing, "secret": secret})
+    shown, in --help or anywhere else; `nargs`: argparse's (a flag of several values)."""
+    return field(default=default, metadata={"help": help, "parse": parse, "sizing": sizing, "secret": secret,
+                                            "nargs": nargs})
 
 
 @dataclass(slots=True)
@@ -300,6 +302,16 @@ class Settings:
     api_server_count: int = _flag(1, "API processes serving HTTP on the one port (vLLM's), each "
                                   "with its own event loop and threads, all before one engine "
                                   "process (needs --engine-process)", int)
+    enable_lora: bool = _flag(False, "serve LoRA adapters beside the base model (vLLM's): a request names "
+                              "one in its \"model\"", parse_bool, sizing=True)
+    lora_modules: tuple | None = _flag(None, "adapters served from the start: NAME=PATH (a PEFT adapter "
+                                       "directory) ... or vLLM's JSON {\"name\", \"path\"}",
+                                       parse_lora_module, nargs="+")
+    max_loras: int = _flag(1, "adapters on the card at once (slots placed at start; more are swapped "
+                           "in least recently used first, never one a running request uses)", int, sizing=True)
+    max_lora_rank: int = _flag(16, "largest rank of an adapter (every slot is this rank)", int, sizing=True)
+    allow_runtime_lora: bool = _flag(False, "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING)", parse_bool)
     warmup: bool = _flag(True, "compile and prepare every step program before listening", parse_bool)
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
 
@@ -317,6 +329,7 @@ class Settings:
                              "empty bearer token would pass it; set a key or leave it unset")
         if self.spyre_compat:
             check_settings(self)
+        check_lora_settings(self)
         if self.numerics == "ieee":
             return self
         for name in ("dtype", "compute_dtype", "kv_cache_dtype"):
@@ -366,7 +379,8 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | tuple[str, ...
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         parser.add_argument(flag, type=parse, default=env_value if env_value is not None else f.default,
-                            help=help_text, metavar="NAME|DIR|GGUF" if name == "model" else name.upper())
+                            help=help_text, metavar="NAME|DIR|GGUF" if name == "model" else name.upper(),
+                            nargs=f.metadata["nargs"])
 
 
 def secrets_from_env(values: dict) -> dict:

@@ -60,6 +60,7 @@ def seq_work(c: ScheduledChunk, eos_ids: frozenset[int], vocab_size: int) -> Seq
         prompt_logprobs=c.prompt_logprobs,
         pool=p.pooling,
         num_draft=len(c.draft),
+        lora=p.lora,
         # the card keeps the penalty state from the tokens it computes; positions below
         # num_prompt are the prompt's (vLLM: repetition counts them, presence and
         # frequency only the output), so the host sends no token history

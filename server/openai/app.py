@@ -16,6 +16,7 @@ from spyre_serve.server.openai import (
     chat,
     completions,
     embeddings,
+    lora_api,
     responses_api,
     status,
     tokenization,
@@ -56,6 +57,8 @@ def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastA
     guarded = [Depends(api_key_guard(settings.api_key))]
     for module in (completions, chat, responses_api, embeddings, tokenization, status):
         app.include_router(module.router, dependencies=guarded)
+    if settings.allow_runtime_lora:      # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: else no such routes
+        app.include_router(lora_api.router, dependencies=guarded)
     app.include_router(status.open_router)
     serving = app.state.serving
     values = served_values(serving.model_name, serving.vocab_size, settings, free_variables(serving.tokenizer))

@@ -44,7 +44,7 @@ async def create_chat_completion(request: Request):
     sub, tools = await start_chat(serving, req, engine_id)
     k = top_logprobs(req)
     finished, streamed = tool_choices(tools, finished_choice, streamed_choice)
-    head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.model_name,
+    head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.answered_as(req.model),
                     serving.fingerprint, response_id)
     role = reply_role(req)
     echo = echoed(req, role)
@@ -82,7 +82,8 @@ async def start_chat(serving: Serving, req: ChatCompletionRequest, engine_id: st
     await chat_structure(serving, req, tools, params, found)
     if limit_param is None:
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    return serving.start(engine_id, [ids], params, {"prompt": input_param, "max_tokens": limit_param}), tools
+    return serving.start(engine_id, [ids], params, {"prompt": input_param, "max_tokens": limit_param},
+                         model=req.model), tools
 
 
 def top_logprobs(req: ChatCompletionRequest) -> int | None:

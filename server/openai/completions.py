@@ -60,8 +60,8 @@ async def create_completion(request: Request):
                                prompt_top=max((req.logprobs or 0) if echo_scored else 0, shown or 0))
     structured.apply(params, await structured.request_grammar(serving, req),
                      structured.logit_bias(req, serving.vocab_size))
-    head = new_head("cmpl", "text_completion", serving.model_name, serving.fingerprint, response_id)
-    sub = serving.start(engine_id, prompts, params)
+    head = new_head("cmpl", "text_completion", serving.answered_as(req.model), serving.fingerprint, response_id)
+    sub = serving.start(engine_id, prompts, params, model=req.model)
     echo = None
     if req.echo:
         echo = Echo(serving.texts, sub, echoed_texts(serving.tokenizer, req, prompts), req.logprobs)

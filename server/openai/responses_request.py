@@ -251,7 +251,7 @@ def as_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionR
             "temperature": req.temperature, "top_p": req.top_p, "user": req.user, "stream": req.stream,
             "tools": tools or None, "tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls,
             "priority": req.priority, "cache_salt": req.cache_salt, "top_k": req.top_k, "seed": req.seed,
-            "stop": req.stop, "ignore_eos": req.ignore_eos}
+            "stop": req.stop, "ignore_eos": req.ignore_eos, "model": req.model}
     try:
         return ChatCompletionRequest.model_validate(body), turns
     except ValidationError as exc:

@@ -24,6 +24,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from spyre_serve.server.engine import Engine, EngineUnavailable, RequestRejected
+from spyre_serve.server.lora import LoraNames
 from spyre_serve.server.openai.body import Body, read_request
 from spyre_serve.server.openai.bridge import Submission
 from spyre_serve.server.openai.errors import APIError
@@ -72,6 +73,7 @@ class Serving:
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses (--max-stored-responses)
     fingerprint: str = field(init=False)  # responses' system_fingerprint: the engine's numerics
     longest_token: int | None = field(init=False)  # characters of the vocabulary's longest token
+    loras: LoraNames = field(init=False)  # the LoRA adapters a request may name (server/lora.py)
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
@@ -81,6 +83,7 @@ class Serving:
         self.responses = ResponseStore(self.settings.max_stored_responses)
         self.fingerprint = f"spyre-serve-{version()}:{self.engine.numerics}"
         self.longest_token = longest_token(self.tokenizer, self.vocab_size)
+        self.loras = LoraNames.of(self.settings, self.model_name)
 
     @classmethod
     def for_model(cls, engine: Engine, model, settings: Settings) -> Serving:
@@ -152,10 +155,14 @@ class Serving:
         return prompts
 
     def start(self, request_id: str, prompts: list[list[int]], params: list[GenerationParams],
-              renames: dict[str, str] | None = None) -> Submission:
+              renames: dict[str, str] | None = None, model: str | None = None) -> Submission:
         """Every prompt checked to fit with its choices (``check_fits``), the engine's room for
         them (``check_admission``), then the submission: the last steps of every generation
-        endpoint, in this order and with no await between them."""
+        endpoint, in this order and with no await between them. ``model``: the request's, which
+        may name a LoRA adapter (its choices then run with it)."""
+        lora = self.loras.resolve(model)
+        for p in params:
+            p.lora, p.lora_id = lora if lora else (None, 0)
         for ids in prompts:
             self.check_fits(ids, params, renames)
         self.check_scored(prompts, params)
@@ -172,8 +179,12 @@ class Serving:
                                 f"prompts' {sum(map(len, prompts))} tokens x n = {len(params)}), over the "
                                 f"limit of {cap} (--max-scored-prompt-tokens)", "prompt_logprobs")
 
+    def answered_as(self, name: str | None) -> str:
+        """The ``model`` an answer names: the adapter's the request named, else the base's."""
+        return name if self.loras.resolve(name) else self.model_name
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and self.loras.resolve(name) is None:
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.", "model")
 
     def check_tokens(self, ids: list[int], param: str) -> None:

@@ -22,21 +22,16 @@ open_router = APIRouter()
 
 @router.get("/v1/models", responses=errors(401, 500))
 async def list_models(request: Request):
+    """The base model, then each LoRA adapter (its ``root`` its path, its ``parent`` the base), as vLLM lists them."""
     serving = serving_of(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": serving.model_name,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "spyre-serve",
-                "root": serving.model_root,
-                "parent": None,
-                "max_model_len": serving.engine.max_model_len,
-            }
-        ],
-    }
+    created = int(time.time())
+
+    def card(name: str, root: str, parent: str | None) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "spyre-serve", "root": root,
+                "parent": parent, "max_model_len": serving.engine.max_model_len}
+
+    adapters = [card(name, path, serving.model_name) for name, (_, path) in serving.loras.adapters.items()]
+    return {"object": "list", "data": [card(serving.model_name, serving.model_root, None), *adapters]}
 
 
 @open_router.get("/version")

@@ -67,8 +67,9 @@ def test_a_decode_step_of_a_tiny_model_by_hand():
         "lm_head": mem(128 * 2048 + 256, 2048),
         "sampling": mem(2 * 2048, 8),                     # two passes over the logits, id + logprob back
         "all_reduce": 0.0, "logits_gather": 0.0,          # one card
-        # token, position, slot, source (16) + the sequence's fields (88) + 2 blocks (8) + 8 back
-        "pcie": 120 / (64 * GB),
+        # token, position, slot, source, LoRA slot (20) + the sequence's fields (88) + 2 blocks (8)
+        # + 8 back
+        "pcie": 124 / (64 * GB),
         "launch": 50e-6,
     }
     assert set(cost.by_kernel) == set(KERNELS) == set(expected)

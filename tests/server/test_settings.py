@@ -26,7 +26,7 @@ def test_warmup_takes_the_flags_that_size_the_programs_and_memory():
                       "quantization",
                       "kv_cache_dtype", "runner", "pooler_config", "block_size", "tensor_parallel_size",
                       "num_kv_blocks", "max_model_len",
-                      "device_memory",
+                      "device_memory", "enable_lora", "max_loras", "max_lora_rank",
                       "log_level")
 
 
