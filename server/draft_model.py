@@ -91,6 +91,7 @@ class DraftSpeculator(Speculator):
         return self.proposals.pop(seq.seq_id, [])[:self.most(seq, most)]
 
     def forget(self, seq_id: int) -> None:
+        super().forget(seq_id)
         st = self.states.pop(seq_id, None)
         if st is not None:
             self.free.extend(st.blocks)

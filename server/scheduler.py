@@ -290,9 +290,10 @@ class Scheduler(StepRecovery):
         def admit(most: int) -> None:
             """Admit waiting sequences in the queue's order, at most ``most``."""
             nonlocal budget, scored
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and most:
-                seq = self.waiting[0]
-                if seq.seq_id in self._preempted_now or not self.ready(seq) or seq.num_pending:
+            passed: set[int] = set()      # waiting for their LoRA adapter's slot: others may pass them
+            while budget > 0 and len(self.running) < self.max_num_seqs and most:
+                seq = next((s for s in self.waiting if s.seq_id not in passed), None)
+                if seq is None or seq.seq_id in self._preempted_now or not self.ready(seq) or seq.num_pending:
                     break  # the head waits, nobody overtakes it
                 if compat and not compat.fits_volume(seq, self.running):
                     break  # batch x max context would go over the plugin's limit
@@ -305,9 +306,12 @@ class Scheduler(StepRecovery):
                 scores = self._scores(seq)
                 num_new = min(remaining, budget, scored if scores else budget)
                 if num_new == 0 or (seq.params.pooling and num_new < remaining) or \
-                        not self.blocks.can_share(seq, hit, start + num_new) or not self.admits(seq):
+                        not self.blocks.can_share(seq, hit, start + num_new):
                     break
-                self.waiting.popleft()
+                if not self.admits(seq):  # no slot for its adapter yet: those behind it go on (vLLM)
+                    passed.add(seq.seq_id)
+                    continue
+                self.waiting.remove(seq)
                 if hit:
                     self.blocks.share(seq, hit, seq.num_tokens)
                     seq.num_computed = start

@@ -287,8 +287,9 @@ class Settings:
                                "chunks; --no-warmup refused", parse_bool)
     speculative_config: SpeculativeConfig | None = _flag(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
-        "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 1, \"disable_by_batch_size\": 4}: a decode "
-        "verifies up to k tokens looked up in its own context, in one step (server/speculative.py); "
+        "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 5, \"disable_by_batch_size\": 16} (tokens looked up "
+        "in the sequence's own context) or {\"model\": DIR, \"num_speculative_tokens\": k} (a draft model "
+        "on the same card): a decode verifies up to k proposed tokens in one step (server/speculative.py); "
         "the output is the same as without", SpeculativeConfig.parse)
     structured_output_wait: bool = _flag(False, "structured output: read back a step holding a grammar's "
                                          "sample before planning the next (every sequence gets a token "

@@ -16,8 +16,9 @@ The `ngram` method is prompt lookup (vLLM's): the longest suffix of the known to
 its latest earlier occurrence are proposed. Sequences whose next tokens depend on state a
 proposal would advance are not proposed for: penalties (the card counts tokens), a grammar,
 logit_bias, bans (`min_tokens` not reached yet), and no proposal is made while more than
-`disable_by_batch_size` sequences run (vLLM's key; a full batch gains nothing from proposals
-and loses the step overlap: a proposing sequence waits for its last token on the host).
+`disable_by_batch_size` sequences run (vLLM's key; a full batch gains little from proposals
+and loses the step overlap: a proposing sequence waits for its last token on the host). After a
+lookup that finds nothing, a sequence's next decode keeps the overlap, and the one after looks again.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ METHODS = ("ngram", "draft_model")
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
         "disable_by_batch_size", "model"}
 DEFAULT_LOOKUP = 5          # vLLM's: both lookup bounds 5 when neither is given
-DEFAULT_DISABLE_BY_BATCH = 4   # ours (vLLM: none): more running sequences than this: no proposals
+DEFAULT_DISABLE_BY_BATCH = 16  # ours (vLLM: none): more running sequences than this: no proposals
+# (SmolLM2 quoting its prompt, benchmarks/speculative.py: proposals at 8 running are 1.35x the
+# tokens/s; at 32 1.03x, but ITL p99 3x: a proposing sequence gives up the step overlap)
 
 
 class SpeculativeConfigError(ValueError):
@@ -116,12 +119,16 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        # seq_id -> its output tokens when the lookup last found nothing: its next decode reads its
+        # token on the card (the step overlap kept), the one after looks again
+        self._missed: dict[int, int] = {}
 
     def proposes_for(self, seq: Sequence, num_running: int) -> bool:
         """Whether ``seq``'s decodes get proposals with ``num_running`` sequences running (then
         each waits for its last token on the host, instead of reading it on the card)."""
         return (num_running <= self.config.disable_by_batch_size and can_propose(seq)
-                and seq.params.max_tokens - seq.num_generated_total > 1)
+                and seq.params.max_tokens - seq.num_generated_total > 1
+                and self._missed.get(seq.seq_id) != seq.num_generated_total - 1)
 
     def most(self, seq: Sequence, most: int) -> int:
         """Tokens ``seq`` may be proposed: ``most``, within k, its positions and its max_tokens."""
@@ -138,11 +145,14 @@ class Speculator:
         most = self.most(seq, most)
         if most <= 0:
             return []
-        return ngram_proposal(np.asarray(seq.token_ids, np.int64), most,
-                              c.prompt_lookup_min, c.prompt_lookup_max)
+        got = ngram_proposal(np.asarray(seq.token_ids, np.int64), most, c.prompt_lookup_min, c.prompt_lookup_max)
+        if not got:
+            self._missed[seq.seq_id] = seq.num_generated_total
+        return got
 
     def forget(self, seq_id: int) -> None:
         """``seq_id`` ended or was preempted (what a draft model keeps for it goes)."""
+        self._missed.pop(seq_id, None)
 
 
 def speculator_for(settings, runner, draft_runner=None) -> Speculator | None:

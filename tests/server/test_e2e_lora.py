@@ -252,3 +252,30 @@ def test_a_bad_adapter_at_start_is_refused_naming_it(lora, tmp_path):
 
     with pytest.raises(ValueError, match="--lora-modules bad=.*adapter_config.json"):
         build(real_settings(**lora_settings(lora, lora_modules={"bad": str(tmp_path)})), progress=False)
+
+
+def test_a_request_waiting_for_an_adapter_slot_lets_the_ones_behind_it_pass(server, lora):
+    """Two long streams hold both slots; a request of the third adapter waits for one, and a
+    base request sent after it runs and answers meanwhile (vLLM skips it; no head-of-line wait)."""
+    names = list(ADAPTERS)
+    engine = server.built.engine
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
+            long = [asyncio.create_task(c.post("/v1/completions", json={**completion(n, lora.prompts[0]),
+                                                                        "max_tokens": 200})) for n in names[:2]]
+            while engine.num_running_requests < 2:
+                await asyncio.sleep(0.005)
+            third = asyncio.create_task(c.post("/v1/completions", json=completion(names[2], lora.prompts[1])))
+            while engine.num_waiting_requests < 1:
+                await asyncio.sleep(0.005)
+            base = await c.post("/v1/completions", json=completion("base", lora.prompts[1]))
+            passed = not third.done() and not any(t.done() for t in long)
+            return base, passed, await third, await asyncio.gather(*long)
+
+    base, passed, third, long = asyncio.run(run())
+    assert passed, "the base request should have answered while the third adapter's waited"
+    assert answered(server, base.json(), lora.expected[None][1][0])
+    assert answered(server, third.json(), lora.expected[names[2]][1][0])
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200 for r in long)
+    wait_idle(server)

@@ -13,7 +13,8 @@ import pytest
 
 from tests.server.servers import ServerThread, real_settings, sse_events
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+        '"disable_by_batch_size": 4}')
 # a prompt that quotes itself: the lookup finds its n-grams again; granite-tiny (random weights)
 # continues LOOPING greedily with one word over and over, which the lookup proposes and keeps
 QUOTING = ("Copy the list: red blue green red blue green red blue green. The list again: red blue green red")
@@ -124,7 +125,8 @@ def draft_client():
     """granite-tiny proposing for itself: its greedy proposals are the served model's tokens."""
     from spyre_serve.models import resolve_model
 
-    yield from _serving({"model": str(resolve_model("granite-tiny")), "num_speculative_tokens": 3})
+    yield from _serving({"model": str(resolve_model("granite-tiny")), "num_speculative_tokens": 3,
+                         "disable_by_batch_size": 4})
 
 
 def test_a_draft_model_proposes_and_the_answers_do_not_change(client, draft_client):
