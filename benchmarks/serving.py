@@ -523,6 +523,17 @@ def ratios(levels: list[Level]) -> str:
     return "\n".join(lines)
 
 
+def server_args(ap: argparse.ArgumentParser, out: str) -> None:
+    """The flags every serving benchmark shares: extra spyre-serve flags, the peers' cache,
+    timeouts, where logs and the JSON result (``out`` under benchmarks/results) go."""
+    ap.add_argument("--spyre-args", default="", help="extra spyre-serve flags, e.g. '--max-prefill-tokens-with-decodes 128'")
+    ap.add_argument("--peers-cache", default=None, help="benchmarks/peers cache directory")
+    ap.add_argument("--start-timeout", type=float, default=1800.0)
+    ap.add_argument("--request-timeout", type=float, default=3600.0)
+    ap.add_argument("--log-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / out))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -542,12 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="granite-tiny: against transformers serve; smollm2: against llama.cpp and vLLM")
     ap.add_argument("--servers", nargs="+", choices=list(SMOLLM2_SERVERS), default=None,
                     help="with --model smollm2: which servers (default: all)")
-    ap.add_argument("--spyre-args", default="", help="extra spyre-serve flags, e.g. '--max-prefill-tokens-with-decodes 128'")
-    ap.add_argument("--peers-cache", default=None, help="benchmarks/peers cache directory")
-    ap.add_argument("--start-timeout", type=float, default=1800.0)
-    ap.add_argument("--request-timeout", type=float, default=3600.0)
-    ap.add_argument("--log-dir", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving.json"))
+    server_args(ap, "serving.json")
     args = ap.parse_args(argv)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
 

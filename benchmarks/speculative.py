@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
 
-from benchmarks.serving import PromptSets, bench_servers, spyre_server, table  # noqa: E402
+from benchmarks.serving import PromptSets, bench_servers, server_args, spyre_server, table  # noqa: E402
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 # SmolLM2-Instruct's chat template (tokenizer_config.json), one user turn
@@ -79,12 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--spec", default=DEFAULT_SPEC, help="the --speculative-config of the second server")
-    ap.add_argument("--spyre-args", default="")
-    ap.add_argument("--peers-cache", default=None)
-    ap.add_argument("--start-timeout", type=float, default=1800.0)
-    ap.add_argument("--request-timeout", type=float, default=3600.0)
-    ap.add_argument("--log-dir", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "speculative.json"))
+    server_args(ap, "speculative.json")
     args = ap.parse_args(argv)
     from smollm2 import paths
 

@@ -36,7 +36,7 @@ KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_
 DEFAULT_LOOKUP = 5          # vLLM's: both lookup bounds 5 when neither is given
 DEFAULT_DISABLE_BY_BATCH = 16  # ours (vLLM: none): more running sequences than this: no proposals
 # (SmolLM2 quoting its prompt, benchmarks/speculative.py: proposals at 8 running are 1.35x the
-# tokens/s; at 32 1.03x, but ITL p99 3x: a proposing sequence gives up the step overlap)
+# tokens/s; at 32 1.03x, but ITL p99 2.5x: a proposing sequence gives up the step overlap)
 
 
 class SpeculativeConfigError(ValueError):

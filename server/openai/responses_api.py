@@ -50,7 +50,8 @@ async def create_response(request: Request):
     history = [] if req.previous_response_id is None else \
         serving.responses.get(req.previous_response_id, "previous_response_id").messages
     chat, turns = as_chat(req, history)
-    answer = Answer.of(response_id, req, serving.model_name, serving.defaults, serving.responses, history + turns)
+    answer = Answer.of(response_id, req, serving.answered_as(req.model), serving.defaults, serving.responses,
+                       history + turns)
     try:
         sub, tools = await start_chat(serving, chat, engine_id, "input", "max_output_tokens",
                                       text_format(req, serving.settings))

@@ -75,3 +75,29 @@ def test_lora_apply_refuses_what_does_not_fit():
         lora_apply(y, x, a, b, scales, np.zeros(9, np.int32), 30)
     with pytest.raises(ValueError, match="rows of x, y and slots"):
         lora_apply(y, x, a, b, scales, np.zeros(4, np.int32), 0)
+
+
+def test_lora_modules_at_applies_each_module_to_its_columns(card):
+    """Three modules reading one x, writing side by side in y (a fused QKV's q, k, v), with
+    scales of their own (a module an adapter skips: 0), in one call; rows of a slot apart."""
+    from spyre_serve.device.kernels.lora import lora_modules_at
+
+    rng = np.random.default_rng(5)
+    k, r, nslot, widths = 48, 8, 3, (40, 16, 16)
+    x = rng.standard_normal((9, k), dtype=np.float32)
+    y = rng.standard_normal((9, sum(widths)), dtype=np.float32)
+    slots = np.array([1, 0, 1, -1, 2, 0, 1, -1, 2], np.int32)
+    modules, ref, col0 = [], y.astype(np.float64), 0
+    f32 = card.memory.view(np.float32)
+    for m, n in enumerate(widths):
+        a = rng.standard_normal((nslot, k, r), dtype=np.float32)
+        b = rng.standard_normal((nslot, r, n), dtype=np.float32)
+        scales = np.array([0.5, 0.0 if m == 1 else 2.0, 1.5], np.float32)
+        ta, tb, ts = (card.empty(v.shape, np.float32) for v in (a, b, scales))
+        for t, v in ((ta, a), (tb, b), (ts, scales)):
+            t.numpy()[...] = v
+        modules.append((ta.address, tb.address, ts.address, k, n, col0))
+        ref = lora_reference(ref, x, a, b, scales, slots, col0)
+        col0 += n
+    lora_modules_at(y, x, f32, np.array(modules, np.int64), slots, nslot, r)
+    np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-4)

@@ -132,6 +132,7 @@ def test_chat_and_responses_take_an_adapter_by_model(client):
     assert r.json()["model"] == "qv8"
     r = client.post("/v1/responses", json={"model": "all4", "input": "hello", "max_output_tokens": 4})
     assert r.status_code == 200, r.text
+    assert r.json()["model"] == "all4"
 
 
 def test_an_unknown_model_is_a_404_and_changes_nothing(client, server, lora):
