@@ -72,9 +72,9 @@ CONST_EPS, CONST_EMB_MULT, CONST_ATTN_SCALE, CONST_RES_MULT, CONST_INV_LOGIT_SCA
 N_CONSTS = 8
 # Kernel timers (`timers` field; device/profile.py): where a step's device time goes.
 TIMERS = ("embedding", "rmsnorm", "qkv", "rope", "write_kv", "attention", "o_proj", "residual",
-          "gate_up", "swiglu", "down", "lm_head", "log_softmax", "sampling")
+          "gate_up", "swiglu", "down", "lm_head", "log_softmax", "sampling", "lora")
 (K_EMBEDDING, K_RMSNORM, K_QKV, K_ROPE, K_WRITE_KV, K_ATTENTION, K_O_PROJ, K_RESIDUAL, K_GATE_UP,
- K_SWIGLU, K_DOWN, K_LM_HEAD, K_LOG_SOFTMAX, K_SAMPLING) = range(len(TIMERS))
+ K_SWIGLU, K_DOWN, K_LM_HEAD, K_LOG_SOFTMAX, K_SAMPLING, K_LORA) = range(len(TIMERS))
 I32, F32, I64 = np.int32, np.float32, np.int64
 
 # One record per sampling row (the sampling sequences, in work order), read by the sampler as
@@ -247,13 +247,11 @@ def step_entry(f32, i32, i64, u16, table):
     L = table[Slot.L]
     NBT = table[Slot.NBT]
     BS = table[Slot.BS]
-    QD = HQ * D
-    KD = HKV * D
+    QD, KD = HQ * D, HKV * D
     QKV = QD + 2 * KD
 
     consts = f32_at(f32, table[Slot.consts], N_CONSTS)
-    eps = consts[CONST_EPS]
-    emb_mult = consts[CONST_EMB_MULT]
+    eps, emb_mult = consts[CONST_EPS], consts[CONST_EMB_MULT]
     attn_scale = consts[CONST_ATTN_SCALE]
     res_mult = consts[CONST_RES_MULT]
     inv_logit_scale = consts[CONST_INV_LOGIT_SCALE]
@@ -309,10 +307,8 @@ def step_entry(f32, i32, i64, u16, table):
     pen_counts = _i32(i32, table, Slot.pen_output_counts, npsl * V).reshape(npsl, V)
     pen_prompt = _i32(i32, table, Slot.pen_prompt_mask, npsl * V).reshape(npsl, V)
 
-    q3 = qf.reshape(T, HQ, D)
-    k3 = kf.reshape(T, HKV, D)
-    v3 = vf.reshape(T, HKV, D)
-    a3 = attn.reshape(T, HQ, D)
+    q3, a3 = qf.reshape(T, HQ, D), attn.reshape(T, HQ, D)
+    k3, v3 = kf.reshape(T, HKV, D), vf.reshape(T, HKV, D)
 
     inv_freq = f32_at(f32, table[Slot.inv_freq], D // 2)
     layers = i64_at(i64, table[Slot.layers], L * LAYER_FIELDS).reshape(L, LAYER_FIELDS)
@@ -339,8 +335,9 @@ def step_entry(f32, i32, i64, u16, table):
             t = lap(timers, K_RMSNORM, t)
             gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV,
                     layers[layer, COL_QKV_FMT], cfmt)
-            lora_layer(qkv, hbuf, f32, lora, lora_slot, ON_QKV[0], ON_QKV[1], H, QD, KD, INTER)
             t = lap(timers, K_QKV, t)
+            lora_layer(qkv, hbuf, f32, lora, lora_slot, ON_QKV[0], ON_QKV[1], H, QD, KD, INTER)
+            t = lap(timers, K_LORA, t)
             split_rope(q3, k3, v3, qkv, rope_cos, rope_sin)
             t = lap(timers, K_ROPE, t)
             t = attention_at(f32, u16, layers[layer, COL_K_CACHE], layers[layer, COL_V_CACHE],
@@ -348,20 +345,23 @@ def step_entry(f32, i32, i64, u16, table):
                              block_tables, query_start, context_lens, attn_scale, timers, t,
                              K_WRITE_KV, K_ATTENTION)
             gemm_at(y, attn, f32, u16, layers[layer, COL_O], QD, H, layers[layer, COL_O_FMT], cfmt)
-            lora_layer(y, attn, f32, lora, lora_slot, ON_O[0], ON_O[1], H, QD, KD, INTER)
             t = lap(timers, K_O_PROJ, t)
+            lora_layer(y, attn, f32, lora, lora_slot, ON_O[0], ON_O[1], H, QD, KD, INTER)
+            t = lap(timers, K_LORA, t)
         else:
             rmsnorm(hbuf, x, f32_at(f32, layers[layer, COL_POST_NORM], H), eps)
             t = lap(timers, K_RMSNORM, t)
             gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER,
                     layers[layer, COL_GATE_UP_FMT], cfmt)
-            lora_layer(gu, hbuf, f32, lora, lora_slot, ON_GATE_UP[0], ON_GATE_UP[1], H, QD, KD, INTER)
             t = lap(timers, K_GATE_UP, t)
+            lora_layer(gu, hbuf, f32, lora, lora_slot, ON_GATE_UP[0], ON_GATE_UP[1], H, QD, KD, INTER)
+            t = lap(timers, K_LORA, t)
             swiglu(act, gu)
             t = lap(timers, K_SWIGLU, t)
             gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H, layers[layer, COL_DOWN_FMT], cfmt)
-            lora_layer(y, act, f32, lora, lora_slot, ON_DOWN[0], ON_DOWN[1], H, QD, KD, INTER)
             t = lap(timers, K_DOWN, t)
+            lora_layer(y, act, f32, lora, lora_slot, ON_DOWN[0], ON_DOWN[1], H, QD, KD, INTER)
+            t = lap(timers, K_LORA, t)
 
     norm = f32_at(f32, table[Slot.norm], H)
     if H0 <= 2 * L < H1 and table[Slot.POOL] > 0:   # an embedding model: each sequence's rows pooled

@@ -220,9 +220,20 @@ class EngineHost:
                 body, _ = self.metrics.render()
                 self.outboxes[i].reply(("metrics", item[1], body))
             elif kind == "lora":                 # (lora, token, op, name, path): server/lora.py
-                from spyre_serve.server.lora import apply_update
+                threading.Thread(target=self._lora_update, args=(self.outboxes[i], item), name="engine-lora",
+                                 daemon=True).start()      # reading the files holds no request back
 
-                self.outboxes[i].reply(("lora", item[1], apply_update(self.engine.runner, *item[2:])))
+    def _lora_update(self, box: Outbox, item: tuple) -> None:
+        """Apply a LoRA load or unload (the arena takes it under its lock) and reply: None, or
+        (status, why); an unexpected failure is a 500 naming it, never a reply left unsent."""
+        from spyre_serve.server.lora import apply_update
+
+        try:
+            refused = apply_update(self.engine.runner, *item[2:])
+        except Exception as exc:       # noqa: BLE001 (the API process waits for this reply)
+            log.exception("LoRA %s of %s failed", item[2], item[3])
+            refused = (500, f"LoRA {item[2]} of {item[3]!r} failed: {type(exc).__name__}: {exc}")
+        box.reply(("lora", item[1], refused))
 
     def _add(self, i: int, request_id: str, prompt_ids: list[int], params_bytes: bytes, n: int) -> None:
         from spyre_serve.server.outputs import error_update

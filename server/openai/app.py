@@ -64,6 +64,7 @@ def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastA
     values = served_values(serving.model_name, serving.vocab_size, settings, free_variables(serving.tokenizer))
     answers = [m for pair in GENERATION_RESPONSES.values() for m in pair]
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest, ScoreRequest,
-                          TokenizeRequest, DetokenizeRequest, *answers],
+                          TokenizeRequest, DetokenizeRequest, *answers,
+                          *(lora_api.MODELS if settings.allow_runtime_lora else [])],
                     values)
     return app

@@ -16,11 +16,12 @@ import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
+from pydantic import Field
 
 from spyre_serve.server.lora import apply_update
 from spyre_serve.server.openai.body import read_request
 from spyre_serve.server.openai.errors import APIError
-from spyre_serve.server.openai.openapi import errors
+from spyre_serve.server.openai.openapi import route
 from spyre_serve.server.openai.protocol import StrictModel
 from spyre_serve.server.openai.serving import serving_of
 
@@ -28,13 +29,16 @@ router = APIRouter()
 
 
 class LoadLoRAAdapterRequest(StrictModel):
-    lora_name: str | None = None
-    lora_path: str | None = None
+    lora_name: str | None = Field(None, description="the name requests give as `model` (required)")
+    lora_path: str | None = Field(None, description="a PEFT adapter's directory on the server (required)")
 
 
 class UnloadLoRAAdapterRequest(StrictModel):
-    lora_name: str | None = None
-    lora_int_id: int | None = None     # vLLM's, accepted and not used
+    lora_name: str | None = Field(None, description="the loaded adapter's name (required)")
+    lora_int_id: int | None = Field(None, description="vLLM's; accepted and not used")
+
+
+MODELS = [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]   # their schemas in /openapi.json
 
 
 async def update(engine, op: str, name: str, path: str | None) -> None:
@@ -48,7 +52,7 @@ async def update(engine, op: str, name: str, path: str | None) -> None:
         raise APIError(status, message, "lora_path" if status == 400 and op == "load" else "lora_name")
 
 
-@router.post("/v1/load_lora_adapter", responses=errors(400, 401, 500))
+@router.post("/v1/load_lora_adapter", **route(LoadLoRAAdapterRequest, (400, 401, 413, 500)))
 async def load_lora_adapter(request: Request):
     serving = serving_of(request)
     req = await read_request(request, LoadLoRAAdapterRequest, serving.settings.max_body_bytes)
@@ -61,7 +65,7 @@ async def load_lora_adapter(request: Request):
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", responses=errors(400, 401, 404, 500))
+@router.post("/v1/unload_lora_adapter", **route(UnloadLoRAAdapterRequest, (400, 401, 404, 413, 500)))
 async def unload_lora_adapter(request: Request):
     serving = serving_of(request)
     req = await read_request(request, UnloadLoRAAdapterRequest, serving.settings.max_body_bytes)

@@ -67,6 +67,7 @@ def test_adapters_and_base_in_one_batch_match_transformers_peft(lora_setup):
             runner.lora.register(name, read_adapter(path, model.config, 16))
         runner.warmup(progress=False)          # every bucket prepared: serving adapters compiles nothing
         compiles = card.counters.snapshot()["compiles"]
+        runner.profile(True)                   # the adapters' updates have a timer of their own
         # every prompt with every adapter and the base, all in one batch
         combos = [(i, name) for i in range(len(prompts)) for name in [None, *ADAPTERS]]
         got = runner_greedy_lora(runner, [prompts[i] for i, _ in combos],
@@ -75,6 +76,8 @@ def test_adapters_and_base_in_one_batch_match_transformers_peft(lora_setup):
             assert ids == expected[name][i][0], (i, name)
         assert runner.held()["lora_pins"] == 0
         assert card.counters.snapshot()["compiles"] == compiles
+        seconds = runner.kernel_seconds()
+        assert seconds["lora"] > 0 and seconds["qkv"] > 0 and seconds["down"] > 0
         assert runner.memory_plan["lora_arena"] == runner.lora.nbytes > 0
     finally:
         runner.close()

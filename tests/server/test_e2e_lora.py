@@ -213,6 +213,18 @@ def test_runtime_updates_are_off_without_allow_runtime_lora(server, lora):
         assert r.status_code == 404
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "qv8"}).status_code == 404
         assert "qv8" in [m["id"] for m in c.get("/v1/models").json()["data"]]
+        assert "/v1/load_lora_adapter" not in c.get("/openapi.json").json()["paths"]
+
+
+def test_openapi_declares_the_runtime_routes_bodies(client):
+    doc = client.get("/openapi.json").json()
+    for path, name, fields in [("/v1/load_lora_adapter", "LoadLoRAAdapterRequest", {"lora_name", "lora_path"}),
+                               ("/v1/unload_lora_adapter", "UnloadLoRAAdapterRequest", {"lora_name", "lora_int_id"})]:
+        post = doc["paths"][path]["post"]
+        ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{name}"
+        assert set(doc["components"]["schemas"][name]["properties"]) == fields
+        assert {"400", "401", "500"} <= set(post["responses"])
 
 
 def test_prefix_cache_blocks_are_never_shared_across_adapters(client, server, lora):
