@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spyre_serve.server.sequence import Sequence
+if TYPE_CHECKING:      # settings import this module: no model (and so no kernel) imported here
+    from spyre_serve.server.sequence import Sequence
 
 METHODS = ("ngram", "draft_model")
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
