@@ -33,12 +33,12 @@ from benchmarks.serving import (  # noqa: E402
     PromptSets,
     id_prompt_maker,
     one,
+    publish,
     server_args,
     spyre_server,
     start_server,
     stop_server,
     summarize,
-    table,
 )
 
 ADAPTERS = [f"ad{i}" for i in range(4)]
@@ -133,12 +133,8 @@ def main(argv: list[str] | None = None) -> int:
               "adapters": {"rank": 16, "targets": TARGETS, "count": len(ADAPTERS)},
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "cpu_count": os.cpu_count(),
               "rounds": args.rounds, "levels": [asdict(v) for v in levels], "ratios": lines}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"`{report['command']}` on {os.cpu_count()} cores, SmolLM2-135M-Instruct float32, 4 adapters of rank 16 "
-          f"on all projections, kernels {kernel_isa().describe()}\n")
-    print(table(levels))
-    print("\n" + "\n".join(lines))
-    return 0
+    return publish(args.out, report, "SmolLM2-135M-Instruct float32, 4 adapters of rank 16 on all projections, "
+                   f"kernels {kernel_isa().describe()}", levels, lines)
 
 
 if __name__ == "__main__":

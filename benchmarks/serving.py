@@ -491,13 +491,9 @@ def main_smollm2(args, argv) -> int:
               "output_tokens": args.output_tokens, "cpu_count": os.cpu_count(), "rounds": args.rounds,
               "bandwidth_gbs": round(bw, 1), "weight_bytes_fp32": weight_bytes,
               "levels": [asdict(v) for v in levels], "ratios": lines}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"`{report['command']}` on {os.cpu_count()} cores, SmolLM2-135M-Instruct, prompts of "
-          f"{args.prompt_tokens} token ids, {args.output_tokens} output tokens (ignore_eos), "
-          f"read bandwidth {bw:.1f} GB/s, kernels {kernel_isa().describe()}\n")
-    print(table(levels))
-    print("\n" + "\n".join(lines))
-    return 0
+    return publish(args.out, report, f"SmolLM2-135M-Instruct, prompts of {args.prompt_tokens} token ids, "
+                   f"{args.output_tokens} output tokens (ignore_eos), read bandwidth {bw:.1f} GB/s, "
+                   f"kernels {kernel_isa().describe()}", levels, lines)
 
 
 def table(levels: list[Level]) -> str:
@@ -521,6 +517,16 @@ def ratios(levels: list[Level]) -> str:
         ttft = a.ttft_p99_ms / b.ttft_p99_ms if b.ttft_p99_ms else float("nan")
         lines.append(f"- concurrency {c}: output tokens/s {tput:.2f}x transformers'; TTFT p99 {ttft:.2f}x theirs")
     return "\n".join(lines)
+
+
+def publish(out: str, report: dict, setting: str, levels: list, lines: list[str]) -> int:
+    """Write ``report`` as JSON to ``out``; print its command, the cores and ``setting``, the
+    levels' table and the ratio lines. 0 (a main's exit status)."""
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"`{report['command']}` on {os.cpu_count()} cores, {setting}\n")
+    print(table(levels))
+    print("\n" + "\n".join(lines))
+    return 0
 
 
 def server_args(ap: argparse.ArgumentParser, out: str) -> None:

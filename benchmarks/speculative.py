@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
 
-from benchmarks.serving import PromptSets, bench_servers, server_args, spyre_server, table  # noqa: E402
+from benchmarks.serving import PromptSets, bench_servers, publish, server_args, spyre_server  # noqa: E402
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 # SmolLM2-Instruct's chat template (tokenizer_config.json), one user turn
@@ -113,12 +113,8 @@ def main(argv: list[str] | None = None) -> int:
               "spec": json.loads(args.spec), "prompts": args.prompts, "words": args.words, "output_tokens": args.output_tokens,
               "cpu_count": os.cpu_count(), "rounds": args.rounds, "levels": [asdict(v) for v in levels],
               "spec_counters": got, "ratios": lines}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"`{report['command']}` on {os.cpu_count()} cores, SmolLM2-135M-Instruct float32, {args.prompts} prompts of "
-          f"{args.words}-word passages, max_tokens {args.output_tokens}, kernels {kernel_isa().describe()}\n")
-    print(table(levels))
-    print("\n" + "\n".join(lines))
-    return 0
+    return publish(args.out, report, f"SmolLM2-135M-Instruct float32, {args.prompts} prompts of {args.words}-word "
+                   f"passages, max_tokens {args.output_tokens}, kernels {kernel_isa().describe()}", levels, lines)
 
 
 if __name__ == "__main__":

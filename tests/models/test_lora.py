@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -48,11 +49,18 @@ def lora_setup(tmp_path_factory):
     return base, paths, prompts, names, expected
 
 
-def _runner(base, card, max_loras, max_rank=16):
+@contextmanager
+def _runner(base, max_loras, max_rank=16):
+    """(model, runner) on a card of their own, with an arena of max_loras slots; both closed after."""
+    card = Card(256 << 20)
     model = load_model(base, card, tokenizer=False)
-    return model, ModelRunner(model, card, max_num_seqs=16, max_num_batched_tokens=512,
-                              block_size=16, num_kv_blocks=128, seed=1, compute_dtype="float32",
-                              lora=(max_loras, max_rank))
+    runner = ModelRunner(model, card, max_num_seqs=16, max_num_batched_tokens=512, block_size=16,
+                         num_kv_blocks=128, seed=1, compute_dtype="float32", lora=(max_loras, max_rank))
+    try:
+        yield model, runner
+    finally:
+        runner.close()
+        card.close()
 
 
 def test_adapters_and_base_in_one_batch_match_transformers_peft(lora_setup):
@@ -60,13 +68,11 @@ def test_adapters_and_base_in_one_batch_match_transformers_peft(lora_setup):
     for name in ADAPTERS:                 # the adapters move the output, and the test is real
         assert any(expected[name][i][0] != expected[None][i][0] for i in range(len(prompts)))
         assert min(g for _, g in expected[name]) > 1e-5
-    card = Card(256 << 20)
-    model, runner = _runner(base, card, max_loras=3)
-    try:
+    with _runner(base, max_loras=3) as (model, runner):
         for name, path in paths.items():
             runner.lora.register(name, read_adapter(path, model.config, 16))
         runner.warmup(progress=False)          # every bucket prepared: serving adapters compiles nothing
-        compiles = card.counters.snapshot()["compiles"]
+        compiles = runner.card.counters.snapshot()["compiles"]
         runner.profile(True)                   # the adapters' updates have a timer of their own
         # every prompt with every adapter and the base, all in one batch
         combos = [(i, name) for i in range(len(prompts)) for name in [None, *ADAPTERS]]
@@ -75,20 +81,15 @@ def test_adapters_and_base_in_one_batch_match_transformers_peft(lora_setup):
         for (i, name), ids in zip(combos, got, strict=True):
             assert ids == expected[name][i][0], (i, name)
         assert runner.held()["lora_pins"] == 0
-        assert card.counters.snapshot()["compiles"] == compiles
+        assert runner.card.counters.snapshot()["compiles"] == compiles
         seconds = runner.kernel_seconds()
         assert seconds["lora"] > 0 and seconds["qkv"] > 0 and seconds["down"] > 0
         assert runner.memory_plan["lora_arena"] == runner.lora.nbytes > 0
-    finally:
-        runner.close()
-        card.close()
 
 
 def test_more_adapters_than_slots_evicts_the_least_recently_used(lora_setup):
     base, paths, prompts, _, expected = lora_setup
-    card = Card(256 << 20)
-    model, runner = _runner(base, card, max_loras=2)
-    try:
+    with _runner(base, max_loras=2) as (model, runner):
         for name, path in paths.items():
             runner.lora.register(name, read_adapter(path, model.config, 16))
         seq = 0
@@ -108,16 +109,11 @@ def test_more_adapters_than_slots_evicts_the_least_recently_used(lora_setup):
         assert runner.lora.can_pin("all4")
         runner.forget(101)
         assert runner.held()["lora_pins"] == 0
-    finally:
-        runner.close()
-        card.close()
 
 
 def test_an_adapter_unloaded_while_in_use_keeps_its_slot_until_its_sequences_end(lora_setup):
     base, paths, prompts, _, expected = lora_setup
-    card = Card(256 << 20)
-    model, runner = _runner(base, card, max_loras=2)
-    try:
+    with _runner(base, max_loras=2) as (model, runner):
         arena = runner.lora
         arena.register("qv8", read_adapter(paths["qv8"], model.config, 16))
         slot = arena.pin(1, "qv8")
@@ -132,9 +128,6 @@ def test_an_adapter_unloaded_while_in_use_keeps_its_slot_until_its_sequences_end
         assert arena.slots.count(None) == 1 and arena.pinned() == 0
         got = runner_greedy_lora(runner, prompts[:1], ["qv8"], N_NEW, first_seq=10)
         assert got[0] == expected["qv8"][0][0]
-    finally:
-        runner.close()
-        card.close()
 
 
 def _edit_config(path, **changes):
