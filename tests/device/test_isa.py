@@ -2,7 +2,6 @@
 that level's CPU, cached apart), a higher one refused."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 import spyre_serve.device as device
 from spyre_serve.device.cache import use_source_keyed_cache
 from spyre_serve.device.isa import LEVELS, ISAError, choose, current, host_level
+from tests import background
 
 ZEN4 = {f: True for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
                           "avx512vnni", "avx512bf16")}
@@ -54,10 +54,37 @@ def test_this_process_runs_a_level_the_host_has_and_caches_by_it(tmp_path, monke
         numba.config.CACHE_DIR = before
 
 
-@pytest.mark.parametrize("level", LEVELS)
+HERE = os.path.dirname(__file__)
+LEVEL_TESTS = ("test_kernels_gemm_packed.py", "test_kernels_gemm_quantized.py", "test_kernels_attention.py")
+
+
+def _level_job(level: str):
+    """The kernel tests in a fresh process at ``level`` (the level is chosen before Numba
+    compiles, and its code cached apart: keyed by the level)."""
+    def factory(scratch: str) -> background.Job:
+        files = [os.path.join(HERE, f) for f in LEVEL_TESTS]
+        return background.Job(
+            [[sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files]],
+            env={**os.environ, "SPYRE_KERNEL_ISA": level}, cwd=os.path.dirname(os.path.dirname(HERE)),
+            seconds=130)
+    return background.job(f"isa-{level}")(factory)
+
+
+for _level in LEVELS:
+    _level_job(_level)
+
+
+def _below_the_host(level: str):
+    """A level below the host's reads its background job; the others skip, saying why."""
+    if LEVELS.index(level) < LEVELS.index(current().host_level):
+        return pytest.param(level, marks=pytest.mark.background(f"isa-{level}"))
+    return level
+
+
+@pytest.mark.parametrize("level", [_below_the_host(level) for level in LEVELS])
 def test_every_level_below_the_hosts_passes_the_gemm_tests(level):
-    """Each level below the host's, in a fresh process (the level is chosen before Numba
-    compiles, and its code cached apart): the GEMM tests of every tile family (float32,
+    """Each level below the host's, in a fresh process started in the background when the
+    suite's collection ended (tests/background.py): the GEMM tests of every tile family (float32,
     16-bit widened or by the level's dot products, 8- and 4-bit with float or int8 inputs)
     and the attention's (its tiles and wide tiles at the level's width) against their numpy
     references. The host's own level is the rest of the suite's."""
@@ -66,13 +93,6 @@ def test_every_level_below_the_hosts_passes_the_gemm_tests(level):
         pytest.skip(f"this CPU runs at most {host}, not {level}")
     if level == host:
         pytest.skip(f"{level} is the host's level: the suite itself runs it")
-    here = os.path.dirname(__file__)
-    files = [os.path.join(here, f) for f in ("test_kernels_gemm_packed.py",
-                                             "test_kernels_gemm_quantized.py",
-                                             "test_kernels_attention.py")]
-    env = {**os.environ, "SPYRE_KERNEL_ISA": level}   # its own cache directory: keyed by the level
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          *files], env=env, capture_output=True, text=True, timeout=1200,
-                         cwd=os.path.dirname(os.path.dirname(here)))
+    (out,) = background.result(f"isa-{level}")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout.splitlines()[-1], out.stdout[-500:]

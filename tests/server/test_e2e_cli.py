@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from spyre_serve.server.cli import Settings, parse_args
+from tests import background
 
 BIN = Path(sys.executable).parent / "spyre-serve"
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,12 +163,18 @@ def test_warmup_takes_the_sizing_flags_only():
     assert r.returncode == 2 and "--port" in r.stderr
 
 
-def test_warmup_compiles_every_step_program_into_the_cache_and_exits_0(tmp_path):
-    cache = tmp_path / "numba"
-    env = {**ENV, "NUMBA_CACHE_DIR": str(cache), "SPYRE_SERVE_MAX_NUM_SEQS": "2"}
-    cmd = [BIN, "warmup", "--model", "granite-tiny", "--max-num-batched-tokens", "4", "--block-size", "16",
-           "--num-kv-blocks", "8", "--device-memory", "256M"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+@background.job("warmup-cold-cache")
+def _warmup_twice(scratch: str) -> background.Job:
+    """``spyre-serve warmup`` into an empty cache, then again into the cache it filled."""
+    env = {**ENV, "NUMBA_CACHE_DIR": str(Path(scratch) / "numba"), "SPYRE_SERVE_MAX_NUM_SEQS": "2"}
+    cmd = [str(BIN), "warmup", "--model", "granite-tiny", "--max-num-batched-tokens", "4",
+           "--block-size", "16", "--num-kv-blocks", "8", "--device-memory", "256M"]
+    return background.Job([cmd, cmd], env=env, timeout=900, seconds=185)
+
+
+@pytest.mark.background("warmup-cold-cache")
+def test_warmup_compiles_every_step_program_into_the_cache_and_exits_0():
+    r, again = background.result("warmup-cold-cache")
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     out = r.stdout
     assert "model granite-tiny" in out
@@ -176,7 +183,7 @@ def test_warmup_compiles_every_step_program_into_the_cache_and_exits_0(tmp_path)
         assert f"step_t{t}_s{s}: tokens {t}, sequences {s}" in out, out
     assert "5 step programs prepared" in out and "compiled and written to the cache" in out
     assert "5/5" in r.stderr                                  # the progress bar
+    cache = background.scratch("warmup-cold-cache") / "numba"
     assert list(cache.rglob("*step_entry*.nbc")), "nothing compiled into NUMBA_CACHE_DIR"
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "loaded from the cache (compiles 0" in again.stdout
