@@ -8,6 +8,7 @@ these functions, so what the command says a card holds is what the server alloca
     capacity(config, ...)             the largest step the buffers hold (a Capacity)
     buffer_bytes(config, cap)         workspace, inputs, the two outputs, the layer table
     kv_cache.block_bytes(...)         one KV block over every layer (K and V)
+    lora_arena_bytes(config, K, R)    the LoRA arena of K adapter slots at rank R (LoraArena.nbytes)
 
 Tensor parallelism (``tp`` cards) shards as the vLLM Spyre plugin does (vLLM's linear layers):
 QKV, gate and up by columns (heads), O and down by rows, the embedding and the LM head by
@@ -25,6 +26,7 @@ import numpy as np
 from spyre_serve.device.layout import STORAGE, format_code, packed_shape
 from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.kv_cache import block_bytes
+from spyre_serve.models.lora_layout import block_offsets
 from spyre_serve.models.programs import buckets
 from spyre_serve.models.step_inputs import mask_words
 from spyre_serve.models.step_program import INPUTS, KMAX, LAYER_FIELDS, OUTPUTS, WORKSPACE
@@ -156,10 +158,11 @@ class CardFit:
     scratch: int             # workspace, inputs, outputs, layer table
     kv_token_bytes: int      # one token's K and V over every layer, on this card
     usable: int              # what the card can hand out (CARD_USABLE_BYTES, or the emulator's card)
+    lora: int = 0            # the LoRA adapters' slots (--enable-lora: --max-loras at --max-lora-rank)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.scratch
+        return self.weights + self.kv_cache + self.scratch + self.lora
 
     @property
     def left(self) -> int:
@@ -177,17 +180,28 @@ def kv_token_bytes(config: GraniteConfig, kv_dtype: str, tp: int = 1) -> int:
     return block_bytes(card_config(config, tp), 1, kv_dtype)
 
 
+def lora_arena_bytes(config: GraniteConfig, max_loras: int, max_rank: int, tp: int = 1) -> int:
+    """Bytes of the LoRA arena one of ``tp`` cards holds: per layer a block of ``max_loras``
+    slots at rank ``max_rank`` over the seven modules, in float32 (models/lora_layout.py, as
+    LoraArena places it; the modules sharded with their projections)."""
+    c = card_config(config, tp)
+    floats = block_offsets(c.hidden_size, c.q_size, c.kv_size, c.intermediate_size, max_rank, max_loras)[-1]
+    return c.num_hidden_layers * int(floats) * 4
+
+
 def plan_fit(config: GraniteConfig, *, dtype: str, kv_dtype: str, tp: int, max_num_seqs: int,
              max_num_batched_tokens: int, max_model_len: int, block_size: int,
-             usable: int = CARD_USABLE_BYTES) -> CardFit:
+             usable: int = CARD_USABLE_BYTES, lora: tuple[int, int] | None = None) -> CardFit:
     """What one of ``tp`` cards holds to serve ``max_num_seqs`` sequences of ``max_model_len``
-    tokens with these step sizes (every card holds the same: the shards are even)."""
+    tokens with these step sizes, and with ``lora`` (max_loras, max_rank) LoRA slots (every
+    card holds the same: the shards are even)."""
     per_token = kv_token_bytes(config, kv_dtype, tp)
     blocks = max_num_seqs * -(-max_model_len // block_size) + 1
     shard_cfg = card_config(config, tp)
     cap = capacity(shard_cfg, max_num_seqs, max_num_batched_tokens, max_model_len, block_size)
     return CardFit(tp=tp, weights=weight_bytes(config, dtype, tp), kv_cache=blocks * block_size * per_token,
-                   scratch=scratch_bytes(shard_cfg, cap), kv_token_bytes=per_token, usable=usable)
+                   scratch=scratch_bytes(shard_cfg, cap), kv_token_bytes=per_token, usable=usable,
+                   lora=lora_arena_bytes(config, *lora, tp) if lora else 0)
 
 
 def _largest(fits, low: int, high: int) -> int:

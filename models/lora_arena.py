@@ -43,6 +43,7 @@ class LoraArena:
         self.tensor: DeviceTensor = card.zeros((self.layers, self.block_floats), np.float32)
         self.adapters: dict[str, LoraAdapter] = {}
         self.slots: list[str | None] = [None] * max_loras     # adapter placed in each slot
+        self._targets: list[tuple[str, ...]] = [()] * max_loras  # the modules it targets
         self._lru: OrderedDict[int, None] = OrderedDict()     # slots, least recently used first
         self._pins: dict[int, int] = {}                       # seq_id -> slot
         self._pinned = [0] * max_loras                        # sequences holding each slot
@@ -125,6 +126,11 @@ class LoraArena:
                 self.slots[slot] = None          # unregistered while in use
                 self._lru.pop(slot, None)
 
+    def targets_of(self, slots: dict[int, int]) -> dict[int, tuple[int, tuple[str, ...]]]:
+        """seq_id -> (its slot, the modules the adapter placed there targets), for the
+        projection of a step (models/projection.py's step_of_work)."""
+        return {seq: (slot, self._targets[slot]) for seq, slot in slots.items()}
+
     def pinned(self) -> int:
         """Sequences holding a slot: 0 once every sequence is unpinned."""
         return len(self._pins)
@@ -157,6 +163,7 @@ class LoraArena:
                 self._copy(at + 4 * (int(self.offsets[2 + 2 * m]) + slot * rank * n), b)
             for m in range(N_MODULES):
                 self._copy(at + 4 * (m * k_slots + slot), scales[m:m + 1])
+        self._targets[slot] = tuple(adapter.targets)
 
     def _copy(self, address: int, host: np.ndarray) -> None:
         self.stream.copy_h2d(DeviceTensor(address, host.shape, np.float32, self.card), host)

@@ -8,7 +8,8 @@ between cards at tensor-parallel degree `tp`, the host link's bytes and the laun
     embedding gather                                (a vocabulary shard: + all-reduce [T, H])
     per layer: rmsnorm, QKV GEMM, rope, write_kv, attention over each sequence's context,
                O GEMM (+ all-reduce [T, H]), residual, rmsnorm, gate/up GEMM, swiglu,
-               down GEMM (+ all-reduce [T, H]), residual
+               down GEMM (+ all-reduce [T, H]), residual;
+               each LoRA adapter's rows through the modules it targets (shrink, expand)
     final rmsnorm and LM head on the logit rows (+ all-gather of the logits), sampling
 
 Weights are split as the vLLM Spyre plugin shards them: QKV, gate and up by columns (heads),
@@ -21,14 +22,20 @@ Activations are fp16 on the card (ACT_BYTES). docs/projection.md has the formula
     project_step(config, step, tp=2).seconds / .by_kernel
     project_request(config, prompt_tokens=1024, output_tokens=128, batch=32) -> (ttft, tpot)
     prefill_steps(prompt_tokens, chunk), decode_step(batch, context)   # the steps it prices
-    StepProjector(config, tp, spec, formats, kv_bytes).seconds(step)   # precomputed: the runner's
-    step_of_work(work)                                                 # a launch's SeqWork list
+    StepProjector(config, tp, spec, formats, kv_bytes, lora_rank).seconds(step)   # the runner's
+    step_of_work(work, lora)                                           # a launch's SeqWork list
+
+LoRA adapters (`StepShape.adapters`, one `AdapterRows` each) are priced as vLLM's punica
+kernels run them and as our step program does: every adapter in the step has its A and B
+read once per targeted module and layer, at the projector's `lora_rank` (every adapter
+zero-padded to the largest rank, as vLLM's and our arenas hold them), and its rows go through
+them: 2 rows R (K + N) operations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spyre_serve.device.cost_model import (
     SPYRE,
@@ -53,8 +60,20 @@ SAMPLING_PASSES = 2        # a softmax reads each logit row twice: its max and s
 INPUT_BYTES_PER_ROW, INPUT_BYTES_PER_SEQ, INPUT_BYTES_PER_BLOCK, OUTPUT_BYTES_PER_ROW = 20, 88, 4, 8
 MATRICES = ("embed", "qkv", "o", "gate_up", "down", "lm_head")
 KERNELS = ("embedding", "rmsnorm", "qkv", "rope", "write_kv", "attention", "o_proj", "residual",
-           "gate_up", "swiglu", "down", "all_reduce", "lm_head", "logits_gather", "sampling",
+           "gate_up", "swiglu", "down", "lora", "all_reduce", "lm_head", "logits_gather", "sampling",
            "pcie", "launch")
+# the modules a LoRA adapter may target: models/lora_layout.py's MODULES (kept here by name, so
+# pricing a step imports no kernel; a test checks they agree)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRows:
+    """One LoRA adapter's part of a step: its token `rows` and the `modules` it targets (of
+    LORA_MODULES)."""
+
+    rows: int
+    modules: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +85,7 @@ class StepShape:
     queries: tuple[int, ...]
     contexts: tuple[int, ...]
     logit_rows: int
+    adapters: tuple[AdapterRows, ...] = ()   # the LoRA adapters its rows run with (none: the base)
 
     def __post_init__(self) -> None:
         if len(self.queries) != len(self.contexts):
@@ -75,6 +95,12 @@ class StepShape:
             raise ValueError(f"StepShape: each sequence needs 1 <= queries <= context (got {bad[:3]}), "
                              f"and 0 <= logit_rows {self.logit_rows} <= tokens + sequences "
                              f"{self.tokens + self.seqs}")
+        rows = sum(a.rows for a in self.adapters)
+        unknown = {m for a in self.adapters for m in a.modules} - set(LORA_MODULES)
+        if unknown or rows > self.tokens or any(a.rows < 1 for a in self.adapters):
+            raise ValueError(f"StepShape: adapters need rows >= 1, {rows} in all at most the "
+                             f"{self.tokens} tokens, and modules of {LORA_MODULES} (unknown: "
+                             f"{sorted(unknown)})")
 
     @property
     def tokens(self) -> int:
@@ -105,16 +131,23 @@ def prefill_steps(prompt_tokens: int, chunk: int = 512) -> list[StepShape]:
             for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def step_of_work(work) -> StepShape:
+def step_of_work(work, lora: Mapping[int, tuple[int, tuple[str, ...]]] | None = None) -> StepShape:
     """The shape of a launch's work (a list of models.step_io.SeqWork): its tokens, contexts,
-    and the rows of the sampling items and of the prompt-scored ones."""
+    and the rows of the sampling items and of the prompt-scored ones; with `lora` (seq_id ->
+    (the adapter's slot, the modules it targets), for the items with an adapter) the rows of
+    each slot."""
     queries, contexts, rows = [], [], 0
+    by_slot: dict[int, list] = {}
     for w in work:
         n = len(w.token_ids)
         queries.append(n)
         contexts.append(w.start_pos + n)
         rows += (n if w.prompt_logprobs else 0) + (1 if w.sample else 0)
-    return StepShape(tuple(queries), tuple(contexts), rows)
+        if lora and w.seq_id in lora:
+            slot, modules = lora[w.seq_id]
+            by_slot.setdefault(slot, [0, modules])[0] += n
+    adapters = tuple(AdapterRows(n, tuple(m)) for n, m in by_slot.values())
+    return StepShape(tuple(queries), tuple(contexts), rows, adapters)
 
 
 @dataclass(slots=True)
@@ -179,7 +212,7 @@ class StepProjector:
     few dozen float operations plus one pass over the step's sequences."""
 
     def __init__(self, config: GraniteConfig, tp: int = 1, spec: CardSpec = SPYRE,
-                 formats: str | Mapping[str, str] = "fp16", kv_bytes: float = 2):
+                 formats: str | Mapping[str, str] = "fp16", kv_bytes: float = 2, lora_rank: int = 0):
         hq, hkv, inter, vocab = shard(config, tp)
         f = weight_formats(formats)
         w = {m: format_bytes(fmt) for m, fmt in f.items()}
@@ -221,6 +254,16 @@ class StepProjector:
         self._allreduces = 2 * L + (1 if tp > 1 else 0)  # O and down each layer; the embedding
         self._row_h = rb(h)
         self._row_vocab = rb(vocab)
+        # each LoRA module on this card's shard (q, k, v, gate, up split by columns like their
+        # projections, o and down by rows): A [R, K] and B^T [R, N] in fp16, read once per
+        # adapter; per row x [K] read, the [R] product written and read, y [N] read and written
+        self.lora_rank = lora_rank
+        dims = {"q_proj": (h, hq * d), "k_proj": (h, hkv * d), "v_proj": (h, hkv * d),
+                "o_proj": (hq * d, h), "gate_proj": (h, inter), "up_proj": (h, inter),
+                "down_proj": (inter, h)}
+        self._lora = {m: (lora_rank * (rb(k) + rb(n)), rb(k) + rb(lora_rank) + rb(n),
+                          rb(lora_rank) + rb(n), 2.0 * lora_rank * (k + n))
+                      for m, (k, n) in dims.items()} if lora_rank else {}
 
     def _linear(self, k: LinearKernel, rows: int) -> float:
         return linear_seconds(k, rows, self.spec)
@@ -243,6 +286,8 @@ class StepProjector:
         out["attention"] = self._layers * kernel_seconds(
             kv_tokens * self._kv_per_token + 2 * written, pairs * self._attn_flops, "fp16", spec,
             written)
+        if step.adapters:
+            out["lora"] = self._layers * self._adapters(step.adapters)
         out["all_reduce"] = self._allreduces * allreduce_seconds(t * self._row_h, self.tp, spec)
         if r:
             out["logits_gather"] = allgather_seconds(r * self._row_vocab * self.tp, self.tp, spec)
@@ -254,17 +299,30 @@ class StepProjector:
         """The step's seconds on the card."""
         return self.project(step).seconds
 
+    def _adapters(self, adapters: tuple[AdapterRows, ...]) -> float:
+        """One layer's LoRA kernels: each adapter's targeted modules over its rows."""
+        if not self._lora:
+            raise ValueError(f"a step with {len(adapters)} LoRA adapters on a projector without "
+                             "lora_rank (StepProjector(..., lora_rank=R): the arena's rank)")
+        total = 0.0
+        for a in adapters:
+            for m in a.modules:
+                weight, read, written, flops = self._lora[m]
+                total += kernel_seconds(weight + a.rows * (read + written), a.rows * flops, "fp16",
+                                        self.spec, a.rows * written)
+        return total
+
     @classmethod
     def of_weights(cls, config: GraniteConfig, weights, kv_cache_dtype: str, tp: int = 1,
-                   spec: CardSpec = SPYRE) -> StepProjector:
+                   spec: CardSpec = SPYRE, lora_rank: int = 0) -> StepProjector:
         """The projector of a model as placed (models.weights.ModelWeights: each matrix's
         format as the card holds it; its first layer's stand for every layer) with its KV
-        cache's format."""
+        cache's format, and its LoRA arena's rank (0: none)."""
         layer = weights.layers[0]
         names = {"embed": weights.embed, "qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up,
                  "down": layer.down, "lm_head": weights.lm_head}
         return cls(config, tp, spec, {m: gw.format_name for m, gw in names.items()},
-                   format_bytes(kv_cache_dtype))
+                   format_bytes(kv_cache_dtype), lora_rank)
 
 
 def project_step(config: GraniteConfig, step: StepShape, tp: int = 1, spec: CardSpec = SPYRE,
@@ -276,17 +334,27 @@ def project_step(config: GraniteConfig, step: StepShape, tp: int = 1, spec: Card
 def project_request(config: GraniteConfig, prompt_tokens: int, output_tokens: int, batch: int,
                     tp: int = 1, chunk: int = 512, spec: CardSpec = SPYRE,
                     formats: str | Mapping[str, str] = "fp16",
-                    kv_bytes: float = 2) -> tuple[float, float]:
+                    kv_bytes: float = 2, lora: tuple[int, int] | None = None) -> tuple[float, float]:
     """(TTFT, TPOT) of a request of `prompt_tokens` generating `output_tokens` on the card, as
     the vLLM Spyre plugin runs it: its prefill alone, in chunks of `chunk` tokens (a multiple of
     the 64-token block), one step each, the last sampling the first token (TTFT: their sum, the
     request's own: one prefill at a time, never beside decodes, so the k-th of a batch arriving
     together waits for k - 1 prefills before it); then one decode step per later token beside
-    `batch` - 1 others at the same context (TPOT: their mean; 0 for a single token)."""
+    `batch` - 1 others at the same context (TPOT: their mean; 0 for a single token). With
+    `lora` (adapters, rank) every sequence runs an adapter targeting every module, the batch
+    spread evenly over min(adapters, batch) of them."""
     if output_tokens < 1 or batch < 1:
         raise ValueError(f"project_request: output_tokens {output_tokens} and batch {batch} "
                          "must be >= 1")
-    projector = StepProjector(config, tp, spec, formats, kv_bytes)
-    ttft = sum(projector.seconds(step) for step in prefill_steps(prompt_tokens, chunk))
-    decodes = [projector.seconds(decode_step(batch, prompt_tokens + k)) for k in range(1, output_tokens)]
+    adapters, rank = lora or (0, 0)
+    projector = StepProjector(config, tp, spec, formats, kv_bytes, rank)
+
+    def with_adapters(step: StepShape) -> StepShape:
+        n = min(adapters, step.seqs)
+        rows = [step.tokens // n + (i < step.tokens % n) for i in range(n)] if n else []
+        return replace(step, adapters=tuple(AdapterRows(r, LORA_MODULES) for r in rows))
+
+    ttft = sum(projector.seconds(with_adapters(step)) for step in prefill_steps(prompt_tokens, chunk))
+    decodes = [projector.seconds(with_adapters(decode_step(batch, prompt_tokens + k)))
+               for k in range(1, output_tokens)]
     return ttft, sum(decodes) / len(decodes) if decodes else 0.0

@@ -155,7 +155,8 @@ class ModelRunner:
         self._timers: DeviceTensor | None = None      # int64[len(TIMERS)] while profiling
         self._timer_bindings: dict = {}
         # each launch's seconds on a real card, the model as placed (one card: tp 1)
-        self.projector = StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype)
+        self.projector = StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype,
+                                                  lora_rank=self.lora.max_rank if self.lora else 0)
 
     @property
     def numerics(self) -> str:
@@ -224,7 +225,8 @@ class ModelRunner:
         t = bucket(self.t_buckets, n_tok)
         s = bucket(self.s_buckets, len(work))
         return self._launch(t, s, work, return_rows=return_logits, return_logits=return_logits,
-                            pen_slots=pen_slots, projected=self.projector.seconds(step_of_work(work)),
+                            pen_slots=pen_slots, projected=self.projector.seconds(
+                                step_of_work(work, self.lora and self.lora.targets_of(lora_slots))),
                             lora_slots=lora_slots)
 
     def _lora_slots(self, work: list[SeqWork]) -> dict[int, int]:

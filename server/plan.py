@@ -5,7 +5,8 @@
 From a config alone: ``granite-3.3-8b`` (its published config), a profile's name, a checkpoint
 directory or a config.json, or a GGUF file (its header). For each of the ``--tensor-parallel-size``
 cards it prints the weights, the KV cache of ``--max-num-seqs`` sequences of ``--max-model-len``
-tokens, the step buffers, and what is left of a real card (128 GB, 112 GB usable); the largest
+tokens, the step buffers, the LoRA slots (``--enable-lora``: ``--max-loras`` at
+``--max-lora-rank``), and what is left of a real card (128 GB, 112 GB usable); the largest
 context at that batch and the largest batch at that context; the projected TTFT and TPOT on a
 real card (models/projection.py); and, for the emulator, whether the cards' arenas fit in this
 machine's memory. The sizes are the runner's own (models/fit.py: the
@@ -73,7 +74,8 @@ def plan_text(name: str, cfg: GraniteConfig, s: Settings, fit: CardFit, host: in
     tp, bs = fit.tp, s.block_size
     max_len = s.max_model_len or cfg.max_position_embeddings
     sizes = dict(dtype=fit_dtype(s, cfg), kv_dtype=fit_kv_dtype(s, cfg), tp=tp,
-                 max_num_batched_tokens=s.max_num_batched_tokens, block_size=bs, usable=fit.usable)
+                 max_num_batched_tokens=s.max_num_batched_tokens, block_size=bs, usable=fit.usable,
+                 lora=lora_slots(s))
     context = largest_context(cfg, max_num_seqs=s.max_num_seqs, **sizes)
     sizes.pop("block_size")
     batch = largest_batch(cfg, max_model_len=max_len, block_size=bs, **sizes)
@@ -87,15 +89,20 @@ def plan_text(name: str, cfg: GraniteConfig, s: Settings, fit: CardFit, host: in
         f"({fit.kv_token_bytes / 1024:.1f} KiB a token, blocks of {bs})",
         f"  step buffers           {_gb(fit.scratch):>12}   workspace and I/O for {s.max_num_batched_tokens} tokens, "
         f"{s.max_num_seqs} sequences a step",
+        *([f"  LoRA adapters          {_gb(fit.lora):>12}   {s.max_loras} slot(s) of rank {s.max_lora_rank} "
+           f"for q, k, v, o, gate, up and down, float32"] if fit.lora else []),
         f"  total                  {_gb(fit.total):>12}   of {_gb(fit.usable)} usable on a {_gb(CARD_BYTES)} card: "
         + (f"{_gb(fit.left)} left" if fit.fits else f"{_gb(-fit.left)} too much"),
         f"  largest context at {s.max_num_seqs} sequences: {context:,} tokens (whole blocks, the model's positions "
         f"{cfg.max_position_embeddings:,} at most); largest batch at {max_len:,} tokens: {batch:,} sequences",
     ]
     ttft, tpot, chunk = projected(cfg, s, tp, max_len)
+    adapters = min(s.max_loras, s.max_num_seqs)
     lines.append(f"projected on a real card (docs/projection.md): TTFT {ttft * 1e3:,.1f} ms for a prompt filling the "
                  f"context ({max_len - 1:,} tokens in chunks of {chunk}), TPOT {tpot * 1e3:,.2f} ms "
-                 f"with {s.max_num_seqs} sequences decoding at {max_len:,} tokens")
+                 f"with {s.max_num_seqs} sequences decoding at {max_len:,} tokens"
+                 + (f", spread over {adapters} LoRA adapter(s) of rank {s.max_lora_rank} on every module"
+                    if s.enable_lora else ""))
     if host is not None:
         need = tp * fit.total
         lines.append(f"emulator on this machine: {tp} card arena(s) of {_gb(fit.total)} = {_gb(need)} of "
@@ -117,8 +124,13 @@ def projected(cfg: GraniteConfig, s: Settings, tp: int, max_len: int) -> tuple[f
     kv_bytes = 4 if fit_kv_dtype(s, cfg) == "float32" else 2
     chunk = max(64, s.max_num_batched_tokens // 64 * 64)
     ttft, tpot = project_request(cfg, max(1, max_len - 1), 2, s.max_num_seqs, tp=tp, chunk=chunk,
-                                 formats=fit_dtype(s, cfg), kv_bytes=kv_bytes)
+                                 formats=fit_dtype(s, cfg), kv_bytes=kv_bytes, lora=lora_slots(s))
     return ttft, tpot, chunk
+
+
+def lora_slots(s: Settings) -> tuple[int, int] | None:
+    """(--max-loras, --max-lora-rank) with --enable-lora, else None."""
+    return (s.max_loras, s.max_lora_rank) if s.enable_lora else None
 
 
 def check_sizes(s: Settings, cfg: GraniteConfig) -> int:
@@ -169,7 +181,7 @@ def plan(s: Settings, out=None, usable: int = CARD_USABLE_BYTES) -> int:
         max_len = check_sizes(s, cfg)
         fit = plan_fit(cfg, dtype=fit_dtype(s, cfg), kv_dtype=fit_kv_dtype(s, cfg), tp=s.tensor_parallel_size,
                        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                       max_model_len=max_len, block_size=s.block_size, usable=usable)
+                       max_model_len=max_len, block_size=s.block_size, usable=usable, lora=lora_slots(s))
     except (ValueError, OSError) as exc:      # ConfigError, GGUFError, CheckpointError are ValueErrors
         print(f"cannot plan {s.model}: {exc}", file=out)
         return 1
@@ -178,7 +190,8 @@ def plan(s: Settings, out=None, usable: int = CARD_USABLE_BYTES) -> int:
         print(line, file=out)
     if not fit.fits:
         print(f"does not fit: each card needs {_gb(fit.total)} (weights {_gb(fit.weights)}, KV cache "
-              f"{_gb(fit.kv_cache)}, buffers {_gb(fit.scratch)}) and has {_gb(fit.usable)}; lower --max-model-len "
+              f"{_gb(fit.kv_cache)}, buffers {_gb(fit.scratch)}"
+              + (f", LoRA slots {_gb(fit.lora)}" if fit.lora else "") + f") and has {_gb(fit.usable)}; lower --max-model-len "
               f"or --max-num-seqs, or raise --tensor-parallel-size", file=out)
         return 1
     return 0

@@ -87,6 +87,14 @@ def test_adapters_and_base_in_one_batch_match_transformers_peft(lora_setup):
         assert runner.memory_plan["lora_arena"] == runner.lora.nbytes > 0
 
 
+def test_the_arena_is_the_size_the_plan_counts(lora_setup):
+    from spyre_serve.models.fit import lora_arena_bytes
+
+    base = lora_setup[0]
+    with _runner(base, max_loras=3, max_rank=8) as (model, runner):
+        assert runner.lora.nbytes == lora_arena_bytes(model.config, 3, 8) == runner.memory_plan["lora_arena"]
+
+
 def test_more_adapters_than_slots_evicts_the_least_recently_used(lora_setup):
     base, paths, prompts, _, expected = lora_setup
     with _runner(base, max_loras=2) as (model, runner):

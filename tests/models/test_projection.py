@@ -13,6 +13,8 @@ from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.profiles import PROFILES
 from spyre_serve.models.projection import (
     KERNELS,
+    LORA_MODULES,
+    AdapterRows,
     StepProjector,
     StepShape,
     decode_step,
@@ -67,6 +69,7 @@ def test_a_decode_step_of_a_tiny_model_by_hand():
         "lm_head": mem(128 * 2048 + 256, 2048),
         "sampling": mem(2 * 2048, 8),                     # two passes over the logits, id + logprob back
         "all_reduce": 0.0, "logits_gather": 0.0,          # one card
+        "lora": 0.0,                                      # no adapter
         # token, position, slot, source, LoRA slot (20) + the sequence's fields (88) + 2 blocks (8)
         # + 8 back
         "pcie": 124 / (64 * GB),
@@ -135,6 +138,40 @@ def test_the_shape_of_a_launchs_work():
     assert (step.queries, step.contexts, step.logit_rows) == ((64, 1, 10), (192, 41, 10), 12)
     assert (step.tokens, step.seqs) == (75, 3)
     assert StepProjector(tiny()).seconds(step_of_work([])) == 0.0                 # nothing launched
+
+
+def test_lora_adapters_by_hand():
+    # tiny: H 128, q 128 wide, k and v 64, MLP 256; rank 16: an [R] fp16 row is one 128-byte stick
+    projector = StepProjector(tiny(layers=2), lora_rank=16)
+    one = StepShape((1,), (100,), 1, (AdapterRows(1, ("q_proj", "down_proj")),))
+    # per module: A [16, K] and B^T [16, N] once; per row x [K] in, the [16] product out and in,
+    # y [N] in and out
+    q = mem(16 * (256 + 256) + 256 + 128 + 256, 128 + 256)
+    down = mem(16 * (512 + 256) + 512 + 128 + 256, 128 + 256)
+    assert projector.project(one).by_kernel["lora"] == pytest.approx(2 * (q + down), rel=1e-12)
+    base = projector.project(StepShape((1,), (100,), 1))
+    assert projector.seconds(one) == pytest.approx(base.seconds + 2 * (q + down))
+    # two adapters read their weights each; three rows of one adapter read them once
+    two = StepShape((2, 1), (50, 60), 2, (AdapterRows(2, ("q_proj",)), AdapterRows(1, ("q_proj",))))
+    q2 = mem(16 * 512 + 2 * 640, 2 * 384)
+    assert projector.project(two).by_kernel["lora"] == pytest.approx(2 * (q2 + q), rel=1e-12)
+    greedy = SamplingParams(temperature=0)
+    work = [SeqWork(1, [5], 40, [3], True, greedy, lora="a"), SeqWork(2, [6, 7], 9, [4], True, greedy),
+            SeqWork(3, [8], 20, [5], True, greedy, lora="a")]
+    step = step_of_work(work, {1: (0, ("q_proj",)), 3: (0, ("q_proj",))})
+    assert step.adapters == (AdapterRows(2, ("q_proj",)),)
+    with pytest.raises(ValueError, match="without lora_rank"):
+        StepProjector(tiny()).project(one)
+    with pytest.raises(ValueError, match="unknown: \\['lm_head'\\]"):
+        StepShape((1,), (1,), 1, (AdapterRows(1, ("lm_head",)),))
+    with pytest.raises(ValueError, match="3 in all at most the 1 tokens"):
+        StepShape((1,), (1,), 1, (AdapterRows(3, ("q_proj",)),))
+
+
+def test_the_lora_modules_priced_are_the_arenas():
+    from spyre_serve.models.lora_layout import MODULES
+
+    assert LORA_MODULES == MODULES
 
 
 def test_granite_8b_decode_reads_its_weights_once_and_tp_divides_it():

@@ -135,6 +135,16 @@ def test_chat_and_responses_take_an_adapter_by_model(client):
     assert r.json()["model"] == "all4"
 
 
+def test_an_adapters_projected_time_counts_its_modules(client, lora):
+    """usage.spyre prices the adapter's shrink and expand on a real card: the same prompt
+    costs more with an adapter than without, and more with seven modules than with two."""
+    prompt = lora.prompts[1]
+    projected = {m: client.post("/v1/completions", json={**completion(m, prompt), "max_tokens": 2}
+                                ).json()["usage"]["spyre"]["projected_seconds"]
+                 for m in ("base", "qv8", "all4")}
+    assert projected["base"] < projected["qv8"] < projected["all4"], projected
+
+
 def test_an_unknown_model_is_a_404_and_changes_nothing(client, server, lora):
     used = server.built.engine.blocks.num_used
     for path, body in (("/v1/completions", {"model": "nope", "prompt": "hi"}),

@@ -12,6 +12,7 @@ from spyre_serve.models.fit import (
     kv_token_bytes,
     largest_batch,
     largest_context,
+    lora_arena_bytes,
     plan_fit,
     weight_bytes,
 )
@@ -57,6 +58,37 @@ def test_granite_33_8b_at_tp_1_and_4():
                      (["--max-model-len", "32768", "--max-num-seqs", str(batch + 1)], 1)):
         code, _ = run("--model", "granite-3.3-8b", "--tensor-parallel-size", "4", "--dtype", "float16", *argv)
         assert code == ok, argv
+
+
+def test_lora_slots_are_planned_and_priced():
+    """--enable-lora: the arena of --max-loras slots at --max-lora-rank is on the card, counted
+    in the largest context and batch, and the projection spreads the batch over the adapters."""
+    base = ["--model", "granite-3.3-8b", "--max-model-len", "3072", "--max-num-seqs", "16", "--dtype", "float16"]
+    _, without = run(*base)
+    code, text = run(*base, "--enable-lora", "--max-loras", "4", "--max-lora-rank", "64")
+    assert code == 0, text
+    cfg = plan_config("granite-3.3-8b")
+    arena = lora_arena_bytes(cfg, 4, 64)
+    # per layer: the scales (7 x 4 floats, one stick) and, per slot, 64 x (the seven modules'
+    # inputs + outputs: q, k, v, o, gate, up, down) float32 values
+    assert arena == 40 * 4 * (32 + 4 * 64 * (2 * 4096 + 2 * (4096 + 1024) + 2 * 4096 + 2 * (4096 + 12800)
+                                             + 12800 + 4096))
+    assert f"  LoRA adapters          {arena / 1e9:9.2f} GB   4 slot(s) of rank 64" in text
+    fit = plan_fit(cfg, dtype="float16", kv_dtype="float16", tp=1, max_num_seqs=16, max_num_batched_tokens=512,
+                   max_model_len=3072, block_size=64, lora=(4, 64))
+    assert fit.total == plan_fit(cfg, dtype="float16", kv_dtype="float16", tp=1, max_num_seqs=16,
+                                 max_num_batched_tokens=512, max_model_len=3072, block_size=64).total + arena
+    assert f"{fit.left / 1e9:.2f} GB left" in text
+    context = largest_context(cfg, max_num_seqs=16, block_size=64, dtype="float16", kv_dtype="float16", tp=1,
+                              max_num_batched_tokens=512, lora=(4, 64))
+    assert f"largest context at 16 sequences: {context:,} tokens" in text and context < int(
+        without.split("largest context at 16 sequences: ")[1].split(" ")[0].replace(",", ""))
+    from spyre_serve.models.projection import project_request
+
+    ttft, tpot = project_request(cfg, 3071, 2, 16, chunk=512, formats="float16", kv_bytes=2, lora=(4, 64))
+    assert f"TTFT {ttft * 1e3:,.1f} ms" in text and f"TPOT {tpot * 1e3:,.2f} ms" in text
+    assert "spread over 4 LoRA adapter(s) of rank 64" in text
+    assert ttft > project_request(cfg, 3071, 2, 16, chunk=512, formats="float16", kv_bytes=2)[0]
 
 
 def test_a_plan_that_does_not_fit_exits_1_with_the_numbers():
