@@ -276,6 +276,12 @@ def main(settings, conns: list[Connection]) -> None:
     from spyre_serve.device.process import configure
 
     configure()
+    # tqdm's default lock holds a multiprocessing semaphore, which _exit's os._exit leaves for
+    # the resource tracker to report as leaked when the server stops; this process's progress
+    # bars are drawn by its threads alone
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:

@@ -119,6 +119,8 @@ def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
     assert "16 blocks of 16 tokens" in text and "scratch" in text
     assert "compiling and preparing 5 step programs" in text and "5/5" in text  # the progress bar
     assert f"http://127.0.0.1:{port}" in text
+    # the engine process leaves no semaphore for multiprocessing's resource tracker to report
+    assert "leaked" not in text and "resource_tracker" not in text, text[-2000:]
 
 
 def test_a_stream_still_running_at_the_drains_end_is_cut_with_an_error_event_within_the_budget():
