@@ -28,7 +28,7 @@ class Job:
     commands: list[list[str]]
     env: dict[str, str]
     cwd: str | None = None
-    timeout: float = 1200
+    timeout: float = 2400     # a command's limit: niced, it may wait for the suite's cores
     seconds: float = 60       # about how long it runs on an idle machine: lanes are balanced by it
     results: list[subprocess.CompletedProcess] = field(default_factory=list)
     scratch: str = ""         # the folder the factory was given (set by ``start``)
@@ -82,7 +82,7 @@ def _run_all(jobs: list[Job]) -> None:
                 with _LOCK:
                     if _STOPPING.is_set():
                         raise RuntimeError("the session ended first")
-                    p = subprocess.Popen(["nice", "-n", "19", *cmd], env=j.env, cwd=j.cwd, text=True,
+                    p = subprocess.Popen(["nice", "-n", "10", *cmd], env=j.env, cwd=j.cwd, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                     _PROCS.append(p)
                 try:

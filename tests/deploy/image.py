@@ -95,7 +95,7 @@ class Image:
         subprocess.run([_python311(), "-m", "venv", "--without-pip", str(self.venv)], check=True)
         subprocess.run([sys.executable, "-m", "pip", "--python", str(self.venv / "bin" / "python"),
                         "install", "-q", "--no-compile", str(wheel)],
-                       check=True, capture_output=True, text=True, timeout=900)
+                       check=True, capture_output=True, text=True, timeout=2400)
 
     def env(self, port: int) -> dict[str, str]:
         env = {"PATH": f"{self.venv / 'bin'}:/usr/local/bin:/usr/bin:/bin",
@@ -130,7 +130,7 @@ class Image:
             os.chown(self.base / "cache", NOBODY, NOBODY)
         for shell_cmd in self.final.runs_after_user():   # the build-time warm-up
             r = subprocess.run(["/bin/sh", "-c", shell_cmd], env=self.env(free_port()),
-                               cwd=self.base / "home", capture_output=True, text=True, timeout=900,
+                               cwd=self.base / "home", capture_output=True, text=True, timeout=2400,
                                **as_user())
             if r.returncode != 0:
                 raise SystemExit(f"RUN {shell_cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 @background.job("image-build")
 def _build(scratch: str) -> background.Job:
     return background.Job([[sys.executable, "-m", "tests.deploy.image", scratch]],
-                          env={**os.environ}, cwd=str(REPO), timeout=1200, seconds=220)
+                          env={**os.environ}, cwd=str(REPO), seconds=220)
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def _level_job(level: str):
     def factory(scratch: str) -> background.Job:
         files = [os.path.join(HERE, f) for f in LEVEL_TESTS]
         return background.Job(
-            [[sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files]],
+            [[sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=2400", *files]],
             env={**os.environ, "SPYRE_KERNEL_ISA": level}, cwd=os.path.dirname(os.path.dirname(HERE)),
             seconds=130)
     return background.job(f"isa-{level}")(factory)

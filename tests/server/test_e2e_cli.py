@@ -171,7 +171,7 @@ def _warmup_twice(scratch: str) -> background.Job:
     env = {**ENV, "NUMBA_CACHE_DIR": str(Path(scratch) / "numba"), "SPYRE_SERVE_MAX_NUM_SEQS": "2"}
     cmd = [str(BIN), "warmup", "--model", "granite-tiny", "--max-num-batched-tokens", "4",
            "--block-size", "16", "--num-kv-blocks", "8", "--device-memory", "256M"]
-    return background.Job([cmd, cmd], env=env, timeout=900, seconds=185)
+    return background.Job([cmd, cmd], env=env, seconds=185)
 
 
 @pytest.mark.background("warmup-cold-cache")
