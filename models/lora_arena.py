@@ -43,7 +43,7 @@ class LoraArena:
         self.tensor: DeviceTensor = card.zeros((self.layers, self.block_floats), np.float32)
         self.adapters: dict[str, LoraAdapter] = {}
         self.slots: list[str | None] = [None] * max_loras     # adapter placed in each slot
-        self._targets: list[tuple[str, ...]] = [()] * max_loras  # the modules it targets
+        self._placed: list[tuple[tuple[str, ...], int]] = [((), 0)] * max_loras  # its targets, rank
         self._lru: OrderedDict[int, None] = OrderedDict()     # slots, least recently used first
         self._pins: dict[int, int] = {}                       # seq_id -> slot
         self._pinned = [0] * max_loras                        # sequences holding each slot
@@ -126,10 +126,10 @@ class LoraArena:
                 self.slots[slot] = None          # unregistered while in use
                 self._lru.pop(slot, None)
 
-    def targets_of(self, slots: dict[int, int]) -> dict[int, tuple[int, tuple[str, ...]]]:
-        """seq_id -> (its slot, the modules the adapter placed there targets), for the
-        projection of a step (models/projection.py's step_of_work)."""
-        return {seq: (slot, self._targets[slot]) for seq, slot in slots.items()}
+    def targets_of(self, slots: dict[int, int]) -> dict[int, tuple[int, tuple[str, ...], int]]:
+        """seq_id -> (its slot, the modules the adapter placed there targets, its rank), for
+        the projection of a step (models/projection.py's step_of_work)."""
+        return {seq: (slot, *self._placed[slot]) for seq, slot in slots.items()}
 
     def pinned(self) -> int:
         """Sequences holding a slot: 0 once every sequence is unpinned."""
@@ -153,17 +153,18 @@ class LoraArena:
             scales = np.zeros(N_MODULES, np.float32)
             for m, module in enumerate(MODULES):
                 k, n = module_dims(m, *self.dims)
-                a = np.zeros((k, rank), np.float32)
-                b = np.zeros((rank, n), np.float32)
                 ab = adapter.weights.get((layer, module))
-                if ab is not None:
-                    a[:, :adapter.rank], b[:adapter.rank] = ab
+                if ab is not None:       # the slot's first rows; the kernel reads no others
+                    a, b = ab
                     scales[m] = adapter.scaling
-                self._copy(at + 4 * (int(self.offsets[1 + 2 * m]) + slot * k * rank), a)
-                self._copy(at + 4 * (int(self.offsets[2 + 2 * m]) + slot * rank * n), b)
+                    self._copy(at + 4 * (int(self.offsets[1 + 2 * m]) + slot * rank * k),
+                               np.ascontiguousarray(a.T, np.float32))
+                    self._copy(at + 4 * (int(self.offsets[2 + 2 * m]) + slot * rank * n),
+                               np.ascontiguousarray(b, np.float32))
             for m in range(N_MODULES):
                 self._copy(at + 4 * (m * k_slots + slot), scales[m:m + 1])
-        self._targets[slot] = tuple(adapter.targets)
+            self._copy(at + 4 * (N_MODULES * k_slots + slot), np.array([adapter.rank], np.float32))
+        self._placed[slot] = (tuple(adapter.targets), adapter.rank)
 
     def _copy(self, address: int, host: np.ndarray) -> None:
         self.stream.copy_h2d(DeviceTensor(address, host.shape, np.float32, self.card), host)

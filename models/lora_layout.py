@@ -1,12 +1,14 @@
 """Where a layer's LoRA adapters sit in the arena, and the step's call that applies them.
 
 Each layer has one block of float32 in the adapter arena (models/lora_arena.py places it),
-holding NSLOT adapter slots at rank R (every adapter zero-padded to R):
+holding NSLOT adapter slots of rank R (an adapter of rank r_s fills its first r_s rows; the
+kernel reads only those):
 
     scales   [MODULES, NSLOT]        a module an adapter does not target: scale 0 (skipped)
+    ranks    [NSLOT]                 each slot's adapter's rank r_s <= R (a float)
     per module m, in MODULES order:
-      A_m    [NSLOT, K_m, R]         lora_A.weight.T of each slot (shrink)
-      B_m    [NSLOT, R, N_m]         lora_B.weight.T (expand)
+      A_m    [NSLOT, R, K_m]         lora_A.weight of each slot, its first r_s rows (shrink)
+      B_m    [NSLOT, R, N_m]         lora_B.weight.T, its first r_s rows (expand)
 
 each part starting on a 128-byte stick. K_m, N_m are the module's input and output widths
 (`module_dims`). The layer table holds the block's address, R and NSLOT (models/weights.py);
@@ -49,10 +51,11 @@ def _up(n):
 
 @njit(nogil=True, cache=True)
 def block_offsets(h, qd, kd, inter, rank, nslot):
-    """int64[2 * N_MODULES + 2]: float offsets in a layer's block of the scales (0), of each
-    module's A then B, and (last) the block's length in floats."""
+    """int64[2 * N_MODULES + 2]: float offsets in a layer's block of the scales (0; the ranks
+    follow them, at N_MODULES * nslot), of each module's A then B, and (last) the block's
+    length in floats."""
     out = np.zeros(2 * N_MODULES + 2, np.int64)
-    at = _up(N_MODULES * nslot)
+    at = _up((N_MODULES + 1) * nslot)
     for m in range(N_MODULES):
         k, n = module_dims(m, h, qd, kd, inter)
         out[1 + 2 * m] = at
@@ -71,11 +74,11 @@ def lora_layer(y, x, f32, lora, slots, first, end, h, qd, kd, inter):
     if base == 0:
         return
     offs = block_offsets(h, qd, kd, inter, rank, nslot)
-    modules = np.empty((end - first, 6), np.int64)
+    modules = np.empty((end - first, 7), np.int64)
     col0 = 0
     for m in range(first, end):
         k, n = module_dims(m, h, qd, kd, inter)
         modules[m - first] = (base + 4 * offs[1 + 2 * m], base + 4 * offs[2 + 2 * m], base + 4 * m * nslot,
-                              k, n, col0)
+                              k, n, col0, base + 4 * N_MODULES * nslot)
         col0 += n
     lora_modules_at(y, x, f32, modules, slots, nslot, rank)

@@ -22,14 +22,13 @@ Activations are fp16 on the card (ACT_BYTES). docs/projection.md has the formula
     project_step(config, step, tp=2).seconds / .by_kernel
     project_request(config, prompt_tokens=1024, output_tokens=128, batch=32) -> (ttft, tpot)
     prefill_steps(prompt_tokens, chunk), decode_step(batch, context)   # the steps it prices
-    StepProjector(config, tp, spec, formats, kv_bytes, lora_rank).seconds(step)   # the runner's
+    StepProjector(config, tp, spec, formats, kv_bytes).seconds(step)   # precomputed: the runner's
     step_of_work(work, lora)                                           # a launch's SeqWork list
 
-LoRA adapters (`StepShape.adapters`, one `AdapterRows` each) are priced as vLLM's punica
-kernels run them and as our step program does: every adapter in the step has its A and B
-read once per targeted module and layer, at the projector's `lora_rank` (every adapter
-zero-padded to the largest rank, as vLLM's and our arenas hold them), and its rows go through
-them: 2 rows R (K + N) operations.
+LoRA adapters (`StepShape.adapters`, one `AdapterRows` each) are priced as our step program
+runs them (punica's shrink and expand): every adapter in the step has its A and B read once per
+targeted module and layer, at its own rank r (its slot's first r rows: device/kernels/lora.py),
+and its rows go through them: 2 rows r (K + N) operations.
 """
 
 from __future__ import annotations
@@ -69,11 +68,12 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass(frozen=True, slots=True)
 class AdapterRows:
-    """One LoRA adapter's part of a step: its token `rows` and the `modules` it targets (of
-    LORA_MODULES)."""
+    """One LoRA adapter's part of a step: its token `rows`, the `modules` it targets (of
+    LORA_MODULES) and its `rank`."""
 
     rows: int
     modules: tuple[str, ...]
+    rank: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +97,10 @@ class StepShape:
                              f"{self.tokens + self.seqs}")
         rows = sum(a.rows for a in self.adapters)
         unknown = {m for a in self.adapters for m in a.modules} - set(LORA_MODULES)
-        if unknown or rows > self.tokens or any(a.rows < 1 for a in self.adapters):
-            raise ValueError(f"StepShape: adapters need rows >= 1, {rows} in all at most the "
-                             f"{self.tokens} tokens, and modules of {LORA_MODULES} (unknown: "
-                             f"{sorted(unknown)})")
+        if unknown or rows > self.tokens or any(a.rows < 1 or a.rank < 1 for a in self.adapters):
+            raise ValueError(f"StepShape: adapters need rows >= 1 and a rank >= 1, {rows} rows in "
+                             f"all at most the {self.tokens} tokens, and modules of {LORA_MODULES} "
+                             f"(unknown: {sorted(unknown)})")
 
     @property
     def tokens(self) -> int:
@@ -131,11 +131,11 @@ def prefill_steps(prompt_tokens: int, chunk: int = 512) -> list[StepShape]:
             for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def step_of_work(work, lora: Mapping[int, tuple[int, tuple[str, ...]]] | None = None) -> StepShape:
+def step_of_work(work, lora: Mapping[int, tuple[int, tuple[str, ...], int]] | None = None) -> StepShape:
     """The shape of a launch's work (a list of models.step_io.SeqWork): its tokens, contexts,
     and the rows of the sampling items and of the prompt-scored ones; with `lora` (seq_id ->
-    (the adapter's slot, the modules it targets), for the items with an adapter) the rows of
-    each slot."""
+    (the adapter's slot, the modules it targets, its rank), for the items with an adapter) the
+    rows of each slot."""
     queries, contexts, rows = [], [], 0
     by_slot: dict[int, list] = {}
     for w in work:
@@ -144,9 +144,9 @@ def step_of_work(work, lora: Mapping[int, tuple[int, tuple[str, ...]]] | None = 
         contexts.append(w.start_pos + n)
         rows += (n if w.prompt_logprobs else 0) + (1 if w.sample else 0)
         if lora and w.seq_id in lora:
-            slot, modules = lora[w.seq_id]
-            by_slot.setdefault(slot, [0, modules])[0] += n
-    adapters = tuple(AdapterRows(n, tuple(m)) for n, m in by_slot.values())
+            slot, modules, rank = lora[w.seq_id]
+            by_slot.setdefault(slot, [0, modules, rank])[0] += n
+    adapters = tuple(AdapterRows(n, tuple(m), r) for n, m, r in by_slot.values())
     return StepShape(tuple(queries), tuple(contexts), rows, adapters)
 
 
@@ -212,7 +212,7 @@ class StepProjector:
     few dozen float operations plus one pass over the step's sequences."""
 
     def __init__(self, config: GraniteConfig, tp: int = 1, spec: CardSpec = SPYRE,
-                 formats: str | Mapping[str, str] = "fp16", kv_bytes: float = 2, lora_rank: int = 0):
+                 formats: str | Mapping[str, str] = "fp16", kv_bytes: float = 2):
         hq, hkv, inter, vocab = shard(config, tp)
         f = weight_formats(formats)
         w = {m: format_bytes(fmt) for m, fmt in f.items()}
@@ -255,15 +255,10 @@ class StepProjector:
         self._row_h = rb(h)
         self._row_vocab = rb(vocab)
         # each LoRA module on this card's shard (q, k, v, gate, up split by columns like their
-        # projections, o and down by rows): A [R, K] and B^T [R, N] in fp16, read once per
-        # adapter; per row x [K] read, the [R] product written and read, y [N] read and written
-        self.lora_rank = lora_rank
-        dims = {"q_proj": (h, hq * d), "k_proj": (h, hkv * d), "v_proj": (h, hkv * d),
-                "o_proj": (hq * d, h), "gate_proj": (h, inter), "up_proj": (h, inter),
-                "down_proj": (inter, h)}
-        self._lora = {m: (lora_rank * (rb(k) + rb(n)), rb(k) + rb(lora_rank) + rb(n),
-                          rb(lora_rank) + rb(n), 2.0 * lora_rank * (k + n))
-                      for m, (k, n) in dims.items()} if lora_rank else {}
+        # projections, o and down by rows): (K, N)
+        self._lora_dims = {"q_proj": (h, hq * d), "k_proj": (h, hkv * d), "v_proj": (h, hkv * d),
+                           "o_proj": (hq * d, h), "gate_proj": (h, inter), "up_proj": (h, inter),
+                           "down_proj": (inter, h)}
 
     def _linear(self, k: LinearKernel, rows: int) -> float:
         return linear_seconds(k, rows, self.spec)
@@ -300,29 +295,32 @@ class StepProjector:
         return self.project(step).seconds
 
     def _adapters(self, adapters: tuple[AdapterRows, ...]) -> float:
-        """One layer's LoRA kernels: each adapter's targeted modules over its rows."""
-        if not self._lora:
-            raise ValueError(f"a step with {len(adapters)} LoRA adapters on a projector without "
-                             "lora_rank (StepProjector(..., lora_rank=R): the arena's rank)")
+        """One layer's LoRA kernels: each adapter's targeted modules over its rows. Per module
+        A [r, K] and B^T [r, N] in fp16, read once per adapter; per row x [K] read, the [r]
+        product written and read, y [N] read and written."""
+        def rb(n: int) -> float:
+            return row_bytes(n, ACT_BYTES, self.spec)
+
         total = 0.0
         for a in adapters:
             for m in a.modules:
-                weight, read, written, flops = self._lora[m]
-                total += kernel_seconds(weight + a.rows * (read + written), a.rows * flops, "fp16",
-                                        self.spec, a.rows * written)
+                k, n = self._lora_dims[m]
+                weight, read, written = a.rank * (rb(k) + rb(n)), rb(k) + rb(a.rank) + rb(n), rb(a.rank) + rb(n)
+                total += kernel_seconds(weight + a.rows * (read + written), a.rows * 2.0 * a.rank * (k + n),
+                                        "fp16", self.spec, a.rows * written)
         return total
 
     @classmethod
     def of_weights(cls, config: GraniteConfig, weights, kv_cache_dtype: str, tp: int = 1,
-                   spec: CardSpec = SPYRE, lora_rank: int = 0) -> StepProjector:
+                   spec: CardSpec = SPYRE) -> StepProjector:
         """The projector of a model as placed (models.weights.ModelWeights: each matrix's
         format as the card holds it; its first layer's stand for every layer) with its KV
-        cache's format, and its LoRA arena's rank (0: none)."""
+        cache's format."""
         layer = weights.layers[0]
         names = {"embed": weights.embed, "qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up,
                  "down": layer.down, "lm_head": weights.lm_head}
         return cls(config, tp, spec, {m: gw.format_name for m, gw in names.items()},
-                   format_bytes(kv_cache_dtype), lora_rank)
+                   format_bytes(kv_cache_dtype))
 
 
 def project_step(config: GraniteConfig, step: StepShape, tp: int = 1, spec: CardSpec = SPYRE,
@@ -347,12 +345,12 @@ def project_request(config: GraniteConfig, prompt_tokens: int, output_tokens: in
         raise ValueError(f"project_request: output_tokens {output_tokens} and batch {batch} "
                          "must be >= 1")
     adapters, rank = lora or (0, 0)
-    projector = StepProjector(config, tp, spec, formats, kv_bytes, rank)
+    projector = StepProjector(config, tp, spec, formats, kv_bytes)
 
     def with_adapters(step: StepShape) -> StepShape:
         n = min(adapters, step.seqs)
         rows = [step.tokens // n + (i < step.tokens % n) for i in range(n)] if n else []
-        return replace(step, adapters=tuple(AdapterRows(r, LORA_MODULES) for r in rows))
+        return replace(step, adapters=tuple(AdapterRows(r, LORA_MODULES, rank) for r in rows))
 
     ttft = sum(projector.seconds(with_adapters(step)) for step in prefill_steps(prompt_tokens, chunk))
     decodes = [projector.seconds(with_adapters(decode_step(batch, prompt_tokens + k)))

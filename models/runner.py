@@ -155,8 +155,7 @@ class ModelRunner:
         self._timers: DeviceTensor | None = None      # int64[len(TIMERS)] while profiling
         self._timer_bindings: dict = {}
         # each launch's seconds on a real card, the model as placed (one card: tp 1)
-        self.projector = StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype,
-                                                  lora_rank=self.lora.max_rank if self.lora else 0)
+        self.projector = StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype)
 
     @property
     def numerics(self) -> str:

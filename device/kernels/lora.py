@@ -1,12 +1,13 @@
 """Low-rank updates added to a projection's output, one adapter per row (punica's shrink/expand).
 
     lora_modules_at(y, x, f32, modules, slots, nslot, r)
-        for each module m (int64[M, 6]: a, b and scales byte addresses in the arena, K, N,
-        first column col0 of y), for every row t whose slot s = slots[t] >= 0 and
-        scale = scales[s] != 0:
-            y[t, col0:col0 + N] += scale * (x[t] @ a[s]) @ b[s]
-    x float32[T, K]; a float32[NSLOT, K, R] (shrink), b float32[NSLOT, R, N] (expand);
-    scales float32[NSLOT]; slots int32[T] (-1: no adapter); y float32[T, >= col0 + N];
+        for each module m (int64[M, 7]: a, b and scales byte addresses in the arena, K, N,
+        first column col0 of y, ranks byte address), for every row t whose slot s = slots[t]
+        >= 0 and scale = scales[s] != 0, with r_s = ranks[s]:
+            y[t, col0:col0 + N] += scale * (x[t] @ a[s, :r_s].T) @ b[s, :r_s]
+    x float32[T, K]; a float32[NSLOT, R, K] (shrink: PEFT's lora_A.weight), b float32[NSLOT,
+    R, N] (expand: lora_B.weight.T); scales and ranks float32[NSLOT] (a slot's rank r_s <= R,
+    a whole number); slots int32[T] (-1: no adapter); y float32[T, >= col0 + N];
     f32 the arena's float32 view. Several modules read one x and write side by side in y
     (the step's call: a fused QKV's q, k, v; gate, up).
 
@@ -17,7 +18,8 @@ split across the cores, one parallel region a projection (a region costs ~15 us:
 row has an adapter). A decode's update is small: the adapters' bytes bound it (4 adapters of
 rank 16 on SmolLM2's 7 projections: 78 MB a step; a decode of 8 rows over 4 adapters, amx:
 28.4 -> 32.8 ms a step, the first version, a parallel region a module over runs of adjacent
-rows, 38.5). A rank below R is zero-padded, so padding adds exact zeros. Sums are float32.
+rows, 38.5). A slot holds R rows of a and b and its adapter fills the first r_s: only those
+are read, so an adapter of rank 8 in slots of rank 64 costs its own bytes. Sums are float32.
 """
 
 import numpy as np
@@ -68,16 +70,18 @@ def _add_scaled(y, rows, col0, out, scale):
 
 @njit(nogil=True, cache=True)
 def _slot_modules(y, x, f32, modules, s, mine, nslot, r):
-    """Slot s's rows ``mine`` through every module of ``modules`` (lora_modules_at)."""
+    """Slot s's rows ``mine`` through every module of ``modules`` (lora_modules_at), at the
+    slot's own rank."""
     xs = _gather(x, mine)
     for m in range(modules.shape[0]):
         k, n, col0 = modules[m, 3], modules[m, 4], modules[m, 5]
         scale = f32_at(f32, modules[m, 2], nslot)[s]
-        if scale == 0.0:
+        rs = int(f32_at(f32, modules[m, 6], nslot)[s])
+        if scale == 0.0 or rs == 0:
             continue
-        a = f32_at(f32, modules[m, 0], nslot * k * r).reshape(nslot, k, r)
-        b = f32_at(f32, modules[m, 1], nslot * r * n).reshape(nslot, r, n)
-        _add_scaled(y, mine, col0, np.dot(np.dot(xs, a[s]), b[s]), scale)
+        a = f32_at(f32, modules[m, 0], nslot * r * k).reshape(nslot, r, k)[s, :rs]
+        b = f32_at(f32, modules[m, 1], nslot * r * n).reshape(nslot, r, n)[s, :rs]
+        _add_scaled(y, mine, col0, np.dot(np.dot(xs, a.T), b), scale)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -104,6 +108,12 @@ def lora_modules_at(y, x, f32, modules, slots, nslot, r):
         if slots[t] >= nslot:
             raise IndexError("lora_modules_at: adapter slot past the arena (row, slot, slots)", t,
                              slots[t], nslot)
+    for m in range(modules.shape[0]):
+        ranks = f32_at(f32, modules[m, 6], nslot)
+        for s in range(nslot):
+            if not 0 <= ranks[s] <= r:
+                raise ValueError("lora_modules_at: a slot's rank is past the arena's (module, slot, "
+                                 "rank, R)", m, s, int(ranks[s]), r)
     start, rows = _rows_by_slot(slots, nslot)
     used = np.flatnonzero(start[1:] > start[:-1])
     if used.shape[0] == 1:

@@ -6,13 +6,15 @@ import pytest
 from spyre_serve.device.kernels.lora import lora_modules_at
 
 
-def lora_reference(y, x, a, b, scales, slots, col0):
-    """y[t, col0:col0+N] += scales[s] * (x[t] @ a[s]) @ b[s] for each row of slot s >= 0."""
+def lora_reference(y, x, a, b, scales, slots, col0, ranks=None):
+    """y[t, col0:col0+N] += scales[s] * (x[t] @ a[s, :r_s].T) @ b[s, :r_s] for each row of slot
+    s >= 0 (a [NSLOT, R, K], b [NSLOT, R, N]; r_s = ranks[s], R by default)."""
     out = y.astype(np.float64)
     n = b.shape[2]
     for t, s in enumerate(slots):
         if s >= 0:
-            out[t, col0:col0 + n] += scales[s] * (x[t].astype(np.float64) @ a[s]) @ b[s]
+            rs = a.shape[1] if ranks is None else int(ranks[s])
+            out[t, col0:col0 + n] += scales[s] * (x[t].astype(np.float64) @ a[s, :rs].T) @ b[s, :rs]
     return out
 
 
@@ -26,15 +28,22 @@ def _placed(card, *arrays):
     return out
 
 
-def lora_apply(card, y, x, a, b, scales, slots, col0):
-    """lora_modules_at with one module: a, b and scales placed in the arena."""
-    modules = np.array([[*_placed(card, a, b, scales), a.shape[1], b.shape[2], col0]], np.int64)
-    lora_modules_at(y, x, card.memory.view(np.float32), modules, slots, a.shape[0], a.shape[2])
+def _module(card, a, b, scales, col0, ranks=None):
+    """A module row of lora_modules_at: a, b, scales and ranks placed in the arena."""
+    ranks = np.full(a.shape[0], a.shape[1], np.float32) if ranks is None else ranks
+    a_at, b_at, s_at, r_at = _placed(card, a, b, scales, np.asarray(ranks, np.float32))
+    return (a_at, b_at, s_at, a.shape[2], b.shape[2], col0, r_at)
+
+
+def lora_apply(card, y, x, a, b, scales, slots, col0, ranks=None):
+    """lora_modules_at with one module."""
+    modules = np.array([_module(card, a, b, scales, col0, ranks)], np.int64)
+    lora_modules_at(y, x, card.memory.view(np.float32), modules, slots, a.shape[0], a.shape[1])
 
 
 def _case(rng, t_rows=9, k=48, r=8, n=40, nslot=3, extra=24):
     x = rng.standard_normal((t_rows, k), dtype=np.float32)
-    a = rng.standard_normal((nslot, k, r), dtype=np.float32)
+    a = rng.standard_normal((nslot, r, k), dtype=np.float32)
     b = rng.standard_normal((nslot, r, n), dtype=np.float32)
     y = rng.standard_normal((t_rows, n + extra), dtype=np.float32)
     scales = np.array([0.5, 2.0, 0.0], np.float32)[:nslot]
@@ -57,25 +66,20 @@ def test_lora_apply_matches_reference(card, slots, col0):
     np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-4)
 
 
-def test_zero_padded_rank_adds_exactly_the_lower_rank(card):
-    """A rank-3 adapter padded to rank 8 gives its rank-3 update (the padding adds zeros)."""
+def test_a_slot_reads_only_its_own_ranks_rows(card):
+    """Slots of rank 8 holding adapters of rank 3, 8 and 1: the rows past a slot's rank are
+    never read (NaN there would show in y)."""
     rng = np.random.default_rng(2)
-    x, a, b, y, scales = _case(rng, nslot=2)
-    a[:, :, 3:] = 0.0
-    b[:, 3:, :] = 0.0
-    slots = np.zeros(9, np.int32)
-    ref = lora_reference(y, x, a[:, :, :3], b[:, :3], scales, slots, 0)
-    lora_apply(card, y, x, a, b, scales, slots, 0)
-    np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-4)
-
-
-def test_lora_at_reads_the_arena(card):
-    rng = np.random.default_rng(3)
     x, a, b, y, scales = _case(rng)
-    slots = np.array([2, 2, 0, 0, 0, 1, -1, -1, 1], np.int32)
-    ref = lora_reference(y, x, a, b, scales, slots, 24)
-    modules = np.array([[*_placed(card, a, b, scales), 48, 40, 24]], np.int64)
-    lora_modules_at(y, x, card.memory.view(np.float32), modules, slots, 3, 8)
+    scales[2] = 1.5
+    ranks = np.array([3, 8, 1], np.float32)
+    for s, rs in enumerate(ranks.astype(int)):
+        a[s, rs:] = np.nan
+        b[s, rs:] = np.nan
+    slots = np.array([0, 1, 2, 0, -1, 2, 1, 0, 0], np.int32)
+    ref = lora_reference(y, x, a, b, scales, slots, 0, ranks)
+    lora_apply(card, y, x, a, b, scales, slots, 0, ranks)
+    assert np.isfinite(y).all()
     np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-4)
 
 
@@ -90,6 +94,8 @@ def test_lora_apply_refuses_what_does_not_fit(card):
         lora_apply(card, y, np.ascontiguousarray(x[:, :40]), a, b, scales, np.zeros(9, np.int32), 0)
     with pytest.raises(ValueError, match="rows of x, y and slots"):
         lora_apply(card, y, x, a, b, scales, np.zeros(4, np.int32), 0)
+    with pytest.raises(ValueError, match="rank is past the arena"):
+        lora_apply(card, y, x, a, b, scales, np.zeros(9, np.int32), 0, np.array([8, 9, 1], np.float32))
 
 
 def test_lora_modules_at_applies_each_module_to_its_columns(card):
@@ -100,14 +106,15 @@ def test_lora_modules_at_applies_each_module_to_its_columns(card):
     x = rng.standard_normal((9, k), dtype=np.float32)
     y = rng.standard_normal((9, sum(widths)), dtype=np.float32)
     slots = np.array([1, 0, 1, -1, 2, 0, 1, -1, 2], np.int32)
+    ranks = np.array([8, 4, 2], np.float32)
     modules, ref, col0 = [], y.astype(np.float64), 0
     f32 = card.memory.view(np.float32)
     for m, n in enumerate(widths):
-        a = rng.standard_normal((nslot, k, r), dtype=np.float32)
+        a = rng.standard_normal((nslot, r, k), dtype=np.float32)
         b = rng.standard_normal((nslot, r, n), dtype=np.float32)
         scales = np.array([0.5, 0.0 if m == 1 else 2.0, 1.5], np.float32)
-        modules.append((*_placed(card, a, b, scales), k, n, col0))
-        ref = lora_reference(ref, x, a, b, scales, slots, col0)
+        modules.append(_module(card, a, b, scales, col0, ranks))
+        ref = lora_reference(ref, x, a, b, scales, slots, col0, ranks)
         col0 += n
     lora_modules_at(y, x, f32, np.array(modules, np.int64), slots, nslot, r)
     np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-4)

@@ -141,9 +141,9 @@ def test_the_shape_of_a_launchs_work():
 
 
 def test_lora_adapters_by_hand():
-    # tiny: H 128, q 128 wide, k and v 64, MLP 256; rank 16: an [R] fp16 row is one 128-byte stick
-    projector = StepProjector(tiny(layers=2), lora_rank=16)
-    one = StepShape((1,), (100,), 1, (AdapterRows(1, ("q_proj", "down_proj")),))
+    # tiny: H 128, q 128 wide, k and v 64, MLP 256; rank 16: an [r] fp16 row is one 128-byte stick
+    projector = StepProjector(tiny(layers=2))
+    one = StepShape((1,), (100,), 1, (AdapterRows(1, ("q_proj", "down_proj"), 16),))
     # per module: A [16, K] and B^T [16, N] once; per row x [K] in, the [16] product out and in,
     # y [N] in and out
     q = mem(16 * (256 + 256) + 256 + 128 + 256, 128 + 256)
@@ -151,21 +151,21 @@ def test_lora_adapters_by_hand():
     assert projector.project(one).by_kernel["lora"] == pytest.approx(2 * (q + down), rel=1e-12)
     base = projector.project(StepShape((1,), (100,), 1))
     assert projector.seconds(one) == pytest.approx(base.seconds + 2 * (q + down))
-    # two adapters read their weights each; three rows of one adapter read them once
-    two = StepShape((2, 1), (50, 60), 2, (AdapterRows(2, ("q_proj",)), AdapterRows(1, ("q_proj",))))
+    # two adapters read their weights each; three rows of one adapter read them once; an
+    # adapter of rank 4 reads its own 4 rows of A and B
+    two = StepShape((2, 1), (50, 60), 2, (AdapterRows(2, ("q_proj",), 16), AdapterRows(1, ("q_proj",), 4)))
     q2 = mem(16 * 512 + 2 * 640, 2 * 384)
-    assert projector.project(two).by_kernel["lora"] == pytest.approx(2 * (q2 + q), rel=1e-12)
+    q4 = mem(4 * 512 + 640, 384)
+    assert projector.project(two).by_kernel["lora"] == pytest.approx(2 * (q2 + q4), rel=1e-12)
     greedy = SamplingParams(temperature=0)
     work = [SeqWork(1, [5], 40, [3], True, greedy, lora="a"), SeqWork(2, [6, 7], 9, [4], True, greedy),
             SeqWork(3, [8], 20, [5], True, greedy, lora="a")]
-    step = step_of_work(work, {1: (0, ("q_proj",)), 3: (0, ("q_proj",))})
-    assert step.adapters == (AdapterRows(2, ("q_proj",)),)
-    with pytest.raises(ValueError, match="without lora_rank"):
-        StepProjector(tiny()).project(one)
+    step = step_of_work(work, {1: (0, ("q_proj",), 8), 3: (0, ("q_proj",), 8)})
+    assert step.adapters == (AdapterRows(2, ("q_proj",), 8),)
     with pytest.raises(ValueError, match="unknown: \\['lm_head'\\]"):
-        StepShape((1,), (1,), 1, (AdapterRows(1, ("lm_head",)),))
-    with pytest.raises(ValueError, match="3 in all at most the 1 tokens"):
-        StepShape((1,), (1,), 1, (AdapterRows(3, ("q_proj",)),))
+        StepShape((1,), (1,), 1, (AdapterRows(1, ("lm_head",), 8),))
+    with pytest.raises(ValueError, match="3 rows in all at most the 1 tokens"):
+        StepShape((1,), (1,), 1, (AdapterRows(3, ("q_proj",), 8),))
 
 
 def test_the_lora_modules_priced_are_the_arenas():
