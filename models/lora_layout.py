@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from spyre_serve.device.abi import f32_at
 from spyre_serve.device.kernels.lora import lora_modules_at
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -74,11 +75,12 @@ def lora_layer(y, x, f32, lora, slots, first, end, h, qd, kd, inter):
     if base == 0:
         return
     offs = block_offsets(h, qd, kd, inter, rank, nslot)
-    modules = np.empty((end - first, 7), np.int64)
+    modules = np.empty((end - first, 6), np.int64)
     col0 = 0
     for m in range(first, end):
         k, n = module_dims(m, h, qd, kd, inter)
         modules[m - first] = (base + 4 * offs[1 + 2 * m], base + 4 * offs[2 + 2 * m], base + 4 * m * nslot,
-                              k, n, col0, base + 4 * N_MODULES * nslot)
+                              k, n, col0)
         col0 += n
-    lora_modules_at(y, x, f32, modules, slots, nslot, rank)
+    ranks = f32_at(f32, base + 4 * N_MODULES * nslot, nslot)
+    lora_modules_at(y, x, f32, modules, ranks, slots, nslot, rank)

@@ -1,13 +1,13 @@
 """Low-rank updates added to a projection's output, one adapter per row (punica's shrink/expand).
 
-    lora_modules_at(y, x, f32, modules, slots, nslot, r)
-        for each module m (int64[M, 7]: a, b and scales byte addresses in the arena, K, N,
-        first column col0 of y, ranks byte address), for every row t whose slot s = slots[t]
-        >= 0 and scale = scales[s] != 0, with r_s = ranks[s]:
+    lora_modules_at(y, x, f32, modules, ranks, slots, nslot, r)
+        for each module m (int64[M, 6]: a, b and scales byte addresses in the arena, K, N,
+        first column col0 of y), for every row t whose slot s = slots[t] >= 0 and
+        scale = scales[s] != 0, with r_s = ranks[s] (the slots' ranks, shared by the modules):
             y[t, col0:col0 + N] += scale * (x[t] @ a[s, :r_s].T) @ b[s, :r_s]
     x float32[T, K]; a float32[NSLOT, R, K] (shrink: PEFT's lora_A.weight), b float32[NSLOT,
-    R, N] (expand: lora_B.weight.T); scales and ranks float32[NSLOT] (a slot's rank r_s <= R,
-    a whole number); slots int32[T] (-1: no adapter); y float32[T, >= col0 + N];
+    R, N] (expand: lora_B.weight.T); scales float32[NSLOT]; ranks float32[NSLOT] (a slot's
+    rank r_s <= R, a whole number; a view of the arena); slots int32[T] (-1: no adapter); y float32[T, >= col0 + N];
     f32 the arena's float32 view. Several modules read one x and write side by side in y
     (the step's call: a fused QKV's q, k, v; gate, up).
 
@@ -69,15 +69,16 @@ def _add_scaled(y, rows, col0, out, scale):
 
 
 @njit(nogil=True, cache=True)
-def _slot_modules(y, x, f32, modules, s, mine, nslot, r):
+def _slot_modules(y, x, f32, modules, s, rs, mine, nslot, r):
     """Slot s's rows ``mine`` through every module of ``modules`` (lora_modules_at), at the
-    slot's own rank."""
+    slot's own rank ``rs``."""
+    if rs == 0:
+        return
     xs = _gather(x, mine)
     for m in range(modules.shape[0]):
         k, n, col0 = modules[m, 3], modules[m, 4], modules[m, 5]
         scale = f32_at(f32, modules[m, 2], nslot)[s]
-        rs = int(f32_at(f32, modules[m, 6], nslot)[s])
-        if scale == 0.0 or rs == 0:
+        if scale == 0.0:
             continue
         a = f32_at(f32, modules[m, 0], nslot * r * k).reshape(nslot, r, k)[s, :rs]
         b = f32_at(f32, modules[m, 1], nslot * r * n).reshape(nslot, r, n)[s, :rs]
@@ -85,14 +86,14 @@ def _slot_modules(y, x, f32, modules, s, mine, nslot, r):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _modules_parallel(y, x, f32, modules, start, rows, used, nslot, r):
+def _modules_parallel(y, x, f32, modules, ranks, start, rows, used, nslot, r):
     for i in prange(used.shape[0]):
         s = used[i]
-        _slot_modules(y, x, f32, modules, s, rows[start[s]:start[s + 1]], nslot, r)
+        _slot_modules(y, x, f32, modules, s, int(ranks[s]), rows[start[s]:start[s + 1]], nslot, r)
 
 
 @njit(nogil=True, cache=True)
-def lora_modules_at(y, x, f32, modules, slots, nslot, r):
+def lora_modules_at(y, x, f32, modules, ranks, slots, nslot, r):
     """Every module of ``modules`` applied to the rows of x with an adapter (the module's
     docstring): one pass over the slots (across the cores when several), each slot's rows of
     x gathered once."""
@@ -108,16 +109,14 @@ def lora_modules_at(y, x, f32, modules, slots, nslot, r):
         if slots[t] >= nslot:
             raise IndexError("lora_modules_at: adapter slot past the arena (row, slot, slots)", t,
                              slots[t], nslot)
-    for m in range(modules.shape[0]):
-        ranks = f32_at(f32, modules[m, 6], nslot)
-        for s in range(nslot):
-            if not 0 <= ranks[s] <= r:
-                raise ValueError("lora_modules_at: a slot's rank is past the arena's (module, slot, "
-                                 "rank, R)", m, s, int(ranks[s]), r)
+    for s in range(nslot):
+        if not 0 <= ranks[s] <= r:
+            raise ValueError("lora_modules_at: a slot's rank is past the arena's (slot, rank, R)", s,
+                             int(ranks[s]), r)
     start, rows = _rows_by_slot(slots, nslot)
     used = np.flatnonzero(start[1:] > start[:-1])
     if used.shape[0] == 1:
         s = used[0]
-        _slot_modules(y, x, f32, modules, s, rows[start[s]:start[s + 1]], nslot, r)
+        _slot_modules(y, x, f32, modules, s, int(ranks[s]), rows[start[s]:start[s + 1]], nslot, r)
     elif used.shape[0] > 1:
-        _modules_parallel(y, x, f32, modules, start, rows, used, nslot, r)
+        _modules_parallel(y, x, f32, modules, ranks, start, rows, used, nslot, r)

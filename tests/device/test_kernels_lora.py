@@ -28,17 +28,21 @@ def _placed(card, *arrays):
     return out
 
 
-def _module(card, a, b, scales, col0, ranks=None):
-    """A module row of lora_modules_at: a, b, scales and ranks placed in the arena."""
-    ranks = np.full(a.shape[0], a.shape[1], np.float32) if ranks is None else ranks
-    a_at, b_at, s_at, r_at = _placed(card, a, b, scales, np.asarray(ranks, np.float32))
-    return (a_at, b_at, s_at, a.shape[2], b.shape[2], col0, r_at)
+def _module(card, a, b, scales, col0):
+    """A module row of lora_modules_at: a, b and scales placed in the arena."""
+    return (*_placed(card, a, b, scales), a.shape[2], b.shape[2], col0)
+
+
+def _ranks(a, ranks=None):
+    """The slots' ranks (R each by default), float32 as the arena holds them."""
+    return np.full(a.shape[0], a.shape[1], np.float32) if ranks is None else np.asarray(ranks, np.float32)
 
 
 def lora_apply(card, y, x, a, b, scales, slots, col0, ranks=None):
     """lora_modules_at with one module."""
-    modules = np.array([_module(card, a, b, scales, col0, ranks)], np.int64)
-    lora_modules_at(y, x, card.memory.view(np.float32), modules, slots, a.shape[0], a.shape[1])
+    modules = np.array([_module(card, a, b, scales, col0)], np.int64)
+    lora_modules_at(y, x, card.memory.view(np.float32), modules, _ranks(a, ranks), slots, a.shape[0],
+                    a.shape[1])
 
 
 def _case(rng, t_rows=9, k=48, r=8, n=40, nslot=3, extra=24):
@@ -113,8 +117,8 @@ def test_lora_modules_at_applies_each_module_to_its_columns(card):
         a = rng.standard_normal((nslot, r, k), dtype=np.float32)
         b = rng.standard_normal((nslot, r, n), dtype=np.float32)
         scales = np.array([0.5, 0.0 if m == 1 else 2.0, 1.5], np.float32)
-        modules.append(_module(card, a, b, scales, col0, ranks))
+        modules.append(_module(card, a, b, scales, col0))
         ref = lora_reference(ref, x, a, b, scales, slots, col0, ranks)
         col0 += n
-    lora_modules_at(y, x, f32, np.array(modules, np.int64), slots, nslot, r)
+    lora_modules_at(y, x, f32, np.array(modules, np.int64), ranks, slots, nslot, r)
     np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-4)
