@@ -2,7 +2,7 @@
 
     adapter = read_adapter(path, config, max_rank)     # LoraError (a ValueError) naming the problem
     adapter.rank, adapter.scaling                      # scaling: alpha / r, or alpha / sqrt(r) (rsLoRA)
-    adapter.weights[(layer, "q_proj")]                 # (A.T float32[K, r], B.T float32[r, N])
+    adapter.weights[(layer, "q_proj")]                 # (A float32[r, K], B.T float32[r, N])
 
 What is served: LoRA on q/k/v/o/gate/up/down_proj of the decoder layers (PEFT's
 `target_modules`, a list, a regular expression or "all-linear"), bias "none", no DoRA, no
@@ -146,8 +146,8 @@ def read_adapter(path: str | Path, config: GraniteConfig, max_rank: int) -> Lora
             got = [None if t is None else list(t.shape) for t in (a, b)]
             raise LoraError(f"{file}: layer {layer} {module}: lora_A must be [{rank}, {k}] and "
                             f"lora_B [{n}, {rank}] for this model (r={rank}), got {got}")
-        adapter.weights[(layer, module)] = (np.ascontiguousarray(a.T, np.float32),
-                                            np.ascontiguousarray(b.T, np.float32))
+        adapter.weights[(layer, module)] = (np.ascontiguousarray(a, np.float32),      # as the arena's
+                                            np.ascontiguousarray(b.T, np.float32))    # slots hold them
     if not adapter.weights:
         raise LoraError(f"{file}: holds no LoRA weights")
     return adapter

@@ -155,12 +155,10 @@ class LoraArena:
                 k, n = module_dims(m, *self.dims)
                 ab = adapter.weights.get((layer, module))
                 if ab is not None:       # the slot's first rows; the kernel reads no others
-                    a, b = ab
+                    a, b = ab            # A [r, K], B.T [r, N]: the slot's layout
                     scales[m] = adapter.scaling
-                    self._copy(at + 4 * (int(self.offsets[1 + 2 * m]) + slot * rank * k),
-                               np.ascontiguousarray(a.T, np.float32))
-                    self._copy(at + 4 * (int(self.offsets[2 + 2 * m]) + slot * rank * n),
-                               np.ascontiguousarray(b, np.float32))
+                    self._copy(at + 4 * (int(self.offsets[1 + 2 * m]) + slot * rank * k), a)
+                    self._copy(at + 4 * (int(self.offsets[2 + 2 * m]) + slot * rank * n), b)
             for m in range(N_MODULES):
                 self._copy(at + 4 * (m * k_slots + slot), scales[m:m + 1])
             self._copy(at + 4 * (N_MODULES * k_slots + slot), np.array([adapter.rank], np.float32))
