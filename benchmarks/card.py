@@ -46,8 +46,8 @@ from spyre_serve.device import Card, Program, Slot  # noqa: E402
 from spyre_serve.device.abi import f32_at  # noqa: E402
 from spyre_serve.device.kernels.activation import swiglu  # noqa: E402
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F32, packed_size  # noqa: E402
-from spyre_serve.device.kernels.gemm import gemm_packed  # noqa: E402
-from spyre_serve.device.kernels.gemm_inputs import ACT_F32  # noqa: E402
+from spyre_serve.device.kernels.gemm.inputs import ACT_F32  # noqa: E402
+from spyre_serve.device.kernels.gemm.packed import gemm_packed  # noqa: E402
 from spyre_serve.device.kernels.norm import rmsnorm  # noqa: E402
 from spyre_serve.device.kernels.residual import residual_add  # noqa: E402
 from spyre_serve.device.layout import pack  # noqa: E402

@@ -19,9 +19,9 @@ import numpy as np
 from numba import njit, prange
 
 from spyre_serve.device.kernels.formats import FMT_F32
-from spyre_serve.device.kernels.gemm import gemm_packed
-from spyre_serve.device.kernels.gemm_inputs import ACT_F32
-from spyre_serve.device.kernels.microkernel import tile
+from spyre_serve.device.kernels.gemm.inputs import ACT_F32
+from spyre_serve.device.kernels.gemm.microkernel import tile
+from spyre_serve.device.kernels.gemm.packed import gemm_packed
 from spyre_serve.device.kernels.simd import NR, geometry
 from spyre_serve.device.layout import pack
 

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from spyre_serve.device import Card  # noqa: E402
 from spyre_serve.device.isa import current as kernel_isa  # noqa: E402
-from spyre_serve.models.lora_layout import (  # noqa: E402
+from spyre_serve.models.lora.layout import (  # noqa: E402
     N_MODULES,
     ON_DOWN,
     ON_GATE_UP,

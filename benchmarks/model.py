@@ -367,7 +367,7 @@ def main():
     steps1 = 8 if args.quick else 16
     steps32 = 4 if args.quick else 8
 
-    from spyre_serve.models.profiles import resolve_model
+    from spyre_serve.models.checkpoints.profiles import resolve_model
 
     path = resolve_model(args.model)
     ckpt_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))

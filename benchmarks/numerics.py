@@ -216,7 +216,7 @@ def smollm2_report(paths: dict, modes: dict[str, Mode], depths: tuple[int, ...])
 
 def granite_layers_report(modes: dict[str, Mode], positions: int) -> dict:
     """granite-8b-layers at each depth, modes of a float checkpoint, `positions` tokens."""
-    from spyre_serve.models.tokenizer import load_tokenizer
+    from spyre_serve.models.checkpoints.tokenizer import load_tokenizer
 
     path = resolve_model("granite-8b-layers")
     tok = load_tokenizer(path)

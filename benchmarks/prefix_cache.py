@@ -60,7 +60,7 @@ class Run:
 def prompts(n: int, system_tokens: int, user_tokens: int) -> tuple[list[int], list[list[int]]]:
     """The shared system prompt and ``n`` prompts (system + a user turn of their own), as ids."""
     from spyre_serve.models import resolve_model
-    from spyre_serve.models.tokenizer import load_tokenizer
+    from spyre_serve.models.checkpoints.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model("granite-tiny"))
     ids = tok.encode((ROOT / "models" / "assets" / "corpus" / "prose.txt").read_text(), add_special_tokens=False)
@@ -95,7 +95,7 @@ async def load(base: str, bodies: list[dict], concurrency: int, timeout: float):
 def measure(name: str, flags: list[str], batch: list[list[int]], warm: list[int], args) -> Run:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "spyre_serve.server.cli", "serve", "--model", "granite-tiny", "--port", str(port),
+    cmd = [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", "--model", "granite-tiny", "--port", str(port),
            "--max-num-seqs", str(max(8, args.concurrency)), "--log-level", "warning", *flags]
     body = {"model": "granite-tiny", "max_tokens": args.output_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True}

@@ -1,11 +1,11 @@
 """The real card's clock for Granite 3.3 8B: its projected TTFT and TPOT on IBM Spyre cards
-(models/projection.py over device/cost_model.py's figures), with where each step's time goes.
+(models/sizing/projection.py over device/cost_model.py's figures), with where each step's time goes.
 
     .venv/bin/python benchmarks/projection.py [--tp 1 2 4] [--batch 1 32] [--context 1024]
         [--chunk 512] [--format fp16] [--kv-bytes 2] [--json OUT]
 
 Granite 3.3 8B's real config (hidden 4096, 40 layers, 32 heads, 8 KV heads, head dim 128, MLP
-12800, vocab 49159: models/profiles.py's granite-8b-layers with 40 layers), weights in
+12800, vocab 49159: models/checkpoints/profiles.py's granite-8b-layers with 40 layers), weights in
 `--format`, at each tensor-parallel degree and batch: TTFT is a prompt of `--context` tokens
 prefilled alone in chunks of `--chunk` (the plugin's way), TPOT one decode step of `--batch`
 sequences each holding `--context` tokens. Nothing runs on this host: it is arithmetic, and
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spyre_serve.models.profiles import PROFILES  # noqa: E402
-from spyre_serve.models.projection import (  # noqa: E402
+from spyre_serve.models.checkpoints.profiles import PROFILES  # noqa: E402
+from spyre_serve.models.sizing.projection import (  # noqa: E402
     KERNELS,
     StepProjector,
     decode_step,

@@ -99,7 +99,7 @@ def text_prompt_maker(total: int, tokens: int):
     """make(n) -> n text prompts of about ``tokens`` tokens, each cut at its own offset of the
     shipped prose corpus (``total`` of them at most, spread over it), none given twice."""
     from spyre_serve.models import resolve_model
-    from spyre_serve.models.tokenizer import load_tokenizer
+    from spyre_serve.models.checkpoints.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model("granite-tiny"))
     text = (ROOT / "models" / "assets" / "corpus" / "prose.txt").read_text()

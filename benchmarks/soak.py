@@ -1,6 +1,6 @@
 """Soak: spyre-serve under steady load for a long time, judged by what must not drift.
 
-Starts its own server (``python -m server.cli serve``, granite-tiny, 127.0.0.1, a free port)
+Starts its own server (``python -m server.launch.cli serve``, granite-tiny, 127.0.0.1, a free port)
 and keeps --concurrency clients busy for --warmup-seconds and then, measured, --minutes (one
 load throughout, so the measurement starts in a steady state): mixed prompt and output
 lengths, streamed or not, and a --disconnect share of clients that hang up at a random point
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p for n in (rng.randint(lo, hi) for _ in range(8)) for p in text_prompt_maker(8, n)(8)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "spyre_serve.server.cli", "serve", "--model", "granite-tiny", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", "--model", "granite-tiny", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning", *args.server_arg]
     print(f"starting {' '.join(cmd[1:])} (log: {args.log})", flush=True)
     with open(args.log, "w") as log:

@@ -19,7 +19,7 @@ checkpoint stored in that format is placed bit for bit.
 Block-quantized weights ("Q8_0", "Q4_0", "Q4_1": GGML's formats; "FP8_E4M3": 8-bit floats
 with a scale a column, in Q8_0's records) come as a `QuantizedWeight`, the quants and scales of each output channel in blocks of QB = 32 inputs,
 and are placed at their width: each panel is K / QB records of QB rows (the NR scales, the
-Q4_1 minimums, then the quants in groups of 4 rows; device/kernels/microkernel.py has the
+Q4_1 minimums, then the quants in groups of 4 rows; device/kernels/gemm/microkernel.py has the
 bytes).
 """
 

@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger("spyre_serve.device")
 
 # Numba's parallel kernels run on Intel TBB (the `tbb` wheel, a dependency) when it loads, else on
-# OpenMP. Every kernel of a step is a parallel loop on every core (models/threads.py), ~30 a
+# OpenMP. Every kernel of a step is a parallel loop on every core (models/step/threads.py), ~30 a
 # layer. TBB's workers spin briefly and then sleep, and a thread that is running takes the
 # chunks of one that is not (work stealing), where OpenMP's static split waits for it. SmolLM2-135M
 # shape, decode step ms (batch 1 / batch 32), one process per setting, on an idle machine and
@@ -97,7 +97,7 @@ def configure():
         imported = sorted(m for m in sys.modules
                           if m.startswith(("spyre_serve.device.kernels", "spyre_serve.device.abi",
                                            "spyre_serve.device.program", "spyre_serve.device.profile",
-                                           "spyre_serve.models.step_program",
+                                           "spyre_serve.models.step.program",
                                            "spyre_serve.models.eager", "spyre_torch.kernels")))
         if imported:
             log.warning("kernels imported before device.process.configure() (%s): their compile "

@@ -20,7 +20,7 @@ entry is compiled by Numba once per process (in the constructor, from Numba's di
 when it has it): a real old stack would also recompile, which is not emulated here, so this
 baseline is if anything faster than the stack it stands for. The host loops over layers and
 ops in Python. Greedy only. It exists to be measured against (benchmarks/model.py), not to
-serve: the program path (models.runner) is what the server uses.
+serve: the program path (models.step.runner) is what the server uses.
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ from numba import njit
 from spyre_serve.device import Card, DeviceTensor, Program, Slot
 from spyre_serve.device.abi import ENTRY_ARGS, f32_at, i32_at, i64_at
 from spyre_serve.device.kernels.activation import swiglu
-from spyre_serve.device.kernels.attention import paged_attention, write_kv
+from spyre_serve.device.kernels.attention.paged import paged_attention, write_kv
 from spyre_serve.device.kernels.gather import gather_columns_at, gather_rows
-from spyre_serve.device.kernels.gemm import gemm_at
+from spyre_serve.device.kernels.gemm.packed import gemm_at
 from spyre_serve.device.kernels.norm import rmsnorm
 from spyre_serve.device.kernels.residual import residual_add
 from spyre_serve.device.kernels.rope import rope_inplace
 from spyre_serve.device.kernels.sampling import sample_rows
-from spyre_serve.models.kv_cache import KVCache
-from spyre_serve.models.step_io import SeqWork
-from spyre_serve.models.step_program import (
+from spyre_serve.models.step.interface import SeqWork
+from spyre_serve.models.step.kv_cache import KVCache
+from spyre_serve.models.step.program import (
     CONST_ATTN_SCALE,
     CONST_EMB_MULT,
     CONST_EPS,
@@ -49,8 +49,8 @@ from spyre_serve.models.step_program import (
     N_CONSTS,
     SAMPLE_ROW,
 )
-from spyre_serve.models.threads import use_every_core
-from spyre_serve.models.weights import compute_code, resolve_compute_dtype
+from spyre_serve.models.step.threads import use_every_core
+from spyre_serve.models.step.weights import compute_code, resolve_compute_dtype
 
 # ---- one entry per op, with the device ABI: table slots in the order of the bindings ----
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from spyre_serve.server.engine import Engine, EngineObserver
+from spyre_serve.server.engine.core import Engine, EngineObserver
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -20,7 +20,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 ENGINE_ALIVE_HELP = "1 while the engine loop runs."  # the engine's gauge, or the API's when it is down
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# a step on a real card (models/projection.py): from a small model's decode to a long prefill
+# a step on a real card (models/sizing/projection.py): from a small model's decode to a long prefill
 PROJECTED_STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                           0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -83,7 +83,7 @@ class Metrics(EngineObserver):
         )
         self.projected_step = Histogram(
             "spyre_projected_step_seconds", "Histogram of each launched step's seconds on a real Spyre "
-            "card, projected from its shape (models/projection.py).", labels,
+            "card, projected from its shape (models/sizing/projection.py).", labels,
             buckets=PROJECTED_STEP_BUCKETS, registry=r,
         ).labels(model_name)     # its series from the start: 0 until a step is projected
         r.register(_LiveCollector(self))

@@ -66,7 +66,7 @@ def test_the_scan_sees_a_bare_import(tmp_path):
 
 def test_outside_the_checkout_only_the_unique_names_import(tmp_path):
     code = ("import importlib.util as u\n"
-            "import spyre_serve.server.cli, spyre_serve.models.config, spyre_serve.device.isa\n"
+            "import spyre_serve.server.launch.cli, spyre_serve.models.config, spyre_serve.device.isa\n"
             "import spyre_serve.deploy.loadtest, spyre_torch\n"
             "print([n for n in ('device', 'models', 'server', 'deploy') if u.find_spec(n)])\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,

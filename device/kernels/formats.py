@@ -1,6 +1,6 @@
 """The weights' number formats on the card and the arithmetic of their packed layout: how many
 rows a panel holds, where a panel's rows start, how many elements a packed weight takes.
-device/kernels/gemm.py describes the layouts; device/layout.py packs them.
+device/kernels/gemm/packed.py describes the layouts; device/layout.py packs them.
 
     FMT_F32, FMT_BF16, FMT_F16        float32, bfloat16 (rows in pairs), float16
     FMT_Q8_0, FMT_Q4_0, FMT_Q4_1      GGML's block-quantized formats, in records of QB rows

@@ -11,33 +11,29 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI
 
-from spyre_serve.server.engine import Engine
-from spyre_serve.server.openai import (
-    chat,
-    completions,
-    embeddings,
-    lora_api,
-    responses_api,
-    status,
-    tokenization,
-)
+from spyre_serve.server.engine.core import Engine
+from spyre_serve.server.launch.settings import Settings
+from spyre_serve.server.lora import api as lora_api
+from spyre_serve.server.openai import status, tokenization
 from spyre_serve.server.openai.auth import GuardPaths, api_key_guard
 from spyre_serve.server.openai.errors import install_error_handlers
-from spyre_serve.server.openai.openapi import install_openapi, served_values
-from spyre_serve.server.openai.pooling_protocol import EmbeddingRequest, ScoreRequest
-from spyre_serve.server.openai.prompts import free_variables
-from spyre_serve.server.openai.protocol import (
+from spyre_serve.server.openai.generation import chat, completions
+from spyre_serve.server.openai.generation.prompts import free_variables
+from spyre_serve.server.openai.generation.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from spyre_serve.server.openai.generation.response_bodies import GENERATION_RESPONSES
+from spyre_serve.server.openai.openapi import install_openapi, served_values
+from spyre_serve.server.openai.pooling import api as embeddings
+from spyre_serve.server.openai.pooling.protocol import EmbeddingRequest, ScoreRequest
 from spyre_serve.server.openai.request_counts import CountRequests, RequestCounts
 from spyre_serve.server.openai.request_id import RequestIdMiddleware
-from spyre_serve.server.openai.responses import GENERATION_RESPONSES
-from spyre_serve.server.openai.responses_request import ResponsesRequest
+from spyre_serve.server.openai.responses import api as responses_api
+from spyre_serve.server.openai.responses.request import ResponsesRequest
 from spyre_serve.server.openai.serving import Serving
-from spyre_serve.server.settings import Settings
 
 
 def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastAPI:

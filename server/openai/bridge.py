@@ -22,9 +22,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from spyre_serve.server.engine import Engine, SeqUpdate
-from spyre_serve.server.engine_stats import ProjectedTimes
-from spyre_serve.server.sequence import GenerationParams, TokenLogprob
+from spyre_serve.server.engine.core import Engine, SeqUpdate
+from spyre_serve.server.engine.stats import ProjectedTimes
+from spyre_serve.server.sched.sequence import GenerationParams, TokenLogprob
 
 DISCONNECT_POLL_SECONDS = 0.05  # how often a waiting non-streaming request asks if its client left
 log = logging.getLogger("spyre_serve.api")
@@ -142,7 +142,7 @@ class Submission:
 
 
 def spyre_usage(projected: list[ProjectedTimes]) -> dict:
-    """What the choices' steps take on a real Spyre card (models/projection.py): the steps up to
+    """What the choices' steps take on a real Spyre card (models/sizing/projection.py): the steps up to
     the first token (of the earliest choice), the mean of the steps after it (over every
     choice's), and all of the longest choice's steps."""
     later, steps = sum(p.later for p in projected), sum(p.later_steps for p in projected)

@@ -16,9 +16,9 @@ Whether the queue has room now is the 503 of ``Serving.check_admission``.
 
 from __future__ import annotations
 
+from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.openai.errors import APIError, json_head
-from spyre_serve.server.openai.protocol import CompletionRequest, SamplingRequest
-from spyre_serve.server.settings import Settings
+from spyre_serve.server.openai.generation.protocol import CompletionRequest, SamplingRequest
 
 
 def num_prompts(req: SamplingRequest) -> int:

@@ -23,21 +23,21 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from spyre_serve.server.engine import Engine, EngineUnavailable, RequestRejected
-from spyre_serve.server.lora import LoraNames
+from spyre_serve.server.engine.core import Engine, EngineUnavailable, RequestRejected
+from spyre_serve.server.launch.settings import Settings
+from spyre_serve.server.lora.adapters import LoraNames
 from spyre_serve.server.openai.body import Body, read_request
 from spyre_serve.server.openai.bridge import Submission
 from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.generation.logprobs import TokenTexts
+from spyre_serve.server.openai.generation.prompts import truncated, with_chat_template
+from spyre_serve.server.openai.generation.protocol import SamplingRequest
+from spyre_serve.server.openai.generation.sampling import generation_defaults
 from spyre_serve.server.openai.limits import check_limits, num_prompts
-from spyre_serve.server.openai.logprobs import TokenTexts
 from spyre_serve.server.openai.offload import Offload, PoolFull, TimedOut
-from spyre_serve.server.openai.prompts import truncated, with_chat_template
-from spyre_serve.server.openai.protocol import SamplingRequest
-from spyre_serve.server.openai.responses_store import ResponseStore
-from spyre_serve.server.openai.sampling import generation_defaults
-from spyre_serve.server.sequence import GenerationParams
-from spyre_serve.server.settings import Settings
-from spyre_serve.server.structured import Grammars
+from spyre_serve.server.openai.responses.store import ResponseStore
+from spyre_serve.server.sched.sequence import GenerationParams
+from spyre_serve.server.structured_output.grammars import Grammars
 
 log = logging.getLogger("spyre_serve.api")
 
@@ -73,7 +73,7 @@ class Serving:
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses (--max-stored-responses)
     fingerprint: str = field(init=False)  # responses' system_fingerprint: the engine's numerics
     longest_token: int | None = field(init=False)  # characters of the vocabulary's longest token
-    loras: LoraNames = field(init=False)  # the LoRA adapters a request may name (server/lora.py)
+    loras: LoraNames = field(init=False)  # the LoRA adapters a request may name (server/lora/adapters.py)
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)

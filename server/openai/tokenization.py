@@ -12,9 +12,9 @@ from functools import partial
 
 from fastapi import APIRouter, Request
 
+from spyre_serve.server.openai.generation.prompts import chat_prompt, completion_prompts
+from spyre_serve.server.openai.generation.protocol import DetokenizeRequest, TokenizeRequest
 from spyre_serve.server.openai.openapi import BODY_ERRORS, route
-from spyre_serve.server.openai.prompts import chat_prompt, completion_prompts
-from spyre_serve.server.openai.protocol import DetokenizeRequest, TokenizeRequest
 from spyre_serve.server.openai.serving import serving_of
 
 router = APIRouter()

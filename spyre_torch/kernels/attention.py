@@ -8,7 +8,7 @@ row strides (the last dim contiguous); out [B, Hq, L, Dv] row-major. The mask is
 `causal`: query i sees keys j <= i (torch's top-left alignment). A query row that sees no key
 gives zeros (torch's math path does the same).
 
-The loop is the card's paged attention (device/kernels/attention.py) on dense K/V: work items,
+The loop is the card's paged attention (device/kernels/attention/paged.py) on dense K/V: work items,
 in parallel, are (batch, KV head, a tile of query rows with every query head of that group);
 keys come in blocks of KB, copied contiguous, with an online softmax (running max and sum,
 exponentials by the card's vectorized `exp_nonpos`), and a causal tile stops at its last
@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from spyre_serve.device.abi import get_kernel_threads, set_kernel_threads
-from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
+from spyre_serve.device.kernels.attention.online_softmax import NEG_BIG, online_softmax_block
 from spyre_torch.kernels import ATTENTION, index
 from spyre_torch.kernels.access import BOOL, F32, as_float
 
@@ -39,7 +39,7 @@ BLAS_SERIAL_MNK = 262144     # OpenBLAS multiplies GEMMs up to this m*n*k on the
 BLAS_MIN_QV = 16             # fewer query vectors: dot loops (a BLAS call costs more)
 # less work than this runs on one core: ~10 ms on one; a decode row over 1024 keys (2 MFLOP)
 # took 6 ms in parallel on the shared 2-core machine (each fork/join can wait a time slice for
-# a descheduled worker, models/threads.py) against 0.2 ms on one core
+# a descheduled worker, models/step/threads.py) against 0.2 ms on one core
 PARALLEL_FLOPS = 50_000_000
 
 

@@ -9,7 +9,7 @@ first. `out` is row-major, batch stride m * n. `bias` (dtype code, or -1 for non
 through its strides (0 where broadcast).
 
 One row (a decode step's GEMV) is a loop instead of BLAS: it is bandwidth-bound, as fast on
-one core for small matrices (models/threads.py measured it; OpenBLAS's thread pool on a
+one core for small matrices (models/step/threads.py measured it; OpenBLAS's thread pool on a
 shared 2-core machine can wait a whole time slice for a descheduled worker), and split over
 the cores by output columns from GEMV_PARALLEL_BYTES of matrix.
 """
@@ -21,7 +21,7 @@ from spyre_serve.device.abi import f32_at, get_kernel_threads
 from spyre_torch.kernels import MATMUL, index
 from spyre_torch.kernels.access import as_float
 
-# a one-row product reads its whole matrix once: from this size (models/threads.py's
+# a one-row product reads its whole matrix once: from this size (models/step/threads.py's
 # BLAS_PARALLEL_WORK_BYTES) the read is split across the cores, below it one core is as fast
 GEMV_PARALLEL_BYTES = 16 << 20
 

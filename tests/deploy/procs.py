@@ -59,10 +59,10 @@ def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int:
 def server_args(port: int) -> list[str]:
     """A small spyre-serve on 127.0.0.1: granite-tiny, few step buckets, a small card.
 
-    Started as ``python -m server.cli`` from the repository, which is what the
+    Started as ``python -m server.launch.cli`` from the repository, which is what the
     ``spyre-serve`` command runs, independent of how the venv installed the package.
     """
-    return [sys.executable, "-m", "spyre_serve.server.cli", "serve", "--model", "granite-tiny",
+    return [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", "--model", "granite-tiny",
             "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "8",
             "--max-num-batched-tokens", "128", "--device-memory", "1G"]
 

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import yaml
 
-from spyre_serve.server.cli import Settings
+from spyre_serve.server.launch.cli import Settings
 from tests.deploy.dockerfile import parse
 from tests.deploy.procs import REPO, VENV_BIN
 

@@ -6,7 +6,7 @@ laid out by `to_layout`."""
 import numpy as np
 import pytest
 
-from spyre_serve.device.kernels.attention import paged_attention, write_kv
+from spyre_serve.device.kernels.attention.paged import paged_attention, write_kv
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_DLF16, FMT_F16
 from spyre_serve.device.layout import decode, encode
 from tests.device.test_kernels_gemm_packed import rounded

@@ -9,8 +9,8 @@ import torch
 from spyre_serve.device.isa import current
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_DLF16, FMT_F16, FMT_F32, packed_size
 from spyre_serve.device.kernels.gather import gather_columns
-from spyre_serve.device.kernels.gemm import gemm_packed
-from spyre_serve.device.kernels.gemm_inputs import ACT_F32, round_to_format
+from spyre_serve.device.kernels.gemm.inputs import ACT_F32, round_to_format
+from spyre_serve.device.kernels.gemm.packed import gemm_packed
 from spyre_serve.device.layout import pack, unpack
 from spyre_serve.device.numerics import dlfloat16_round
 

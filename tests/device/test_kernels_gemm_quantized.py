@@ -16,8 +16,8 @@ from spyre_serve.device.kernels.formats import (
     packed_len,
 )
 from spyre_serve.device.kernels.gather import gather_columns, gather_columns_at
-from spyre_serve.device.kernels.gemm import gemm_at, gemm_packed
-from spyre_serve.device.kernels.gemm_inputs import ACT_F32, ACT_INT8, quantize_rows
+from spyre_serve.device.kernels.gemm.inputs import ACT_F32, ACT_INT8, quantize_rows
+from spyre_serve.device.kernels.gemm.packed import gemm_at, gemm_packed
 from spyre_serve.device.kernels.simd import QB
 from spyre_serve.device.layout import (
     QuantizedWeight,

@@ -5,7 +5,7 @@ included."""
 import numpy as np
 import pytest
 
-from spyre_serve.device.kernels.online_softmax import NEG_BIG, online_softmax_block
+from spyre_serve.device.kernels.attention.online_softmax import NEG_BIG, online_softmax_block
 
 
 def run_blocks(scores, v, block):

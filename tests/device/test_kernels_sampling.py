@@ -13,7 +13,7 @@ from spyre_serve.device.kernels.sampling import (
     uniform,
 )
 from spyre_serve.device.kernels.sampling.select import _max, argmax
-from spyre_serve.models.step_program import SAMPLE_ROW
+from spyre_serve.models.step.program import SAMPLE_ROW
 
 V = 1000
 

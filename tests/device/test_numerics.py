@@ -8,9 +8,9 @@ reference bit for bit."""
 import numpy as np
 import pytest
 
-from spyre_serve.device.kernels.attention import write_kv
+from spyre_serve.device.kernels.attention.paged import write_kv
 from spyre_serve.device.kernels.formats import FMT_DLF16
-from spyre_serve.device.kernels.gemm_inputs import round_to_format
+from spyre_serve.device.kernels.gemm.inputs import round_to_format
 from spyre_serve.device.numerics import (
     DLF16_MAX,
     DLF16_MIN,

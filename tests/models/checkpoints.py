@@ -5,7 +5,7 @@
     path = write_granite_checkpoint(tmp_path, hidden=128, layers=2, tie=True, dtype="bfloat16")
     ref = load_reference_model(path)     # transformers' GraniteForCausalLM / LlamaForCausalLM, fp32
 
-The weights are seeded numpy draws (models.profiles.init_tensors), loaded into
+The weights are seeded numpy draws (models.checkpoints.profiles.init_tensors), loaded into
 transformers' model class and written with ``save_pretrained``: a real HF checkpoint.
 The default init is the granite-tiny recipe (small embedding std, large projection
 std, jittered norms) so greedy output is varied; ``init_std`` gives every matrix the
@@ -22,8 +22,14 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from spyre_serve.models.checkpoints.profiles import (  # noqa: E402
+    ASSETS,
+    TINY,
+    TOKENIZER_FILES,
+    InitStds,
+    init_tensors,
+)
 from spyre_serve.models.config import GraniteConfig  # noqa: E402
-from spyre_serve.models.profiles import ASSETS, TINY, TOKENIZER_FILES, InitStds, init_tensors  # noqa: E402
 
 
 def granite_config(*, vocab: int = 256, hidden: int = 128, layers: int = 2, heads: int = 4,

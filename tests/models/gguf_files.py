@@ -26,9 +26,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.quants import dequantize, quantize
 
-from spyre_serve.models.checkpoint import expected_shapes
+from spyre_serve.models.checkpoints.hf import expected_shapes
 from spyre_serve.models.config import GraniteConfig
-from spyre_serve.models.gguf import gguf_name
+from spyre_serve.models.gguf.checkpoint import gguf_name
 
 Q = GGMLQuantizationType
 QK_K = 256
@@ -248,7 +248,7 @@ def write_numpy_checkpoint(directory, config: GraniteConfig, tensors: dict[str, 
     of a 16-bit file is 16-bit too, so both are placed on the card in the same width."""
     from safetensors.numpy import save_file
 
-    from spyre_serve.models.profiles import write_bf16_safetensors
+    from spyre_serve.models.checkpoints.profiles import write_bf16_safetensors
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from spyre_serve.device import STICK
-from spyre_serve.models.buffer_layout import Field, Layout, length_slot
+from spyre_serve.models.step.buffer_layout import Field, Layout, length_slot
 
 TABLE = Layout("t", [
     Field("ids", np.int32, ("T",)),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from spyre_serve.models.checkpoint import CheckpointError, expected_shapes, load_checkpoint
+from spyre_serve.models.checkpoints.hf import CheckpointError, expected_shapes, load_checkpoint
 from spyre_serve.models.config import GraniteConfig
 from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
 

@@ -6,12 +6,12 @@ import pytest
 
 from spyre_serve.device.kernels.formats import FMT_FP8
 from spyre_serve.device.numerics import fp8_e4m3_decode, fp8_e4m3_encode
-from spyre_serve.models.checkpoint import widen_stored
-from spyre_serve.models.compressed_tensors import (
+from spyre_serve.models.checkpoints.compressed_tensors import (
     QuantizationConfigError,
     fp8_weight_scheme,
     take_fp8_weights,
 )
+from spyre_serve.models.checkpoints.hf import widen_stored
 
 
 def config(weights):

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from spyre_serve.models.tokenizer import IncrementalDetokenizer, load_tokenizer  # noqa: E402
+from spyre_serve.models.checkpoints.tokenizer import IncrementalDetokenizer, load_tokenizer  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[2] / "models" / "assets" / "tokenizer"
 

@@ -14,14 +14,14 @@ import pytest
 from spyre_serve.device import Card
 from spyre_serve.models import SamplingParams, SeqWork, load_model
 from spyre_serve.models.config import ConfigError
-from spyre_serve.models.encoder_config import (
+from spyre_serve.models.encoder.config import (
     EncoderConfig,
     is_encoder_config,
     parse_encoder_config,
     pooler_defaults,
 )
-from spyre_serve.models.encoder_runner import EncoderRunner
-from spyre_serve.models.step_io import SeqWorkError
+from spyre_serve.models.encoder.runner import EncoderRunner
+from spyre_serve.models.step.interface import SeqWorkError
 from tests.models.encoder_checkpoints import reference_pooled, write_encoder_checkpoint
 
 TEXTS = ["Embeddings pool a prompt.", "Quick brown foxes",
@@ -44,7 +44,7 @@ def xlm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(roberta_dir):
-    from spyre_serve.models.tokenizer import load_tokenizer
+    from spyre_serve.models.checkpoints.tokenizer import load_tokenizer
 
     tok = load_tokenizer(roberta_dir)
     encoded = [tok(t)["input_ids"] for t in TEXTS]
@@ -171,7 +171,7 @@ def test_runner_refuses_what_is_not_a_whole_prompt_it_holds(roberta_dir):
 
 
 def test_runner_offers_what_the_engine_and_cli_read(roberta_dir):
-    from spyre_serve.server.seams import check_runner
+    from spyre_serve.server.engine.seams import check_runner
 
     card = Card(64 << 20)
     model = load_model(roberta_dir, card)

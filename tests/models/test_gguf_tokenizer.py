@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from tokenizers import Regex, pre_tokenizers
 
-from spyre_serve.models.gguf import GGUFError
-from spyre_serve.models.gguf_tokenizer import PRE_TOKENIZERS, load_gguf_tokenizer
-from spyre_serve.models.profiles import ASSETS, TINY, init_tensors
-from spyre_serve.models.tokenizer import IncrementalDetokenizer, load_tokenizer
+from spyre_serve.models.checkpoints.profiles import ASSETS, TINY, init_tensors
+from spyre_serve.models.checkpoints.tokenizer import IncrementalDetokenizer, load_tokenizer
+from spyre_serve.models.gguf.checkpoint import GGUFError
+from spyre_serve.models.gguf.tokenizer import PRE_TOKENIZERS, load_gguf_tokenizer
 from tests.models.gguf_files import Q, write_gguf
 
 CORPUS = ASSETS.parent / "corpus"
@@ -164,7 +164,7 @@ def test_a_served_gguf_chats_through_its_own_template(tmp_path, original):
     the file's template rendered by the file's tokenizer."""
     from openai import OpenAI
 
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
     from tests.server.servers import ServerThread, real_settings
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")

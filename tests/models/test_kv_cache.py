@@ -7,7 +7,7 @@ import pytest
 
 from spyre_serve.device import Card, DeviceOutOfMemory
 from spyre_serve.device.kernels.formats import FMT_BF16
-from spyre_serve.models.kv_cache import KVCache, block_bytes, resolve_dtype
+from spyre_serve.models.step.kv_cache import KVCache, block_bytes, resolve_dtype
 from tests.models.checkpoints import granite_config
 
 CFG = granite_config(hidden=128, layers=3, heads=4, kv_heads=2)   # D 32, Hkv 2

@@ -13,8 +13,8 @@ import pytest
 
 from spyre_serve.device import Card
 from spyre_serve.models import GraniteConfig, ModelRunner, SamplingParams, SeqWork, load_model
-from spyre_serve.models.lora_adapter import LoraError, read_adapter
-from spyre_serve.models.step_io import SeqWorkError
+from spyre_serve.models.lora.adapter import LoraError, read_adapter
+from spyre_serve.models.step.interface import SeqWorkError
 from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
 from tests.models.lora_adapters import (
     reference_greedy,
@@ -88,7 +88,7 @@ def test_adapters_and_base_in_one_batch_match_transformers_peft(lora_setup):
 
 
 def test_the_arena_is_the_size_the_plan_counts(lora_setup):
-    from spyre_serve.models.fit import lora_arena_bytes
+    from spyre_serve.models.sizing.fit import lora_arena_bytes
 
     base = lora_setup[0]
     with _runner(base, max_loras=3, max_rank=8) as (model, runner):

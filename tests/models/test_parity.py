@@ -181,7 +181,7 @@ def test_a_model_cut_after_its_first_layer_is_transformers_first_layer(setup):
     lens benchmarks/numerics.py uses), as transformers' model with its later layers removed."""
     import torch
 
-    from spyre_serve.models.loader import first_layers
+    from spyre_serve.models.checkpoints.loader import first_layers
 
     ref = load_reference_model(setup.path)
     ref.model.layers = ref.model.layers[:1]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spyre_serve.models import SamplingParams, SeqWork
-from spyre_serve.models.step_io import SeqWorkError
+from spyre_serve.models.step.interface import SeqWorkError
 from tests.device.test_kernels_sampling import vllm_apply_penalties
 from tests.models.test_parity import BlockPool, prompts_of
 from tests.models.test_sampling_model import setup  # noqa: F401 (the runner and its model)

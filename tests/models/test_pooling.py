@@ -9,7 +9,7 @@ import pytest
 
 from spyre_serve.device import Card
 from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model
-from spyre_serve.models.step_io import SeqWorkError
+from spyre_serve.models.step.interface import SeqWorkError
 from tests.models.checkpoints import write_granite_checkpoint
 
 PROMPTS = [[5, 9, 33, 2], [7], [100, 3, 3, 8, 19, 45, 61, 2, 11], [42, 17, 250]]

@@ -10,10 +10,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from spyre_serve.models import profiles  # noqa: E402
-from spyre_serve.models.checkpoint import expected_shapes, load_checkpoint  # noqa: E402
-from spyre_serve.models.config import GraniteConfig  # noqa: E402
-from spyre_serve.models.profiles import (  # noqa: E402
+from spyre_serve.models.checkpoints import profiles  # noqa: E402
+from spyre_serve.models.checkpoints.hf import expected_shapes, load_checkpoint  # noqa: E402
+from spyre_serve.models.checkpoints.profiles import (  # noqa: E402
     EIGHT_B_LAYERS,
     FORMAT_VERSION,
     TINY,
@@ -24,6 +23,7 @@ from spyre_serve.models.profiles import (  # noqa: E402
     to_bf16_bits,
     write_profile,
 )
+from spyre_serve.models.config import GraniteConfig  # noqa: E402
 
 PROMPTS = ["The weather today is", "def compute_total(items):",
            "User: What is a paged KV cache?\nAssistant:", "Once upon a time, in a quiet village,",

@@ -1,4 +1,4 @@
-"""The real card's clock for a step (models/projection.py): a whole decode step of a tiny model
+"""The real card's clock for a step (models/sizing/projection.py): a whole decode step of a tiny model
 computed by hand, kernel by kernel; the all-reduces and the shards at tp 2; a request's chunked
 prefill and decode steps; the shape of a launch's work; and Granite 3.3 8B's decode, which
 must be the time to read its weights once."""
@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from spyre_serve.models.checkpoints.profiles import PROFILES
 from spyre_serve.models.config import GraniteConfig
-from spyre_serve.models.profiles import PROFILES
-from spyre_serve.models.projection import (
+from spyre_serve.models.sizing.projection import (
     KERNELS,
     LORA_MODULES,
     AdapterRows,
@@ -24,7 +24,7 @@ from spyre_serve.models.projection import (
     shard,
     step_of_work,
 )
-from spyre_serve.models.step_io import SamplingParams, SeqWork
+from spyre_serve.models.step.interface import SamplingParams, SeqWork
 
 GB = 1e9
 TURN = 2 / (105 * GB) - 2 / (150 * GB)
@@ -169,7 +169,7 @@ def test_lora_adapters_by_hand():
 
 
 def test_the_lora_modules_priced_are_the_arenas():
-    from spyre_serve.models.lora_layout import MODULES
+    from spyre_serve.models.lora.layout import MODULES
 
     assert LORA_MODULES == MODULES
 
@@ -187,7 +187,7 @@ def test_granite_8b_decode_reads_its_weights_once_and_tp_divides_it():
 
 def tiny_encoder(layers: int = 1):
     """H 128, 2 heads of 64, MLP 256, vocab 1000: RoBERTa's shape, small."""
-    from spyre_serve.models.encoder_config import EncoderConfig
+    from spyre_serve.models.encoder.config import EncoderConfig
 
     return EncoderConfig(architecture="XLMRobertaModel", vocab_size=1000, hidden_size=128,
                          num_hidden_layers=layers, num_attention_heads=2, intermediate_size=256,
@@ -196,7 +196,7 @@ def tiny_encoder(layers: int = 1):
 
 
 def test_an_encoder_step_by_hand():
-    from spyre_serve.models.encoder_projection import ENCODER_KERNELS, EncoderProjector
+    from spyre_serve.models.encoder.projection import ENCODER_KERNELS, EncoderProjector
 
     work = [SeqWork(i, list(range(5, 5 + n)), 0, [i], False, SamplingParams(), pool=True)
             for i, n in enumerate((3, 5))]

@@ -1,11 +1,11 @@
-"""models/prompt_logprobs.py: each prompt token's logprob, top-K and rank, chunk by chunk."""
+"""models/step/prompt_logprobs.py: each prompt token's logprob, top-K and rank, chunk by chunk."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from spyre_serve.models import SamplingParams, SeqWork
-from spyre_serve.models.prompt_logprobs import PromptLogprobs
+from spyre_serve.models.step.prompt_logprobs import PromptLogprobs
 
 
 def test_a_tokens_rank_counts_the_tokens_more_likely_than_it_ties_sharing_it():

@@ -7,7 +7,7 @@ import pytest
 from spyre_serve.device.kernels.formats import FMT_FP8, FMT_Q8_0
 from spyre_serve.device.kernels.simd import QB
 from spyre_serve.device.numerics import fp8_e4m3_decode, fp8_e4m3_encode
-from spyre_serve.models.quantize import (
+from spyre_serve.models.checkpoints.quantize import (
     quantize_fp8_per_channel,
     quantize_int8_per_channel,
     quantize_matrices,

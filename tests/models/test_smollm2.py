@@ -25,8 +25,8 @@ import pytest
 
 from spyre_serve.device import Card
 from spyre_serve.models import ModelRunner, load_model, resolve_model
-from spyre_serve.models.gguf_fetch import FetchError
-from spyre_serve.models.profiles import SMOLLM2
+from spyre_serve.models.checkpoints.profiles import SMOLLM2
+from spyre_serve.models.gguf.fetch import FetchError
 from tests.models.checkpoints import runner_greedy
 
 torch = pytest.importorskip("torch")
@@ -188,10 +188,10 @@ def test_int8_activations_keep_every_clear_answer(served):
 
 
 def test_the_server_answers_a_chat_through_the_openai_client(gguf_path, reference):
-    """The whole stack (server.cli.build, uvicorn) serving the model by name."""
+    """The whole stack (server.launch.cli.build, uvicorn) serving the model by name."""
     from openai import OpenAI
 
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
     from tests.server.servers import ServerThread, real_settings
 
     with pytest.MonkeyPatch.context() as mp:

@@ -10,7 +10,7 @@ import pytest
 
 from spyre_serve.device import Card
 from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model
-from spyre_serve.models.step_io import SeqWorkError
+from spyre_serve.models.step.interface import SeqWorkError
 from tests.models.checkpoints import write_granite_checkpoint
 from tests.models.test_parity import BLOCK, BlockPool, prompts_of
 

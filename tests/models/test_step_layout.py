@@ -1,4 +1,4 @@
-"""The step program's buffers, declared once (models/step_program.py: INPUTS, OUTPUTS,
+"""The step program's buffers, declared once (models/step/program.py: INPUTS, OUTPUTS,
 WORKSPACE): the slots the entry reads match the tables, the host packs exactly what the
 tables size, a reordered table gives the same step, and a view never runs past its field."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import spyre_serve.models.memory_plan as memory_plan
-import spyre_serve.models.step_program as sp
+import spyre_serve.models.step.memory_plan as memory_plan
+import spyre_serve.models.step.program as sp
 from spyre_serve.device import Card, DeviceCommandError
 from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model
-from spyre_serve.models.buffer_layout import Field, Layout, length_slot
-from spyre_serve.models.memory_plan import workspace_dims
-from spyre_serve.models.step_inputs import pack_step
+from spyre_serve.models.step.buffer_layout import Field, Layout, length_slot
+from spyre_serve.models.step.inputs import pack_step
+from spyre_serve.models.step.memory_plan import workspace_dims
 from tests.models.checkpoints import write_granite_checkpoint
 
 BLOCK = 16
@@ -226,7 +226,7 @@ def test_a_mask_and_a_logit_bias_steer_greedy_decoding_on_the_card(runner):
 
 
 def test_bad_masks_and_biases_are_named_before_launch(runner):
-    from spyre_serve.models.step_io import SeqWorkError
+    from spyre_serve.models.step.interface import SeqWorkError
     greedy = SamplingParams(temperature=0.0)
     with pytest.raises(SeqWorkError, match="token_mask must be int32"):
         runner.launch([SeqWork(0, [5], 0, [0], True, greedy, token_mask=np.zeros(3, np.int32))])

@@ -1,4 +1,4 @@
-"""Tensor parallelism on emulated cards (models/shards.py, models/tp_runner.py): a checkpoint
+"""Tensor parallelism on emulated cards (models/parallel/shards.py, models/parallel/runner.py): a checkpoint
 sharded over 2 and 4 cards, each card its own arena and stream, the step run in parts with
 all-reduces and a logits all-gather between them, gives the greedy tokens one card gives and
 logits within float32 summation order of its; a failure on one card fails the step."""
@@ -12,9 +12,9 @@ import pytest
 
 from spyre_serve.device import Card
 from spyre_serve.models import ModelRunner, SamplingParams, load_model
-from spyre_serve.models.checkpoint import load_checkpoint
-from spyre_serve.models.shards import shard_tensors, vocab_shard
-from spyre_serve.models.tp_runner import TensorParallelRunner, load_sharded
+from spyre_serve.models.checkpoints.hf import load_checkpoint
+from spyre_serve.models.parallel.runner import TensorParallelRunner, load_sharded
+from spyre_serve.models.parallel.shards import shard_tensors, vocab_shard
 from tests.models.checkpoints import runner_greedy, write_granite_checkpoint
 
 PROMPTS = [[5, 9, 33, 2, 14, 200, 7], [7, 1], list(range(40, 75)), [250, 3, 300, 12]]
@@ -92,7 +92,7 @@ def test_a_failure_on_one_card_fails_the_step(model_dir):
 
 def test_a_part_that_fails_on_one_card_breaks_the_others_wait(model_dir, monkeypatch):
     from spyre_serve.models import SamplingParams, SeqWork
-    from spyre_serve.models import tp_runner as tp_module
+    from spyre_serve.models.parallel import runner as tp_module
 
     calls = {"n": 0}
     real = tp_module._sum_over_cards

@@ -8,7 +8,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from spyre_serve.models.tokenizer import IncrementalDetokenizer, TokenizerError, load_tokenizer  # noqa: E402
+from spyre_serve.models.checkpoints.tokenizer import (  # noqa: E402
+    IncrementalDetokenizer,
+    TokenizerError,
+    load_tokenizer,
+)
 
 ASSETS = Path(__file__).resolve().parents[2] / "models" / "assets" / "tokenizer"
 MIXED = "Weather: ☀️ then 🌧️. 東京は晴れ、明日は雨。 Ünïcödé «quotes» and 🦀🦑 crabs; 한국어 끝."

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from spyre_serve.device import Card
-from spyre_serve.models.checkpoint import load_checkpoint
-from spyre_serve.models.loader import load_model
-from spyre_serve.models.weights import COL_K_CACHE, COL_QKV, LAYER_FIELDS, build_layer_table
+from spyre_serve.models.checkpoints.hf import load_checkpoint
+from spyre_serve.models.checkpoints.loader import load_model
+from spyre_serve.models.step.weights import COL_K_CACHE, COL_QKV, LAYER_FIELDS, build_layer_table
 from tests.models.checkpoints import write_granite_checkpoint
 
 

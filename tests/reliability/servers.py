@@ -35,7 +35,7 @@ NORMAL = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": Tr
 @contextmanager
 def running_server(**settings):
     """A real server with ``SHORT`` and ``settings`` over tests/server's ``real_settings``."""
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
 
     built = build(real_settings(**{**SHORT, **settings}), progress=False)
     try:
@@ -138,14 +138,14 @@ def descendants(pid: int) -> list[int]:
 
 @contextmanager
 def server_process(*flags: str, env: dict | None = None, ready_timeout: float = 600):
-    """``python -m server.cli serve`` on 127.0.0.1 and a free port, with PROCESS_FLAGS, then
+    """``python -m server.launch.cli serve`` on 127.0.0.1 and a free port, with PROCESS_FLAGS, then
     ``flags`` (later ones win), and ``env`` added to the environment; yields once /health
     answers 200 (warm-up included), kills it afterwards if it still runs."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log_path = Path(tempfile.mkstemp(prefix="spyre-serve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "spyre_serve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *PROCESS_FLAGS, *flags]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log_file,

@@ -1,5 +1,5 @@
 """A dead engine, on a real server in its own process: a fatal fault injected at a step
-(SPYRE_TEST_ENGINE_FAULT, server/watchdog.py) while requests are in flight, either raised
+(SPYRE_TEST_ENGINE_FAULT, server/engine/watchdog.py) while requests are in flight, either raised
 (die) or a step that never returns (hang, caught by --step-timeout). Every request in flight
 is answered with an error, /health turns 503 meanwhile, and the process exits non-zero within
 the watchdog time (so compose or Kubernetes restarts it), rather than living on as a zombie."""

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from spyre_serve.models.profiles import ASSETS
-from spyre_serve.models.tokenizer import load_tokenizer
+from spyre_serve.models.checkpoints.profiles import ASSETS
+from spyre_serve.models.checkpoints.tokenizer import load_tokenizer
 from tests.reliability.servers import beside, running_server
 
 # granite-tiny's own template, after `rounds` x 100,000 empty Jinja loop turns (~5 ms a round)

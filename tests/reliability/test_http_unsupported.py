@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from spyre_serve.server.openai.protocol import UNSUPPORTED
+from spyre_serve.server.openai.generation.protocol import UNSUPPORTED
 from tests.reliability.servers import beside
 
 # a value each field is refused with, and where it goes in the body

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.sequence import GenerationParams
+from spyre_serve.server.sched.sequence import GenerationParams
 from tests.reliability.servers import beside
 from tests.server.fakes import Collector
 
@@ -53,7 +53,7 @@ def test_if_a_bad_value_reached_the_runner_its_checks_fail_that_request_alone(se
     # past the HTTP layer and with the engine's own refusal switched off, straight into the
     # engine: the runner's launch checks are the second line, and name the sequence at fault
     engine = server.built.engine
-    monkeypatch.setattr("spyre_serve.server.admission.check_params", lambda params: None)
+    monkeypatch.setattr("spyre_serve.server.sched.admission.check_params", lambda params: None)
     tok = server.built.model.tokenizer
 
     async def bad(client):

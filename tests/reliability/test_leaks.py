@@ -11,7 +11,7 @@ import time
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.sequence import GenerationParams
+from spyre_serve.server.sched.sequence import GenerationParams
 from tests.reliability.servers import running_server
 from tests.server.fakes import Collector
 

@@ -11,7 +11,7 @@ from tests.server.servers import POOLING_CONTEXT, PROMPT, ServerThread, http_cli
 @pytest.fixture(scope="session")
 def real_server():
     """The real stack (granite-tiny, ModelRunner, Engine, FastAPI) behind uvicorn, once per session."""
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
 
     built = build(real_settings(), progress=False)
     with ServerThread(built.app) as server:
@@ -41,7 +41,7 @@ def greedy(client):
 @pytest.fixture(scope="session")
 def pooling_server():
     """granite-tiny served with --runner pooling (embeddings and scores), once per session."""
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
 
     built = build(real_settings(runner="pooling", max_num_batched_tokens=POOLING_CONTEXT, max_num_seqs=8,
                                 max_model_len=None),

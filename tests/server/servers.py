@@ -53,7 +53,7 @@ def http_client(server, timeout: float = 600):
 
 def real_settings(**overrides):
     """granite-tiny, sized so tests are quick on 2 cores: small buckets, lazy programs."""
-    from spyre_serve.server.cli import Settings
+    from spyre_serve.server.launch.cli import Settings
 
     base = dict(
         model="granite-tiny",

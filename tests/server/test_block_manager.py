@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.block_manager import BlockManager, hash_block
-from spyre_serve.server.sequence import GenerationParams, Sequence
+from spyre_serve.server.sched.block_manager import BlockManager, hash_block
+from spyre_serve.server.sched.sequence import GenerationParams, Sequence
 
 
 def seq(seq_id: int, tokens: list[int]) -> Sequence:

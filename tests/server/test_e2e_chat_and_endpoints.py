@@ -9,10 +9,10 @@ import openai
 import pytest
 from tokenizers.processors import TemplateProcessing
 
-from spyre_serve.models.profiles import ASSETS
-from spyre_serve.models.tokenizer import load_tokenizer
+from spyre_serve.models.checkpoints.profiles import ASSETS
+from spyre_serve.models.checkpoints.tokenizer import load_tokenizer
+from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.openai.app import create_app
-from spyre_serve.server.settings import Settings
 from tests.server.servers import PROMPT, ServerThread, sse_events
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spyre_serve.server.cli import Settings, parse_args
+from spyre_serve.server.launch.cli import Settings, parse_args
 from tests import background
 
 BIN = Path(sys.executable).parent / "spyre-serve"
@@ -151,7 +151,7 @@ def test_a_stream_still_running_at_the_drains_end_is_cut_with_an_error_event_wit
 
 
 def test_warmup_takes_the_sizing_flags_only():
-    from spyre_serve.server.cli import parse_command
+    from spyre_serve.server.launch.cli import parse_command
 
     command, s = parse_command(["warmup", "--model", "granite-tiny", "--max-num-seqs", "3",
                                 "--device-memory", "1G"])

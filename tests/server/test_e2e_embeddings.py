@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from spyre_serve.models.projection import StepShape
+from spyre_serve.models.sizing.projection import StepShape
 from tests.server.servers import POOLING_CONTEXT as CONTEXT
 from tests.server.servers import ServerThread, http_client, real_settings
 
@@ -205,7 +205,7 @@ def test_metrics_count_requests_by_endpoint_and_status(http):
 def encoder_server(tmp_path_factory):
     """An XLM-R checkpoint whose sentence-transformers files ask for mean pooling, served with
     --runner auto (an encoder pools)."""
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
     from tests.models.encoder_checkpoints import write_encoder_checkpoint
 
     path = write_encoder_checkpoint(tmp_path_factory.mktemp("xlmr"), xlm=True, pooling="MEAN")
@@ -262,7 +262,7 @@ def test_truncation_keeps_an_encoders_special_tokens(encoder_server):
 
 
 def test_a_pooling_context_over_one_step_is_refused_at_start():
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
 
     with pytest.raises(ValueError, match="--max-model-len 1024 is over --max-num-batched-tokens 64"):
         build(real_settings(runner="pooling", max_num_batched_tokens=64), progress=False)

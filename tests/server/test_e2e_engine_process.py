@@ -181,7 +181,7 @@ def test_two_api_processes_share_the_port_and_the_engine_and_drain_on_sigterm():
 
 
 def test_an_api_server_count_without_the_engine_process_is_refused():
-    from spyre_serve.server.cli import parse_command
+    from spyre_serve.server.launch.cli import parse_command
 
     with pytest.raises(SystemExit):
         parse_command(["serve", "--api-server-count", "2", "--no-engine-process"])

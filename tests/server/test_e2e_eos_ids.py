@@ -14,7 +14,7 @@ import json
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.sequence import GenerationParams
+from spyre_serve.server.sched.sequence import GenerationParams
 from tests.server.fakes import Collector
 from tests.server.servers import PROMPT, real_settings
 
@@ -32,7 +32,7 @@ def generate(engine, prompt_ids, timeout=600, **kw) -> Collector:
 @pytest.fixture(scope="module")
 def eos_list(real_server, tmp_path_factory):
     """(engine on the copy, prompt ids, greedy ids of PROMPT ignoring EOS, k, the listed ids)."""
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
 
     base = real_server.built
     tok = base.model.tokenizer

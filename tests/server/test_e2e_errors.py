@@ -7,9 +7,9 @@ import json
 import httpx
 import pytest
 
-from spyre_serve.server.engine import Engine
+from spyre_serve.server.engine.core import Engine
+from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.openai.app import create_app
-from spyre_serve.server.settings import Settings
 from tests.server.servers import PROMPT, ServerThread
 
 
@@ -186,7 +186,7 @@ def test_metrics_and_docs_are_open_by_default_and_behind_the_key_when_asked(side
 
 
 def test_an_empty_api_key_is_refused_at_start_and_a_set_one_never_shown(monkeypatch, capsys):
-    from spyre_serve.server.cli import parse_args
+    from spyre_serve.server.launch.cli import parse_args
 
     for empty in ("", "  "):
         monkeypatch.setenv("SPYRE_SERVE_API_KEY", empty)
@@ -253,7 +253,7 @@ def test_past_limit_concurrency_a_new_connection_gets_503_before_any_work(real_s
     import socket
     import time
 
-    from spyre_serve.server.cli import uvicorn_config
+    from spyre_serve.server.launch.cli import uvicorn_config
 
     s = Settings(limit_concurrency=3, log_level="warning")
     app = real_server.built.app

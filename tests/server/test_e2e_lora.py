@@ -271,7 +271,7 @@ def test_the_engine_in_its_own_process_serves_and_loads_adapters(lora):
 
 
 def test_a_bad_adapter_at_start_is_refused_naming_it(lora, tmp_path):
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
 
     with pytest.raises(ValueError, match="--lora-modules bad=.*adapter_config.json"):
         build(real_settings(**lora_settings(lora, lora_modules={"bad": str(tmp_path)})), progress=False)

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 from spyre_serve.models import resolve_model
-from spyre_serve.models.profiles import ASSETS, TINY, init_tensors
-from spyre_serve.server.cli import build
-from spyre_serve.server.settings import Settings
+from spyre_serve.models.checkpoints.profiles import ASSETS, TINY, init_tensors
+from spyre_serve.server.launch.cli import build
+from spyre_serve.server.launch.settings import Settings
 from tests.models.checkpoints import write_granite_checkpoint
 from tests.models.gguf_files import Q, write_gguf
 from tests.server.servers import ServerThread, real_settings

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from spyre_serve.server.cli import build
+from spyre_serve.server.launch.cli import build
 from tests.server.servers import ServerThread, real_settings
 
 PROMPTS = ["Once upon a time in a", "The river ran past the old mill and", "Seven small birds"]

@@ -10,8 +10,8 @@ import asyncio
 import httpx
 import pytest
 
-from spyre_serve.server.cli import build
-from spyre_serve.server.settings import Settings, add_flags
+from spyre_serve.server.launch.cli import build
+from spyre_serve.server.launch.settings import Settings, add_flags
 from tests.reliability.servers import metric, wait_idle
 from tests.server.servers import ServerThread, real_settings
 

@@ -61,7 +61,7 @@ def test_a_high_priority_request_starts_beside_a_flood_of_low_priority_ones_as_o
 
         idle, busy, preempted = asyncio.run(main())
     assert preempted >= 1                 # an urgent one took a low one's slot (or one an urgent one left)
-    # beside decodes a prompt's prefill may be cut into a few chunks (server/prefill_budget.py),
+    # beside decodes a prompt's prefill may be cut into a few chunks (server/sched/prefill_budget.py),
     # and a step or two is already in flight when it arrives: a handful of steps, never a
     # low-priority request's remaining run
     assert max(busy) <= max(idle) + 8 < LOW_TOKENS // 4, (idle, busy)

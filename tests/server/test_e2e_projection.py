@@ -1,7 +1,7 @@
 """The real card's clock through the HTTP API (the shared real server): every launched step's
 projected seconds in /metrics' spyre_projected_step_seconds, and each answer's usage.spyre
 (projected TTFT, TPOT and total) on completions, chat and the Responses API, whole and
-streamed, in the shapes server/openai/responses.py declares."""
+streamed, in the shapes server/openai/generation/response_bodies.py declares."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from spyre_serve.server.openai.responses import (
+from spyre_serve.server.openai.generation.response_bodies import (
     ChatCompletionChunk,
     CompletionResponse,
     ResponsesResponse,

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from spyre_serve.models.profiles import ASSETS, TINY, TOKENIZER_FILES, init_tensors
-from spyre_serve.models.quantize import quantize_matrices
-from spyre_serve.server.cli import build
+from spyre_serve.models.checkpoints.profiles import ASSETS, TINY, TOKENIZER_FILES, init_tensors
+from spyre_serve.models.checkpoints.quantize import quantize_matrices
+from spyre_serve.server.launch.cli import build
 from tests.models.gguf_files import Q, write_gguf, write_numpy_checkpoint
 from tests.server.servers import ServerThread, real_settings
 

@@ -1,4 +1,4 @@
-"""Every generation answer is the shape server/openai/responses.py declares (and /openapi.json
+"""Every generation answer is the shape server/openai/generation/response_bodies.py declares (and /openapi.json
 documents): JSON bodies and each streamed chunk, with logprobs, echo, prompt logprobs and usage."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from spyre_serve.server.openai.responses import (
+from spyre_serve.server.openai.generation.response_bodies import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,

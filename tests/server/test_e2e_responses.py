@@ -13,8 +13,10 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from spyre_serve.server.openai.responses import ResponsesResponse
-from spyre_serve.server.openai.responses import ResponseStreamEvent as DeclaredEvent
+from spyre_serve.server.openai.generation.response_bodies import ResponsesResponse
+from spyre_serve.server.openai.generation.response_bodies import (
+    ResponseStreamEvent as DeclaredEvent,
+)
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 USER = {"type": "object", "additionalProperties": False, "required": ["name", "role"],

@@ -23,8 +23,8 @@ LOOPING = "a a a a a a a a a a a a"
 
 def _serving(spec):
     """An httpx client of granite-tiny served with --speculative-config ``spec`` (c.built: the server)."""
-    from spyre_serve.server.cli import build
-    from spyre_serve.server.speculative import SpeculativeConfig
+    from spyre_serve.server.launch.cli import build
+    from spyre_serve.server.spec_decode.proposals import SpeculativeConfig
 
     built = build(real_settings(speculative_config=SpeculativeConfig.parse(spec)), progress=False)
     try:
@@ -103,8 +103,8 @@ def test_metrics_count_drafts_and_accepted_tokens(spec_client):
 
 
 def test_what_speculation_does_not_take_is_refused():
-    from spyre_serve.server.cli import build
-    from spyre_serve.server.speculative import SpeculativeConfig, SpeculativeConfigError
+    from spyre_serve.server.launch.cli import build
+    from spyre_serve.server.spec_decode.proposals import SpeculativeConfig, SpeculativeConfigError
 
     for bad, why in [('{"method": "eagle", "num_speculative_tokens": 2}', "not supported"),
                      ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
@@ -154,8 +154,8 @@ def test_a_draft_model_proposes_and_the_answers_do_not_change(client, draft_clie
 def test_proposals_under_preemption_keep_every_answer_and_block(client):
     """A KV cache too small for the requests at once (6 blocks of 16; each request needs 3):
     sequences with proposals in flight are preempted and recomputed, answers stay the same."""
-    from spyre_serve.server.cli import build
-    from spyre_serve.server.speculative import SpeculativeConfig
+    from spyre_serve.server.launch.cli import build
+    from spyre_serve.server.spec_decode.proposals import SpeculativeConfig
 
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                     "disable_by_batch_size": 16})

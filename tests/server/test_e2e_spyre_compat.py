@@ -20,7 +20,7 @@ CASES = [(" ".join([PROMPT] * k) + f" {k}", 6 + k) for k in (1, 12, 3, 8, 5, 10)
 
 
 def served(**overrides):
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
 
     built = build(real_settings(**SIZES, **overrides), progress=False)
     server = ServerThread(built.app).__enter__()

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from spyre_serve.server.openai.responses import ChatCompletionResponse
+from spyre_serve.server.openai.generation.response_bodies import ChatCompletionResponse
 from tests.reliability.servers import NORMAL, beside, running_server
 from tests.server.servers import PROMPT
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server():
-    from spyre_serve.models.gguf_fetch import FetchError
+    from spyre_serve.models.gguf.fetch import FetchError
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPYRE_SERVE_CACHE", str(TEST_CACHE))

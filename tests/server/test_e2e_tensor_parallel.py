@@ -11,7 +11,7 @@ from tests.server.servers import PROMPT, ServerThread, real_settings
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_greedy_answers_equal_one_cards(client, tp):
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
 
     built = build(real_settings(tensor_parallel_size=tp, device_memory=256 << 20, num_kv_blocks=64), progress=False)
     bodies = [{"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
@@ -40,7 +40,7 @@ def test_greedy_answers_equal_one_cards(client, tp):
 
 
 def test_what_tensor_parallelism_does_not_take_is_refused_at_start():
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
 
     with pytest.raises(ValueError, match="--runner pooling"):
         build(real_settings(tensor_parallel_size=2, runner="pooling"), progress=False)

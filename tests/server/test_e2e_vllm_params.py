@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
+from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.openai.app import create_app
-from spyre_serve.server.settings import Settings
 from tests.server.servers import PROMPT, ServerThread, sse_events
 
 EOS_NEXT = [7470]

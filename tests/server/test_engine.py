@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.models.step_io import SeqWorkError
-from spyre_serve.server.engine import (
+from spyre_serve.models.step.interface import SeqWorkError
+from spyre_serve.server.engine.core import (
     MAX_FAILED_STEPS_IN_A_ROW,
     Engine,
     EngineFatal,
@@ -19,8 +19,8 @@ from spyre_serve.server.engine import (
     EngineUnavailable,
     RequestRejected,
 )
-from spyre_serve.server.sequence import GenerationParams
-from spyre_serve.server.watchdog import Fault
+from spyre_serve.server.engine.watchdog import Fault
+from spyre_serve.server.sched.sequence import GenerationParams
 from tests.server.fakes import EOS, VOCAB, Collector, FakeRunner, FakeTokenizer, reference
 
 TOK = FakeTokenizer()
@@ -113,7 +113,7 @@ def test_shutdown_fails_the_requests_still_running(make_engine):
 
 
 def test_penalties_send_the_prompt_length_and_no_token_history(make_engine):
-    # the card counts the tokens it computes (models/penalty_slots.py): each chunk of a
+    # the card counts the tokens it computes (models/step/penalty_slots.py): each chunk of a
     # penalized sequence says where its prompt ends, so presence and frequency count only
     # the output and repetition the prompt too (vLLM), with O(1) host work per step
     engine, runner = make_engine()

@@ -8,21 +8,21 @@ from types import SimpleNamespace
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.models.step_io import SeqWorkError
-from spyre_serve.server.admission import (
+from spyre_serve.models.step.interface import SeqWorkError
+from spyre_serve.server.engine.inbox import Inbox
+from spyre_serve.server.engine.open_requests import EngineRequest
+from spyre_serve.server.engine.outputs import take_update
+from spyre_serve.server.engine.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
+from spyre_serve.server.engine.step_work import ScheduledChunk
+from spyre_serve.server.engine.stopping import banned_tokens, check_stop, eos_token_ids
+from spyre_serve.server.engine.watchdog import EngineFatal
+from spyre_serve.server.sched.admission import (
     RequestRejected,
     check_lengths,
     check_params,
     check_prompt_ids,
 )
-from spyre_serve.server.inbox import Inbox
-from spyre_serve.server.open_requests import EngineRequest
-from spyre_serve.server.outputs import take_update
-from spyre_serve.server.sequence import GenerationParams, Sequence
-from spyre_serve.server.step_failures import MAX_FAILED_STEPS_IN_A_ROW, StepFailures
-from spyre_serve.server.step_work import ScheduledChunk
-from spyre_serve.server.stopping import banned_tokens, check_stop, eos_token_ids
-from spyre_serve.server.watchdog import EngineFatal
+from spyre_serve.server.sched.sequence import GenerationParams, Sequence
 
 
 def seq(seq_id=0, request_id="r", prompt=(1, 2, 3), **kw) -> Sequence:
@@ -158,7 +158,7 @@ def test_too_many_failed_steps_in_a_row_are_fatal_and_a_success_resets_the_count
 
 
 def test_a_failure_blamed_by_elimination_counts_only_when_the_canary_fails_too():
-    from spyre_serve.server.block_manager import BlockManager
+    from spyre_serve.server.sched.block_manager import BlockManager
     from tests.server.fakes import FakeRunner
 
     class Broken(FakeRunner):

@@ -10,11 +10,11 @@ import pickle
 import threading
 import time
 
-from spyre_serve.models.step_io import SamplingParams
-from spyre_serve.server.engine_client import EngineClient
-from spyre_serve.server.engine_process import EngineCounts, EngineHost, EngineInfo
-from spyre_serve.server.outputs import SeqUpdate
-from spyre_serve.server.sequence import GenerationParams
+from spyre_serve.models.step.interface import SamplingParams
+from spyre_serve.server.engine.client import EngineClient
+from spyre_serve.server.engine.outputs import SeqUpdate
+from spyre_serve.server.engine.process import EngineCounts, EngineHost, EngineInfo
+from spyre_serve.server.sched.sequence import GenerationParams
 
 PARAMS = [GenerationParams(SamplingParams(), max_tokens=4)]
 

@@ -1,14 +1,14 @@
-"""server/lora.py without a model: the flags as parsed, the start-up refusals, the API side's
+"""server/lora/adapters.py without a model: the flags as parsed, the start-up refusals, the API side's
 names, and the prefix cache's root of an adapter's blocks."""
 
 from __future__ import annotations
 
 import pytest
 
-from spyre_serve.server.block_manager import salt_root
-from spyre_serve.server.cli import parse_args
-from spyre_serve.server.lora import LoraNames, lora_modules
-from spyre_serve.server.settings import Settings
+from spyre_serve.server.launch.cli import parse_args
+from spyre_serve.server.launch.settings import Settings
+from spyre_serve.server.lora.adapters import LoraNames, lora_modules
+from spyre_serve.server.sched.block_manager import salt_root
 
 
 def test_lora_modules_flag_takes_vllm_forms():

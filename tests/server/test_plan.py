@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from spyre_serve.models.fit import (
+from spyre_serve.models.sizing.fit import (
     kv_token_bytes,
     largest_batch,
     largest_context,
@@ -16,8 +16,8 @@ from spyre_serve.models.fit import (
     plan_fit,
     weight_bytes,
 )
-from spyre_serve.server.cli import parse_command
-from spyre_serve.server.plan import plan, plan_config
+from spyre_serve.server.launch.cli import parse_command
+from spyre_serve.server.launch.plan import plan, plan_config
 
 
 def run(*argv: str) -> tuple[int, str]:
@@ -35,7 +35,7 @@ def test_granite_33_8b_at_tp_1_and_4():
     assert f"  weights                {weight_bytes(cfg, 'float16') / 1e9:9.2f} GB" in text
     assert "16 sequences x 3,072 tokens (160.0 KiB a token" in text
     assert "the vLLM Spyre plugin serves Granite 3.3 8B at tensor parallel 1 with 3,072 tokens x 16" in text
-    from spyre_serve.models.projection import project_request
+    from spyre_serve.models.sizing.projection import project_request
 
     ttft, tpot = project_request(cfg, 3071, 2, 16, tp=1, chunk=512, formats="float16", kv_bytes=2)
     assert (f"TTFT {ttft * 1e3:,.1f} ms for a prompt filling the context (3,071 tokens in chunks of 512), "
@@ -83,7 +83,7 @@ def test_lora_slots_are_planned_and_priced():
                               max_num_batched_tokens=512, lora=(4, 64))
     assert f"largest context at 16 sequences: {context:,} tokens" in text and context < int(
         without.split("largest context at 16 sequences: ")[1].split(" ")[0].replace(",", ""))
-    from spyre_serve.models.projection import project_request
+    from spyre_serve.models.sizing.projection import project_request
 
     ttft, tpot = project_request(cfg, 3071, 2, 16, chunk=512, formats="float16", kv_bytes=2, lora=(4, 64))
     assert f"TTFT {ttft * 1e3:,.1f} ms" in text and f"TPOT {tpot * 1e3:,.2f} ms" in text
@@ -138,7 +138,7 @@ def test_the_command_line_loads_no_kernel_before_configuring_the_process():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "spyre_serve.server.cli", "plan", "--model", "granite-tiny",
+    out = subprocess.run([sys.executable, "-m", "spyre_serve.server.launch.cli", "plan", "--model", "granite-tiny",
                           "--max-model-len", "1024"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "kernels imported before" not in out.stderr and "each of the 1 card(s) holds" in out.stdout

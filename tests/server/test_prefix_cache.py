@@ -11,10 +11,10 @@ import time
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.block_manager import BlockManager
-from spyre_serve.server.engine import Engine
-from spyre_serve.server.scheduler import Scheduler
-from spyre_serve.server.sequence import GenerationParams, SeqStatus, Sequence
+from spyre_serve.server.engine.core import Engine
+from spyre_serve.server.sched.block_manager import BlockManager
+from spyre_serve.server.sched.scheduler import Scheduler
+from spyre_serve.server.sched.sequence import GenerationParams, SeqStatus, Sequence
 from tests.server.fakes import Collector, FakeRunner, FakeTokenizer, reference
 
 TOK = FakeTokenizer()

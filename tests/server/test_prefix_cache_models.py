@@ -9,9 +9,9 @@ import pytest
 
 from spyre_serve.device import Card
 from spyre_serve.models import ModelRunner, SamplingParams, load_model, resolve_model
-from spyre_serve.models.tokenizer import load_tokenizer
-from spyre_serve.server.engine import Engine
-from spyre_serve.server.sequence import GenerationParams
+from spyre_serve.models.checkpoints.tokenizer import load_tokenizer
+from spyre_serve.server.engine.core import Engine
+from spyre_serve.server.sched.sequence import GenerationParams
 from tests.models.checkpoints import write_granite_checkpoint
 from tests.server.fakes import Collector
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.block_manager import BlockManager
-from spyre_serve.server.scheduler import Scheduler
-from spyre_serve.server.sequence import GenerationParams, SeqStatus, Sequence
+from spyre_serve.server.sched.block_manager import BlockManager
+from spyre_serve.server.sched.scheduler import Scheduler
+from spyre_serve.server.sched.sequence import GenerationParams, SeqStatus, Sequence
 
 
 def make_seq(seq_id: int, prompt: list[int], max_tokens: int = 16) -> Sequence:

@@ -1,4 +1,4 @@
-"""A Sequence's fields are written only by their owners (server/sequence.py WRITERS): the
+"""A Sequence's fields are written only by their owners (server/sched/sequence.py WRITERS): the
 scheduler its scheduling state, the open requests how it ended, the output processor its text,
 logprobs, grammar and timing, the updates what was sent. Read from every server module's
 syntax tree: each assignment, augmented assignment, item assignment or mutating call on a
@@ -10,7 +10,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from spyre_serve.server.sequence import WRITERS, Sequence
+from spyre_serve.server.sched.sequence import WRITERS, Sequence
 
 SERVER = Path(__file__).resolve().parents[2] / "server"
 FIELDS = {f.name for f in dataclasses.fields(Sequence)}

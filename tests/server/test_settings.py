@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from spyre_serve.server.settings import SIZING, Settings, add_flags, parse_size
+from spyre_serve.server.launch.settings import SIZING, Settings, add_flags, parse_size
 
 
 def parser_for(*names: str) -> argparse.ArgumentParser:
@@ -100,15 +100,15 @@ def test_generation_config_is_auto_unless_told(tmp_path, capsys):
 
 def test_the_pooling_types_settings_know_are_the_kernels():
     from spyre_serve.device.kernels.pooling import POOLING_TYPES as KERNEL
-    from spyre_serve.server.settings import POOLING_TYPES
+    from spyre_serve.server.launch.settings import POOLING_TYPES
 
     assert set(POOLING_TYPES) == set(KERNEL)
 
 
 def test_the_quantizations_the_flag_takes_are_the_ones_the_loader_applies():
-    from spyre_serve.models.quantize import QUANTIZATIONS as LOADER
-    from spyre_serve.server.cli import parse_command
-    from spyre_serve.server.settings import QUANTIZATIONS
+    from spyre_serve.models.checkpoints.quantize import QUANTIZATIONS as LOADER
+    from spyre_serve.server.launch.cli import parse_command
+    from spyre_serve.server.launch.settings import QUANTIZATIONS
 
     assert set(QUANTIZATIONS) - {"none"} == set(LOADER)
     assert parse_command(["serve", "--quantization", "fp8"])[1].quantization == "fp8"

@@ -1,4 +1,4 @@
-"""server/speculative.py without a model: the ngram lookup, the config's rules, and when a
+"""server/spec_decode/proposals.py without a model: the ngram lookup, the config's rules, and when a
 sequence is proposed for (vLLM's keys and defaults)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.sequence import GenerationParams, Sequence
-from spyre_serve.server.speculative import (
+from spyre_serve.server.sched.sequence import GenerationParams, Sequence
+from spyre_serve.server.spec_decode.proposals import (
     SpeculativeConfig,
     SpeculativeConfigError,
     Speculator,

@@ -1,4 +1,4 @@
-"""--spyre-compat: the vLLM Spyre plugin's scheduling and admission rules (server/spyre_compat.py),
+"""--spyre-compat: the vLLM Spyre plugin's scheduling and admission rules (server/sched/spyre_compat.py),
 each rule a test: the scheduler with a real block manager (steps read back as they are made),
 the engine over the fake runner (steps in flight, concurrent requests), the start-up refusals;
 and without the flag the freer scheduling still holds."""
@@ -10,13 +10,18 @@ from types import SimpleNamespace
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.block_manager import BlockManager
-from spyre_serve.server.cli import parse_command
-from spyre_serve.server.engine import Engine
-from spyre_serve.server.scheduler import Scheduler
-from spyre_serve.server.sequence import GenerationParams, Sequence
-from spyre_serve.server.settings import Settings
-from spyre_serve.server.spyre_compat import MAX_BATCH_TKV, MAX_CONTEXT, SpyreCompat, for_engine
+from spyre_serve.server.engine.core import Engine
+from spyre_serve.server.launch.cli import parse_command
+from spyre_serve.server.launch.settings import Settings
+from spyre_serve.server.sched.block_manager import BlockManager
+from spyre_serve.server.sched.scheduler import Scheduler
+from spyre_serve.server.sched.sequence import GenerationParams, Sequence
+from spyre_serve.server.sched.spyre_compat import (
+    MAX_BATCH_TKV,
+    MAX_CONTEXT,
+    SpyreCompat,
+    for_engine,
+)
 from tests.server.fakes import Collector, FakeRunner, FakeTokenizer, reference
 
 CHUNK, BS = 64, 16      # the chunk (--max-num-batched-tokens) and KV block of the scheduler tests

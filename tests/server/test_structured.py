@@ -1,4 +1,4 @@
-"""server/structured.py: llguidance grammars on granite-tiny's tokenizer, their cache, the
+"""server/structured_output/grammars.py: llguidance grammars on granite-tiny's tokenizer, their cache, the
 per-sequence matcher and the mask it fills (the bits the sampling kernel reads)."""
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 
 from spyre_serve.models import resolve_model
-from spyre_serve.models.tokenizer import load_tokenizer
-from spyre_serve.server.structured import GrammarError, Grammars, GrammarSpec, json_spec
+from spyre_serve.models.checkpoints.tokenizer import load_tokenizer
+from spyre_serve.server.structured_output.grammars import (
+    GrammarError,
+    Grammars,
+    GrammarSpec,
+    json_spec,
+)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +119,7 @@ def test_the_cache_keeps_no_more_than_its_budget_of_grammar_source(tokenizer):
 def test_a_grammar_crosses_a_process_as_its_spec_and_is_compiled_there(tokenizer):
     import pickle
 
-    from spyre_serve.server import structured
+    from spyre_serve.server.structured_output import grammars as structured
 
     ours = Grammars(tokenizer, 8192, [0])
     grammar = ours.compile(GrammarSpec("regex", "ab|cd"))

@@ -1,4 +1,4 @@
-"""Scheduling policies (``server/waiting.py``) with the real scheduler and block manager: the
+"""Scheduling policies (``server/sched/waiting.py``) with the real scheduler and block manager: the
 order sequences are admitted in, whom a preemption takes, and a high-priority sequence taking
 the slot of a low-priority one when every slot is taken."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.block_manager import BlockManager
-from spyre_serve.server.scheduler import Scheduler
-from spyre_serve.server.sequence import GenerationParams, SeqStatus, Sequence
-from spyre_serve.server.waiting import WaitingQueue
+from spyre_serve.server.sched.block_manager import BlockManager
+from spyre_serve.server.sched.scheduler import Scheduler
+from spyre_serve.server.sched.sequence import GenerationParams, SeqStatus, Sequence
+from spyre_serve.server.sched.waiting import WaitingQueue
 
 
 def seq(seq_id: int, priority: int = 0, arrival: float | None = None, prompt: int = 3) -> Sequence:

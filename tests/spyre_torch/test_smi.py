@@ -19,7 +19,7 @@ SMI = str(Path(sys.executable).parent / "spyre-smi")
 
 @pytest.fixture(scope="module")
 def server():
-    from spyre_serve.server.cli import build
+    from spyre_serve.server.launch.cli import build
     from tests.server.servers import ServerThread, real_settings
 
     built = build(real_settings(max_num_seqs=4), progress=False)

@@ -5,7 +5,7 @@
                 bias_offsets, bias_ids, bias_values)
 
 `rows` is a record array [S], one record per row, declared with the step's inputs
-(models/step_program.py SAMPLE_ROW); the sampler reads these fields of rows[s]:
+(models/step/program.py SAMPLE_ROW); the sampler reads these fields of rows[s]:
     temperature  float32  0 -> greedy (argmax of the penalized logits)
     top_k        int32    0 -> off; 1 -> greedy
     top_p        float32  in (0, 1]; 1 -> off

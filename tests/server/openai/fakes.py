@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import jinja2
 from fastapi.testclient import TestClient
 
-from spyre_serve.server.engine import RequestRejected, SeqUpdate
+from spyre_serve.server.engine.core import RequestRejected, SeqUpdate
+from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.openai.app import create_app
-from spyre_serve.server.sequence import TokenLogprob
-from spyre_serve.server.settings import Settings
+from spyre_serve.server.sched.sequence import TokenLogprob
 
 ALPHABET = " abcdefghijklmnopqrstuvwxyz.,!?é"  # token i (1..) is ALPHABET[i - 1]; 0 is <eos>
 VOCAB = len(ALPHABET) + 1

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from spyre_serve.server.openai.body import json_object, read_request
 from spyre_serve.server.openai.errors import APIError, install_error_handlers
-from spyre_serve.server.openai.protocol import DetokenizeRequest
+from spyre_serve.server.openai.generation.protocol import DetokenizeRequest
 
 LIMIT = 64
 

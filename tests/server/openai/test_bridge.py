@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from spyre_serve.server.engine import SeqUpdate
+from spyre_serve.server.engine.core import SeqUpdate
 from spyre_serve.server.openai.bridge import Submission, collect
-from spyre_serve.server.sequence import TokenLogprob
+from spyre_serve.server.sched.sequence import TokenLogprob
 from tests.server.openai.fakes import RecordingEngine, update
 
 

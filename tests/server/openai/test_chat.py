@@ -8,11 +8,11 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from spyre_serve.server.engine import SeqUpdate
+from spyre_serve.server.engine.core import SeqUpdate
+from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.openai.app import create_app
-from spyre_serve.server.openai.chat import opening_choices, streamed_choice
-from spyre_serve.server.openai.logprobs import TokenTexts
-from spyre_serve.server.settings import Settings
+from spyre_serve.server.openai.generation.chat import opening_choices, streamed_choice
+from spyre_serve.server.openai.generation.logprobs import TokenTexts
 from tests.server.openai.fakes import (
     CharTokenizer,
     ScriptedEngine,

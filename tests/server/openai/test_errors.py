@@ -18,7 +18,7 @@ from spyre_serve.server.openai.errors import (
     install_error_handlers,
     validation_error,
 )
-from spyre_serve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from spyre_serve.server.openai.generation.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def refusal(model, **body) -> APIError:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.generation.protocol import ChatCompletionRequest, CompletionRequest
 from spyre_serve.server.openai.limits import check_limits, num_prompts
-from spyre_serve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from spyre_serve.server.settings import Settings
 
 SMALL = Settings(max_n=4, max_prompts=3, max_stop_strings=2, max_stop_length=5, max_stop_token_ids=2,
                  max_waiting=6)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from spyre_serve.server.openai.logprobs import (
+from spyre_serve.server.openai.generation.logprobs import (
     LOGPROB_FLOOR,
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
     joined,
 )
-from spyre_serve.server.sequence import TokenLogprob
+from spyre_serve.server.sched.sequence import TokenLogprob
 from tests.server.openai.fakes import CharTokenizer, ids_of
 
 

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 import schemathesis
 
-from spyre_serve.server.settings import Settings
+from spyre_serve.server.launch.settings import Settings
 from tests.server.openai.fakes import VOCAB, client_for
 
 BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from spyre_serve.server.openai.errors import APIError
-from spyre_serve.server.openai.prompts import (
+from spyre_serve.server.openai.generation.prompts import (
     chat_prompt,
     completion_prompts,
     template_variables,
     truncated,
 )
-from spyre_serve.server.openai.protocol import ChatMessage
+from spyre_serve.server.openai.generation.protocol import ChatMessage
 from tests.server.openai.fakes import CharTokenizer, ids_of
 
 TOK = CharTokenizer()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from spyre_serve.server.openai.protocol import (
+from spyre_serve.server.openai.generation.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from spyre_serve.server.openai.bridge import Submission
 from spyre_serve.server.openai.errors import APIError
-from spyre_serve.server.openai.response import full_response, new_head, stream_response
+from spyre_serve.server.openai.generation.reply import full_response, new_head, stream_response
 from tests.server.openai.fakes import RecordingEngine, update
 
 

@@ -11,11 +11,14 @@ import pytest
 from openai.types.responses import Response
 
 from spyre_serve.server.openai.bridge import Submission
-from spyre_serve.server.openai.responses import ResponsesResponse, ResponseStreamEvent
-from spyre_serve.server.openai.responses_output import Answer, ResponseEvents
-from spyre_serve.server.openai.responses_request import ITEMS, ResponsesRequest, chat_messages
-from spyre_serve.server.openai.responses_store import ResponseStore
-from spyre_serve.server.openai.sse import event_stream
+from spyre_serve.server.openai.generation.response_bodies import (
+    ResponsesResponse,
+    ResponseStreamEvent,
+)
+from spyre_serve.server.openai.generation.sse import event_stream
+from spyre_serve.server.openai.responses.output import Answer, ResponseEvents
+from spyre_serve.server.openai.responses.request import ITEMS, ResponsesRequest, chat_messages
+from spyre_serve.server.openai.responses.store import ResponseStore
 from tests.server.openai.fakes import RecordingEngine, ScriptedEngine, client_for, update
 
 

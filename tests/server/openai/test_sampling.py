@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from spyre_serve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from spyre_serve.server.openai.sampling import generation_defaults, generation_params
+from spyre_serve.server.openai.generation.protocol import ChatCompletionRequest, CompletionRequest
+from spyre_serve.server.openai.generation.sampling import generation_defaults, generation_params
 
 VOCAB = 100
 

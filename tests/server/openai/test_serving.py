@@ -7,12 +7,12 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from spyre_serve.models import SamplingParams
-from spyre_serve.server.engine import EngineUnavailable, RequestRejected
+from spyre_serve.server.engine.core import EngineUnavailable, RequestRejected
+from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.openai.errors import APIError, install_error_handlers
-from spyre_serve.server.openai.protocol import DetokenizeRequest
+from spyre_serve.server.openai.generation.protocol import DetokenizeRequest
 from spyre_serve.server.openai.serving import Serving, serving_of
-from spyre_serve.server.sequence import GenerationParams
-from spyre_serve.server.settings import Settings
+from spyre_serve.server.sched.sequence import GenerationParams
 from tests.server.openai.fakes import (
     VOCAB,
     CharTokenizer,

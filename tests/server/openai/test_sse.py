@@ -7,7 +7,7 @@ import json
 import logging
 
 from spyre_serve.server.openai.bridge import Submission
-from spyre_serve.server.openai.sse import sse, sse_stream
+from spyre_serve.server.openai.generation.sse import sse, sse_stream
 from tests.server.openai.fakes import RecordingEngine, update
 
 HEAD = {"id": "x-1", "object": "chunk"}

@@ -1,4 +1,4 @@
-"""server/openai/tools.py: tools and tool_choice checked, Granite's calls parsed (whole and
+"""server/openai/generation/tools.py: tools and tool_choice checked, Granite's calls parsed (whole and
 streamed, in vLLM's delta shapes), the forced choices' schemas, and the template's tools."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import jsonschema
 import pytest
 
 from spyre_serve.server.openai.errors import APIError
-from spyre_serve.server.openai.prompts import chat_prompt
-from spyre_serve.server.openai.protocol import ChatCompletionRequest
-from spyre_serve.server.openai.tools import (
+from spyre_serve.server.openai.generation.prompts import chat_prompt
+from spyre_serve.server.openai.generation.protocol import ChatCompletionRequest
+from spyre_serve.server.openai.generation.tools import (
     ToolRequest,
     complete_items,
     parse_call_list,
@@ -122,8 +122,8 @@ def test_streamed_text_stays_content_and_a_named_call_streams_its_arguments():
 
 def test_the_template_gets_the_tools_and_the_calls_of_the_conversation():
     from spyre_serve.models import resolve_model
-    from spyre_serve.models.tokenizer import load_tokenizer
-    from spyre_serve.server.openai.prompts import with_chat_template
+    from spyre_serve.models.checkpoints.tokenizer import load_tokenizer
+    from spyre_serve.server.openai.generation.prompts import with_chat_template
 
     tokenizer = with_chat_template(load_tokenizer(resolve_model("granite-tiny")), str(TEMPLATE))
     req = ChatCompletionRequest(messages=[

@@ -1,0 +1,290 @@
+"""Paged KV cache: write this step's K/V, and attention over a ragged batch.
+
+Cache layout, per block and KV head (token slot = block*BS + offset; a sequence's positions
+0..L-1 live in blocks block_tables[s, p // BS] at offset p % BS):
+
+    k_cache [NB, Hkv, D, BS]    K transposed: row i holds dim i of the block's BS keys
+    v_cache [NB, Hkv, BS, D]    V as it is: row o holds key o's D values
+
+so a block is, as it stands, the weight of a GEMM tile (device/kernels/gemm/microkernel.py, row
+stride BS or D): scores = q @ K^T reads K^T's rows 16 keys at a time, and the weighted sum
+p @ V reads V's rows 16 dims at a time, with nothing packed or transposed per step. BS and D
+are multiples of 16. The cache is float32, or uint16 holding bfloat16 or float16 values
+(`fmt`, FMT_BF16 / FMT_F16: `--kv-cache-dtype`): written rounded to nearest even, widened
+exactly in the tiles; the attention computes in float32.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from spyre_serve.device.abi import chunks_for, f32_at, get_kernel_threads, u16_at
+from spyre_serve.device.kernels.attention.online_softmax import NEG_BIG, online_softmax_block
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_BF16R, FMT_F32, narrow
+from spyre_serve.device.kernels.gemm.microkernel import tile, wide_tile
+from spyre_serve.device.kernels.simd import (
+    NR,
+    prefetch_span,
+    tile_height,
+    wide_cols,
+    wide_tile_height,
+)
+from spyre_serve.device.profile import lap
+
+# Work items are (a tile of query rows of one sequence, one KV head): up to this many query
+# vectors (rows x the query heads of the KV head), so that a tile's scores and running sum stay
+# in L1/L2 while the sequence's blocks pass.
+_QV_MAX = 96
+_CHUNKS_PER_THREAD = 8     # items go to chunks round-robin; a chunk's scratch is allocated once
+_WIDE_MAX_QV = 8           # items of at most this many query vectors take the wide tiles
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _write_row(k_cache, v_cache, kt, vt, slot, fmt):
+    """One row's K^T and V (kt, vt [Hkv, D]) at slot; a negative slot writes nothing."""
+    if slot < 0:
+        return
+    nb, hkv, d, bs = k_cache.shape
+    blk = slot // bs
+    off = slot % bs
+    for h in range(hkv):
+        for i in range(d):
+            k_cache[blk, h, i, off] = narrow(kt[h, i], k_cache, fmt)
+            v_cache[blk, h, off, i] = narrow(vt[h, i], v_cache, fmt)
+
+
+@njit(nogil=True, cache=True)
+def _write_rows(k_cache, v_cache, k, v, slot_mapping, fmt, t0, t1):
+    for t in range(t0, t1):
+        _write_row(k_cache, v_cache, k[t], v[t], slot_mapping[t], fmt)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _write_parallel(k_cache, v_cache, k, v, slot_mapping, fmt):
+    for t in prange(k.shape[0]):
+        _write_row(k_cache, v_cache, k[t], v[t], slot_mapping[t], fmt)
+
+
+@njit(nogil=True, cache=True)
+def write_kv(k_cache, v_cache, k, v, slot_mapping, fmt=FMT_F32):
+    """K^T and V of each row t at slot = slot_mapping[t] (int32[T]): k_cache[blk, h, :, off]
+    = k[t, h], v_cache[blk, h, off] = v[t, h] for blk, off = divmod(slot, BS).
+
+    k_cache [NB, Hkv, D, BS], v_cache [NB, Hkv, BS, D] (float32, or uint16 of format fmt);
+    k, v: [T, Hkv, D] float32. A negative slot skips the row (padding tokens of a bucket).
+    """
+    nb, hkv, d, bs = k_cache.shape
+    t_n = k.shape[0]
+    if k.shape[1] != hkv or k.shape[2] != d or v.shape[0] != t_n or v.shape[1] != hkv or v.shape[2] != d:
+        raise ValueError("write_kv: k, v must be [T, Hkv, D] matching the cache (Hkv, D)", hkv, d)
+    if v_cache.shape != (nb, hkv, bs, d):
+        raise ValueError("write_kv: want k_cache [NB, Hkv, D, BS] and v_cache [NB, Hkv, BS, D] "
+                         "(NB, Hkv, D, BS)", nb, hkv, d, bs)
+    if slot_mapping.shape[0] != t_n:
+        raise ValueError("write_kv: slot_mapping length differs from tokens", slot_mapping.shape[0], t_n)
+    for t in range(t_n):
+        if slot_mapping[t] >= nb * bs:
+            raise IndexError("write_kv: slot beyond the cache (slot, slots)", slot_mapping[t], nb * bs)
+    if chunks_for(t_n, 8 * t_n * hkv * d) == 1:    # K^T's strided stores: ~8 steps a value
+        _write_rows(k_cache, v_cache, k, v, slot_mapping, fmt, 0, t_n)
+    else:
+        _write_parallel(k_cache, v_cache, k, v, slot_mapping, fmt)
+
+
+@njit(nogil=True, cache=True)
+def _check_attention(out, q, k_cache, v_cache, block_tables, query_start, context_lens):
+    nb, hkv, d, bs = k_cache.shape
+    t_n, hq, dq = q.shape
+    s_n = context_lens.shape[0]
+    if dq != d or out.shape != q.shape:
+        raise ValueError("paged_attention: q/out must be [T, Hq, D] with the cache's D", d)
+    if v_cache.shape != (nb, hkv, bs, d):
+        raise ValueError("paged_attention: want k_cache [NB, Hkv, D, BS] and v_cache [NB, Hkv, BS, D]"
+                         " (NB, Hkv, D, BS)", nb, hkv, d, bs)
+    if bs % NR or d % NR:
+        raise ValueError("paged_attention: the block size and head dim must be multiples of 16 "
+                         "(BS, D)", bs, d)
+    if hq % hkv != 0:
+        raise ValueError("paged_attention: query heads not a multiple of KV heads", hq, hkv)
+    if query_start.shape[0] != s_n + 1 or block_tables.shape[0] != s_n:
+        raise ValueError("paged_attention: want query_start [S+1] and block_tables [S, max_blocks]; S is", s_n)
+    if query_start[0] != 0 or query_start[s_n] > t_n:
+        raise ValueError("paged_attention: query_start must start at 0 and end within T (end, T)",
+                         query_start[s_n], t_n)
+    max_blocks = block_tables.shape[1]
+    for s in range(s_n):
+        q_len = query_start[s + 1] - query_start[s]
+        if q_len < 0 or q_len > context_lens[s]:
+            raise ValueError("paged_attention: sequence has more query rows than context (seq, rows, context)",
+                             s, q_len, context_lens[s])
+        n_blk = (context_lens[s] + bs - 1) // bs
+        if n_blk > max_blocks:
+            raise ValueError("paged_attention: context needs more blocks than the table holds (seq, blocks, width)",
+                             s, n_blk, max_blocks)
+        for b in range(n_blk):
+            if block_tables[s, b] < 0 or block_tables[s, b] >= nb:
+                raise IndexError("paged_attention: block id out of range (seq, index, block, NB)",
+                                 s, b, block_tables[s, b], nb)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tiles(c, c_off, ldc, a, lda, nrows, w, w_off, ldw, cols, kc, accumulate, fmt, wide):
+    """c[:nrows, :cols] (+)= a[:nrows, :kc] @ W for W's rows ldw elements apart from w_off
+    (all flat; row strides ldc, lda): the GEMM's tiles on a KV cache block, NR columns at a
+    time, or (wide) wide_cols() at a time; cols a multiple of that width."""
+    width = wide_cols() if wide else NR
+    for p in range(cols // width):
+        r0 = 0
+        while r0 < nrows:
+            if wide:
+                mr = wide_tile_height(nrows - r0)
+                wide_tile(mr, a, r0 * lda, lda, w, w_off + p * width, ldw, c,
+                          c_off + r0 * ldc + p * width, ldc, kc, accumulate, fmt)
+            else:
+                mr = tile_height(nrows - r0)
+                tile(mr, a, r0 * lda, lda, w, w_off + p * width, ldw, c,
+                     c_off + r0 * ldc + p * width, ldc, kc, accumulate, fmt)
+            r0 += mr
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _attend_item(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, group, sc,
+                 qt, sbuf, acc, m, denom, bits, fmt):
+    """One work item: rows r0..r0+nr-1 of sequence s (the first at position pos0), the query
+    heads of KV head kvh; kf, vf the flat caches of `shape` (NB, Hkv, D, BS). Scratch: qt
+    [QV, D], sbuf [QV * BS], acc [QV, D], m, denom [QV], bits [2 QV]."""
+    nb, hkv, d, bs = shape
+    nqv = nr * group          # query vectors: (row - r0) * group + g
+    h0 = kvh * group
+    n_keys = pos0 + nr        # keys the last row sees
+    tfmt = FMT_BF16R if fmt == FMT_BF16 else fmt     # the tiles' name for bfloat16 rows
+    wc = wide_cols()
+    # a few query vectors (a decode row's heads): wide tiles, a block's row in one pass
+    wide = nqv <= _WIDE_MAX_QV and bs % wc == 0 and d % wc == 0
+    width = wc if wide else NR                        # the tiles' columns at a time
+    for j in range(nr):
+        for g in range(group):
+            for i in range(d):
+                qt[j * group + g, i] = q[r0 + j, h0 + g, i] * sc
+    af = qt.reshape(qt.size)
+    accf = acc.reshape(acc.size)
+    accv = acc[:nqv]
+    accv[:] = 0.0
+    m[:nqv] = NEG_BIG
+    denom[:nqv] = 0.0
+    n_blocks = (n_keys + bs - 1) // bs
+    for b in range(n_blocks):
+        base = (block_tables[s, b] * hkv + kvh) * d * bs       # this block's K^T, and its V
+        cnt = min(bs, n_keys - b * bs)
+        if b + 1 < n_blocks:                 # the next block lies elsewhere: ask for it now
+            nxt = (block_tables[s, b + 1] * hkv + kvh) * d * bs
+            prefetch_span(kf, nxt, d * bs)
+            prefetch_span(vf, nxt, d * bs)
+        scores = sbuf[:nqv * bs].reshape(nqv, bs)
+        _tiles(sbuf, 0, bs, af, d, nqv, kf, base, bs, (cnt + width - 1) // width * width, d, 0,
+               tfmt, wide)
+        # masked: keys past cnt (stale), and key b*bs+o for row r unless <= pos0 + r (causal)
+        for qi in range(nqv):
+            first_hidden = min(cnt, max(0, pos0 + qi // group + 1 - b * bs))
+            for o in range(first_hidden, bs):
+                scores[qi, o] = NEG_BIG
+        online_softmax_block(scores, m[:nqv], denom[:nqv], accv, bits)
+        _tiles(accf, 0, d, sbuf, bs, nqv, vf, base, d, d, cnt, 1, tfmt, wide)
+    for j in range(nr):
+        for g in range(group):
+            inv = np.float32(1.0) / denom[j * group + g]
+            for i in range(d):
+                out[r0 + j, h0 + g, i] = acc[j * group + g, i] * inv
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context_lens, scale,
+                    fmt=FMT_F32):
+    """Causal attention of a ragged batch over a paged KV cache.
+
+    out, q:        [T, Hq, D] float32 (rows of sequence s are query_start[s]:query_start[s+1])
+    k_cache, v_cache: [NB, Hkv, D, BS] and [NB, Hkv, BS, D], float32 (or uint16 of format
+                   fmt), this step's K/V already written
+    block_tables:  int32[S, max_blocks]
+    query_start:   int32[S+1]
+    context_lens:  int32[S], tokens in cache for s including this step's
+    scale:         softmax scale (Granite: attention_multiplier)
+    Row j of s sits at position context_lens[s] - q_len + j and attends to
+    positions <= its own. Query head h reads KV head h // (Hq // Hkv).
+    Work items, in parallel: (a tile of query rows of one sequence, a KV head); the tile's rows
+    and the query heads sharing that KV head are processed together, so each K/V row is read
+    once per tile. Per cache block: the scores by the GEMM's tiles on the block's K^T, an
+    online-softmax update (float32, exponentials by `exp_nonpos`, 3e-7 relative), the
+    weighted sum by the tiles on its V: a decode row as a prefill tile, in full vectors. An
+    item of at most _WIDE_MAX_QV query vectors (a decode row's heads) takes the wide tiles
+    (microkernel.wide_tile: 64 columns on AVX-512), so each row of K^T or V is read once a
+    few heights rather than once a 16-column panel and a height.
+    Items are dealt round-robin to chunks (a causal prefill's late tiles cost more than its
+    early ones), each chunk's scratch allocated once.
+    Rows past query_start[S] (bucket padding) are left untouched.
+    """
+    _check_attention(out, q, k_cache, v_cache, block_tables, query_start, context_lens)
+    nb, hkv, d, bs = k_cache.shape
+    hq = q.shape[1]
+    group = hq // hkv
+    s_n = context_lens.shape[0]
+    row_tile = max(1, _QV_MAX // group)
+    n_tiles = 0
+    for s in range(s_n):
+        n_tiles += (query_start[s + 1] - query_start[s] + row_tile - 1) // row_tile
+    tile_seq = np.empty(n_tiles, np.int32)
+    tile_row0 = np.empty(n_tiles, np.int32)
+    n_tiles = 0
+    for s in range(s_n):
+        for r0 in range(query_start[s], query_start[s + 1], row_tile):
+            tile_seq[n_tiles] = s
+            tile_row0[n_tiles] = r0
+            n_tiles += 1
+    sc = np.float32(scale)
+    items = n_tiles * hkv
+    chunks = min(items, _CHUNKS_PER_THREAD * get_kernel_threads())
+    kf = k_cache.reshape(k_cache.size)
+    vf = v_cache.reshape(v_cache.size)
+    for c in prange(chunks):
+        qv = group               # the chunk's tallest item: its scratch's height
+        for item in range(c, items, chunks):
+            s = tile_seq[item // hkv]
+            qv = max(qv, min(row_tile, query_start[s + 1] - tile_row0[item // hkv]) * group)
+        qt = np.empty((qv, d), np.float32)
+        sbuf = np.empty(qv * bs, np.float32)
+        acc = np.empty((qv, d), np.float32)
+        m = np.empty(qv, np.float32)
+        denom = np.empty(qv, np.float32)
+        bits = np.empty(2 * qv, np.int32)
+        for item in range(c, items, chunks):
+            tile_i = item // hkv
+            kvh = item % hkv
+            s = tile_seq[tile_i]
+            r0 = tile_row0[tile_i]
+            nr = min(row_tile, query_start[s + 1] - r0)
+            pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
+            _attend_item(out, q, kf, vf, (nb, hkv, d, bs), block_tables, s, r0, nr, pos0, kvh,
+                         group, sc, qt, sbuf, acc, m, denom, bits, fmt)
+
+
+@njit(nogil=True, cache=True)
+def attention_at(f32, u16, k_addr, v_addr, kv_fmt, nbt, bs, hkv, d, k3, v3, slot_mapping, a3, q3,
+                 block_tables, query_start, context_lens, attn_scale, timers, t, k_write, k_attention):
+    """write_kv, then paged attention, over the layer's cache (K^T [NBT, Hkv, D, BS] and V
+    [NBT, Hkv, BS, D]; float32, or 16-bit: kv_fmt); returns the kernel timers' running tick,
+    as `lap` does (`k_write`, `k_attention`: the timers of the two)."""
+    n = nbt * hkv * d * bs
+    if kv_fmt == FMT_F32:
+        kc = f32_at(f32, k_addr, n).reshape(nbt, hkv, d, bs)
+        vc = f32_at(f32, v_addr, n).reshape(nbt, hkv, bs, d)
+        write_kv(kc, vc, k3, v3, slot_mapping, kv_fmt)
+        t = lap(timers, k_write, t)
+        paged_attention(a3, q3, kc, vc, block_tables, query_start, context_lens, attn_scale,
+                        kv_fmt)
+    else:
+        kc16 = u16_at(u16, k_addr, n).reshape(nbt, hkv, d, bs)
+        vc16 = u16_at(u16, v_addr, n).reshape(nbt, hkv, bs, d)
+        write_kv(kc16, vc16, k3, v3, slot_mapping, kv_fmt)
+        t = lap(timers, k_write, t)
+        paged_attention(a3, q3, kc16, vc16, block_tables, query_start, context_lens,
+                        attn_scale, kv_fmt)
+    return lap(timers, k_attention, t)

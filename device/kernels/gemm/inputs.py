@@ -1,0 +1,162 @@
+"""A GEMM's inputs as its tiles read them (device/kernels/gemm/packed.py), prepared once per GEMM:
+
+    float32 as they are                             (ACT_F32)
+    rounded to bfloat16 / float16 / DLFloat16,      (FMT_BF16 / FMT_F16 / FMT_DLF16 inputs,
+      still float32                                   widening tiles)
+    bfloat16 bits, K padded with zeros              (bf16 x bf16 on a level with vdpbf16ps/AMX)
+    int8 per row in blocks of QB, with scales       (ACT_INT8: a quantized weight's)
+
+`gemm_inputs(a, m, k, fmt, act)` returns them as one tuple and the mode that says which the
+tiles read; `round_to_format` rounds in place (tests and torch-spyre use it too).
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from spyre_serve.device.abi import chunks_for, get_kernel_threads
+from spyre_serve.device.kernels.formats import (
+    FMT_BF16,
+    FMT_DLF16,
+    FMT_F16,
+    dlfloat16_round,
+    has_integer_quants,
+    padded_k,
+)
+from spyre_serve.device.kernels.simd import F32, QB, has_bf16_dot
+
+ACT_F32, ACT_INT8 = 0, 6   # GEMM inputs: float32, or int8 per block of QB (quantized weights);
+# FMT_BF16 / FMT_F16 / FMT_DLF16 as an input format: rounded to that format once per GEMM
+MODE_FLOAT, MODE_INT8, MODE_DOT = 0, 1, 2    # which of the inputs the tiles read
+
+
+@njit(nogil=True, cache=True)
+def _quantize_span(af, k, aq, ad, asum, r0, r1):
+    nb = k // QB
+    for r in range(r0, r1):
+        for b in range(nb):
+            base = r * k + b * QB
+            amax = np.float32(0.0)
+            for t in range(QB):
+                amax = max(amax, abs(af[base + t]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            total = 0
+            for t in range(QB):
+                v = af[base + t] * inv
+                q = np.int32(np.floor(abs(v) + np.float32(0.5)))
+                q = -q if v < 0 else q
+                aq[base + t] = q
+                total += q
+            ad[r * nb + b] = d
+            asum[r * nb + b] = np.float32(total)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _quantize_parallel(af, m, k, aq, ad, asum, chunks):
+    for c in prange(chunks):
+        _quantize_span(af, k, aq, ad, asum, c * m // chunks, (c + 1) * m // chunks)
+
+
+@njit(nogil=True, cache=True)
+def quantize_rows(af, m, k, aq, ad, asum):
+    """Each row of a[M, K] (flat) in blocks of QB, as llama.cpp's q8_0 activations: d = max|x| /
+    127, q = round(x / d) half away from zero, in aq (int8 [M K]); d and the sum of the block's
+    q in ad, asum (float32 [M, K / QB])."""
+    chunks = chunks_for(m, m * k)
+    if chunks == 1:
+        _quantize_span(af, k, aq, ad, asum, 0, m)
+    else:
+        _quantize_parallel(af, m, k, aq, ad, asum, chunks)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _bf16_bits(u):
+    """float32 bits -> the nearest bfloat16's bits (round to nearest even), as uint32."""
+    return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@njit(nogil=True, cache=True)
+def _to_bf16_rows(af, m, k, kp, ab, r0, r1):
+    """Rows r0..r1-1 of a[M, K] (flat float32) as bfloat16 bits into ab [M, kp], zero past K."""
+    bits = af.view(np.uint32)
+    for r in range(r0, r1):
+        for t in range(k):
+            ab[r * kp + t] = np.uint16(_bf16_bits(bits[r * k + t]))
+        for t in range(k, kp):
+            ab[r * kp + t] = 0
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _to_bf16_parallel(af, m, k, kp, ab):
+    chunks = min(m, 4 * get_kernel_threads())
+    for c in prange(chunks):
+        _to_bf16_rows(af, m, k, kp, ab, c * m // chunks, (c + 1) * m // chunks)
+
+
+@njit(nogil=True, cache=True)
+def gemm_inputs(af, m, k, fmt, act):
+    """The tiles' inputs: (float32 a, int8 a with its scales and sums, bfloat16 a, its row
+    stride, mode). int8 for a quantized weight with int8 inputs; bfloat16 pairs for a
+    bfloat16 weight with bfloat16 inputs on a level with the dot product (each value rounded
+    to nearest even once); else float32, rounded first to a 16-bit input format (act) so that
+    the widening tiles multiply 16-bit values exactly."""
+    use_int = act == ACT_INT8 and has_integer_quants(fmt)     # FP8: float inputs
+    nq = m * k if use_int else 0
+    aq, ad, asum = np.empty(nq, np.int8), np.empty(nq // QB, np.float32), np.empty(nq // QB, np.float32)
+    if use_int:
+        quantize_rows(af, m, k, aq, ad, asum)
+        return af, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_INT8
+    if fmt == FMT_BF16 and act == FMT_BF16 and has_bf16_dot():
+        kp = padded_k(k, fmt)
+        ab = np.empty(m * kp, np.uint16)
+        if m * k >= 65536:
+            _to_bf16_parallel(af, m, k, kp, ab)
+        else:
+            _to_bf16_rows(af, m, k, kp, ab, 0, m)
+        return af, aq, ad, asum, ab, kp, MODE_DOT
+    if act == FMT_BF16 or act == FMT_F16 or act == FMT_DLF16:
+        rounded = af.copy()
+        round_to_format(rounded, act)
+        return rounded, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_FLOAT
+    return af, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_FLOAT
+
+
+@intrinsic
+def _round_f16(typingctx, x):
+    """float32 -> nearest float16 (round to nearest even; F16C's conversion) -> float32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), F32)
+    return types.float32(x), codegen
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def round_to_format(x, fmt):
+    """Round every value of the C-contiguous float32 array x, in place, to the nearest value
+    of the 16-bit format fmt (bfloat16, float16: round to nearest even; DLFloat16: IBM's
+    rounding, device/numerics.py), so that the products of a 16-bit GEMM are exact products
+    of 16-bit numbers, as in a 16-bit multiplier; any other format (FMT_F32; ACT_INT8, which
+    the GEMM of a quantized weight applies itself) does nothing."""
+    if fmt != FMT_BF16 and fmt != FMT_F16 and fmt != FMT_DLF16:
+        return
+    flat = x.reshape(x.size)
+    bits = flat.view(np.uint32)
+    n = flat.shape[0]
+    rows = (n + 4095) // 4096
+    for r in prange(rows):
+        lo = r * 4096
+        hi = min(n, lo + 4096)
+        if fmt == FMT_F16:
+            for i in range(lo, hi):
+                flat[i] = _round_f16(flat[i])
+        elif fmt == FMT_DLF16:
+            for i in range(lo, hi):
+                flat[i] = dlfloat16_round(flat[i])
+        else:
+            for i in range(lo, hi):
+                u = bits[i]
+                bits[i] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)

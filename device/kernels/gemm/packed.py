@@ -1,0 +1,235 @@
+"""GEMM on weights placed once in panels (weight-stationary): fp32, 16-bit, 8- and 4-bit.
+
+A weight W[K, N] is stored as panels of NR columns, each panel K rows of NR contiguous
+values (device/layout.py packs it; see device/README.md for a picture):
+
+    packed[p, k, j] = W[k, p * NR + j]        p < ceil(N / NR), zero past column N
+
+so the kernel streams every panel with unit stride and never repacks. Storage is float32,
+or uint16 holding float16 bits, or bfloat16 bits in pairs of rows (packed[p, k // 2, j,
+k % 2], K padded with zero rows to a multiple of BF16_KB: the layout of vdpbf16ps and of
+AMX's B tiles), or uint8 in one of GGML's block-quantized formats (Q8_0, Q4_0, Q4_1: blocks
+of QB = 32 rows with a float16 scale per column), each panel then K / QB records of QB rows
+(device/kernels/gemm/microkernel.py has their bytes).
+
+    out[M, N] = a[M, K] @ W                    gemm_packed(out, a, w, K, N, fmt, act)
+
+The inputs' format `act` picks the tile family (device/kernels/):
+    float32 (ACT_F32)         microkernel.py: weights widened in registers (16-bit by a shift
+                              or F16C, quantized to exactly GGML's dequantized values), FMAs
+    bfloat16 / float16        rounded to that format once per GEMM; on a bfloat16 weight where
+                              the level has AVX512_BF16, multiplied in pairs (dot_tile.py,
+                              vdpbf16ps), else the float32 tiles on the rounded values
+    int8 (ACT_INT8)           a quantized weight's: quantized per row in blocks of QB
+                              (quantize_rows), integer dot products (int8_tile.py)
+The vector width and the tile heights are the ISA level's (device/kernels/simd.py).
+
+The loops follow BLIS: the panels are split across the card's cores (`prange` over chunks
+of panels); a panel's k-block of KC rows (16 KiB in fp32) stays in L1 while every row tile
+passes over it, so each weight byte comes from memory once per block of MC rows.
+Up to MC rows (every decode) that is one pass and one parallel region; for more, the rows
+come in blocks of MC and the k-blocks go outside the panels, so that an [MC, KC] block of
+`a` stays in L2 while all the panels stream past it.
+
+Numerics of the float32 tiles: every product is a float32 FMA of exactly the stored
+(dequantized) weight. The order of the k sum depends on K, on the level and on the height
+of a row's tile (a short tile sums k in interleaved partial sums), never on the thread count
+or the weight's format: a result is reproducible for a given batch shape and level, and a
+quantized or 16-bit weight gives bit for bit what its float32 copy gives.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from spyre_serve.device.abi import f32_at, get_kernel_threads, u16_at
+from spyre_serve.device.kernels.formats import (
+    FMT_BF16,
+    FMT_F32,
+    is_quantized,
+    packed_len,
+    slab_offset,
+)
+from spyre_serve.device.kernels.gather import u8_at
+from spyre_serve.device.kernels.gemm.amx import BLOCK_COLS, BLOCK_ROWS, amx_release, amx_rows
+from spyre_serve.device.kernels.gemm.dot_tile import dtile
+from spyre_serve.device.kernels.gemm.inputs import (
+    MODE_DOT,
+    MODE_INT8,
+    gemm_inputs,
+)
+from spyre_serve.device.kernels.gemm.int8_tile import itile
+from spyre_serve.device.kernels.gemm.microkernel import tile
+from spyre_serve.device.kernels.simd import NR, QB, has_amx, max_tile_height, tile_height
+
+KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, in L1 (a multiple of QB)
+MC = 192         # rows per block of a: [MC, KC] fp32 is 192 KiB, in L2
+CHUNKS_PER_THREAD = 4   # panel chunks per core: balances the split, keeps each core's range contiguous
+AMX_MIN_ROWS = 3        # bfloat16 GEMMs of at least this many rows go to AMX where the level has it
+AMX_PAIRS = 16          # panel pairs an AMX row block passes before the next row block
+AMX_A_BYTES = 256 << 10  # rows of A an AMX pass takes (their bfloat16 bytes): they stay in L2
+AMX_B_BYTES = 1 << 20    # a core's share of B up to this stays in L2 for all the rows
+AMX_KC = 512             # k values of A an AMX block row takes at a time: 32 rows x 1 KiB in L1
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile_at(mr, ins, r0, kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt):
+    """One tile of rows r0.., k rows kb..kb+kc of the inputs `ins` (gemm_inputs)."""
+    af, aq, ad, asum, ab, kab, mode = ins
+    if mode == MODE_INT8:
+        nb = k // QB
+        itile(mr, aq, r0 * k + kb, k, ad, asum, r0 * nb + kb // QB, nb, w, w_off, c, c_off, ldc,
+              kc, acc, fmt)
+    elif mode == MODE_DOT:
+        dtile(mr, ab, r0 * kab + kb, kab, w, w_off, c, c_off, ldc, kc, acc)
+    else:
+        tile(mr, af, r0 * k + kb, k, w, w_off, NR, c, c_off, ldc, kc, acc, fmt)
+
+
+@njit(nogil=True, cache=True)
+def _panels(of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp, ins):
+    """Rows m0..m0+mc of out, panels p0..p1-1, k rows k0..k0+kc_all (one core's share of one
+    block): per panel, per k-block of KC, every row tile (the level's heights)."""
+    for p in range(p0, p1):
+        n0 = p * NR
+        cols = min(NR, n - n0)
+        for kb in range(k0, k0 + kc_all, KC):
+            kc = min(KC, k0 + kc_all - kb)
+            acc = 1 if kb > 0 else 0
+            w_off = slab_offset(p, kb, k, fmt)
+            r0 = m0
+            while r0 < m0 + mc:
+                mr = tile_height(m0 + mc - r0)
+                # the last panel may be partial: then the whole tile goes to tmp, and its
+                # columns are copied in and out (one call site: the tiles are emitted once)
+                dst, d_off, ldd = of, r0 * n + n0, n
+                if cols < NR:
+                    for i in range(mr):
+                        for j in range(cols):
+                            tmp[i * NR + j] = of[(r0 + i) * n + n0 + j]
+                    dst, d_off, ldd = tmp, 0, NR
+                _tile_at(mr, ins, r0, kb, k, w, w_off, dst, d_off, ldd, kc, acc, fmt)
+                if cols < NR:
+                    for i in range(mr):
+                        for j in range(cols):
+                            of[(r0 + i) * n + n0 + j] = tmp[i * NR + j]
+                r0 += mr
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def gemm_packed(out, a, w, k, n, fmt, act):
+    """out[M, N] = a[M, K] @ W[K, N], W packed in panels.
+
+    out, a: C-contiguous float32 2-D; w: the packed 1-D array of packed_len(K, N, fmt)
+    elements; fmt: FMT_F32 for float32 w, FMT_BF16 or FMT_F16 for uint16 w, FMT_Q8_0,
+    FMT_Q4_0 or FMT_Q4_1 for uint8 w (K a multiple of QB); act, the inputs' format: ACT_F32,
+    FMT_BF16 / FMT_F16 (rounded to it), or ACT_INT8 (a quantized weight's: int8 per block)."""
+    m = a.shape[0]
+    if a.shape[1] != k or out.shape[0] != m or out.shape[1] != n:
+        raise ValueError("gemm_packed: want a [M, K] and out [M, N]; (M, K, N) are", m, k, n)
+    if is_quantized(fmt) and k % QB:
+        raise ValueError("gemm_packed: a block-quantized weight needs K in whole blocks (K, QB)",
+                         k, QB)
+    if w.shape[0] < packed_len(k, n, fmt):
+        raise ValueError("gemm_packed: packed weight too short (have, need)", w.shape[0],
+                         packed_len(k, n, fmt))
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        out[:] = 0.0
+        return
+    af = a.reshape(m * k)
+    of = out.reshape(m * n)
+    ins = gemm_inputs(af, m, k, fmt, act)
+    kk = ins[5] if ins[6] == MODE_DOT else k        # rows the tiles run over (the dot's padded)
+    n_panels = (n + NR - 1) // NR
+    if ins[6] == MODE_DOT and m >= AMX_MIN_ROWS and has_amx():
+        _gemm_amx(of, ins[4], m, ins[5], w, k, n, n_panels, AMX_A_BYTES, AMX_B_BYTES, AMX_PAIRS)
+        return
+    chunks = min(n_panels, CHUNKS_PER_THREAD * get_kernel_threads())
+    th = max_tile_height()
+    if m <= MC:
+        # decode-sized: all of a fits in L2; one parallel region over the panels
+        for c in prange(chunks):
+            tmp = np.empty(th * NR, np.float32)
+            _panels(of, w, k, n, 0, m, 0, kk, c * n_panels // chunks,
+                    (c + 1) * n_panels // chunks, fmt, tmp, ins)
+        return
+    # prefill-sized: a block of MC rows x KC columns of a stays in L2 while every panel's
+    # [KC, NR] slab passes (BLIS's order: k-blocks outside the panels)
+    for m0 in range(0, m, MC):
+        mc = min(MC, m - m0)
+        for k0 in range(0, kk, KC):
+            kc = min(KC, kk - k0)
+            for c in prange(chunks):
+                tmp = np.empty(th * NR, np.float32)
+                _panels(of, w, k, n, m0, mc, k0, kc, c * n_panels // chunks,
+                        (c + 1) * n_panels // chunks, fmt, tmp, ins)
+
+
+@njit(nogil=True, cache=True)
+def _amx_panels(of, ab, m, kp, w, k, n, n_panels, q0, q1, tmp, a_bytes, b_bytes, pairs):
+    """Panel pairs q0..q1-1 of out, every block of BLOCK_ROWS rows, by AMX. When these pairs'
+    B slabs fit in AMX_B_BYTES they stay in L2 and every row block passes all of them; else
+    rows go in passes of AMX_A_BYTES of A and pairs in groups of AMX_PAIRS (36 KiB a pair at
+    K 576), both in L2 while each row block of the pass meets every pair of the group. C
+    tiles are stored into out, but for a pair whose columns pass N (through tmp)."""
+    slab = 2 * slab_offset(1, 0, k, FMT_BF16)          # bytes of one panel
+    full = min(q1, n // BLOCK_COLS)                     # pairs whose 32 columns are all in N
+    mb = max(BLOCK_ROWS, a_bytes // (2 * kp) // BLOCK_ROWS * BLOCK_ROWS)
+    group = pairs
+    if (q1 - q0) * 2 * slab <= b_bytes:             # this core's B fits in L2: keep it
+        mb, group = m, max(1, q1 - q0)                  # there, and stream A past it once
+    for m0 in range(0, m, mb):                          # rows whose A stays in L2
+        for g0 in range(q0, q1, group):
+            g1 = min(q1, g0 + group)
+            direct = max(0, min(g1, full) - g0)
+            for r0 in range(m0, min(m, m0 + mb), BLOCK_ROWS):
+                rows = min(BLOCK_ROWS, m - r0)
+                for k0 in range(0, kp, AMX_KC):           # A's chunk stays in L1 for the group
+                    kc = min(AMX_KC, kp - k0)
+                    acc = 1 if k0 > 0 else 0
+                    a_at, b_at = 2 * (r0 * kp + k0), 32 * k0   # k0 / 2 pair rows of 64 bytes
+                    if direct > 0:
+                        amx_rows(ab, a_at, 2 * kp, rows, w, 2 * g0 * slab + b_at,
+                                 (2 * g0 + 1) * slab + b_at, 2 * slab, direct, kc, of,
+                                 4 * (r0 * n + g0 * BLOCK_COLS), 4 * n, acc)
+                    for q in range(g0 + direct, g1):       # the pair past N's last whole pair
+                        p1 = 2 * q + 1 if 2 * q + 1 < n_panels else 2 * q  # odd last panel: twice
+                        amx_rows(ab, a_at, 2 * kp, rows, w, 2 * q * slab + b_at, p1 * slab + b_at,
+                                 0, 1, kc, tmp[(q - g0 - direct) * BLOCK_ROWS * BLOCK_COLS:], 0,
+                                 4 * BLOCK_COLS, acc)
+                for q in range(g0 + direct, g1):
+                    cols = min(BLOCK_COLS, n - q * BLOCK_COLS)
+                    at = (q - g0 - direct) * BLOCK_ROWS * BLOCK_COLS
+                    for i in range(rows):
+                        for j in range(cols):
+                            of[(r0 + i) * n + q * BLOCK_COLS + j] = tmp[at + i * BLOCK_COLS + j]
+    amx_release()
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemm_amx(of, ab, m, kp, w, k, n, n_panels, a_bytes, b_bytes, group):
+    """out = ab @ W with AMX blocks of BLOCK_ROWS x 2 panels, panel pairs split across the
+    cores."""
+    pairs = (n_panels + 1) // 2
+    chunks = min(pairs, CHUNKS_PER_THREAD * get_kernel_threads())
+    for c in prange(chunks):
+        tmp = np.empty(2 * BLOCK_ROWS * BLOCK_COLS, np.float32)    # the partial pairs' C
+        _amx_panels(of, ab, m, kp, w, k, n, n_panels, c * pairs // chunks,
+                    (c + 1) * pairs // chunks, tmp, a_bytes, b_bytes, group)
+
+
+# ---- on the arena: a weight by its address, as the card's programs reach it ----------------
+
+@njit(nogil=True, cache=True)
+def gemm_at(out, a, f32, u16, address, k, n, fmt, act):
+    """gemm_packed with the weight at byte `address` of the arena (f32 / u16: its views)."""
+    size = packed_len(k, n, fmt)
+    if fmt == FMT_F32:
+        gemm_packed(out, a, f32_at(f32, address, size), k, n, fmt, act)
+    elif is_quantized(fmt):
+        gemm_packed(out, a, u8_at(u16, address, size), k, n, fmt, act)
+    else:
+        gemm_packed(out, a, u16_at(u16, address, size), k, n, fmt, act)
+
+

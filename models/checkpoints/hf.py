@@ -1,0 +1,247 @@
+"""Checkpoints in Hugging Face format, read without torch.
+
+A checkpoint directory holds config.json and either ``model.safetensors`` or shards
+``model-XXXXX-of-YYYYY.safetensors`` listed in ``model.safetensors.index.json``.
+Tensors may be float32, bfloat16 or float16; all come back as float32 numpy arrays
+with the Hugging Face names and shapes (``[out_features, in_features]`` for linears). An FP8
+checkpoint in the compressed-tensors format (config.json's quantization_config) gives its
+E4M3 weights with their scales as FP8 `QuantizedWeight`s (models/checkpoints/compressed_tensors.py).
+
+Memory: files are memory-mapped. float32 tensors are returned as read-only views of
+the mapping (no copy); bfloat16 is widened by a 16-bit shift and float16 by
+``astype``, one allocation per tensor either way.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from spyre_serve.models.checkpoints.compressed_tensors import (
+    FP8_CODE,
+    fp8_weight_scheme,
+    take_fp8_weights,
+)
+from spyre_serve.models.config import GraniteConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype code -> (numpy dtype of the stored bits, bytes per element)
+_STORED = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2"),
+           FP8_CODE: np.dtype("u1")}
+
+# Tensors some exporters write that the model does not use.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+STORED_WIDTHS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_width(codes, declared: str) -> str:
+    """The float width a checkpoint stores (its safetensors codes, e.g. {"BF16"}): one code's
+    width, else the width its config declares (mixed widths)."""
+    codes = set(codes)
+    return STORED_WIDTHS.get(next(iter(codes)), "float32") if len(codes) == 1 else declared
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config, or a file that is not safetensors."""
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    config: GraniteConfig
+    tensors: dict[str, np.ndarray]   # HF name -> float32 array of expected_shapes(config)[name]
+                                     # (a GGUF file's Q8_0/Q4_0/Q4_1: device.layout.QuantizedWeight)
+                                     # (stored bits if loaded with widen=False)
+    path: Path                       # the checkpoint directory
+    stored_dtypes: dict[str, str] = field(default_factory=dict)  # HF name -> "F32" | "BF16" | "F16"
+
+
+def expected_shapes(config: GraniteConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold, with its shape (HF layout: [out, in])."""
+    c = config
+    H, V, I = c.hidden_size, c.vocab_size, c.intermediate_size  # noqa: E741
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, H)
+        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, H)
+        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, H)
+        shapes[p + "self_attn.o_proj.weight"] = (H, c.q_size)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        shapes[p + "mlp.gate_proj.weight"] = (I, H)
+        shapes[p + "mlp.up_proj.weight"] = (I, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, I)
+    shapes["model.norm.weight"] = (H,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    return shapes
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where tensor data starts)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: {len(head)} bytes, too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        size = path.stat().st_size
+        if n > size - 8:
+            raise CheckpointError(f"{path}: header length {n} exceeds file size {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: header is not JSON: {e}") from e
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _map_file(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (dtype code, stored-bits view into a read-only mapping of the file)."""
+    header, start = read_safetensors_header(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    buf = memoryview(mm)
+    out = {}
+    for name, info in header.items():
+        code, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        if code not in _STORED:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {code}; "
+                                  f"supported: {sorted(_STORED)}")
+        dt = _STORED[code]
+        count = int(np.prod(shape, dtype=np.int64))
+        if hi - lo != count * dt.itemsize or start + hi > size or lo < 0:
+            raise CheckpointError(f"{path}: tensor {name!r} {code}{list(shape)} needs "
+                                  f"{count * dt.itemsize} bytes, header gives offsets [{lo}, {hi}) "
+                                  f"in a data section of {size - start} bytes")
+        arr = np.frombuffer(buf, dtype=dt, count=count, offset=start + lo).reshape(shape)
+        out[name] = (code, arr)
+    return out
+
+
+def widen_stored(code: str, stored: np.ndarray) -> np.ndarray:
+    """A stored float tensor (F32, BF16, F16 bits) as float32."""
+    if code == "F32":
+        return stored                     # read-only view of the mapping
+    if code == "BF16":
+        # bf16 is the top half of a float32: widen, shift into place in place, reinterpret.
+        out = np.empty(stored.shape, dtype=np.uint32)
+        out[...] = stored
+        out <<= np.uint32(16)
+        return out.view(np.float32)
+    return stored.astype(np.float32)      # F16
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, in index order."""
+    single = path / SINGLE_FILE
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with 'weight_map': {e}") from e
+        names = list(dict.fromkeys(weight_map.values()))
+        files = [path / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index} lists shard {f.name!r}, which does not exist")
+        return files
+    if single.is_file():
+        return [single]
+    shards = sorted(p.name for p in path.glob("model-*.safetensors"))
+    if shards:
+        raise CheckpointError(f"{path}: shards {shards} but no {INDEX_FILE}")
+    raise CheckpointError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}")
+
+
+def check_shapes(source, expected: dict[str, tuple[int, ...]],
+                 shapes: dict[str, tuple[int, ...]]) -> None:
+    """The tensors of ``source`` (name -> shape) are exactly ``expected``'s, with its shapes;
+    the error names the first that is missing, unexpected or of another shape. Shared by
+    safetensors directories and GGUF files (which pass llama.cpp's names)."""
+    missing = [n for n in expected if n not in shapes]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r} (expected shape "
+                              f"{list(expected[missing[0]])}); {len(missing)} missing in all")
+    unexpected = [n for n in shapes if n not in expected]
+    if unexpected:
+        n = unexpected[0]
+        raise CheckpointError(f"{source}: unexpected tensor {n!r} with shape {list(shapes[n])}"
+                              f"; {len(unexpected)} unexpected in all")
+    for name, shape in expected.items():
+        got = tuple(shapes[name])
+        if got != shape:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {list(got)}, "
+                                  f"config expects {list(shape)}")
+
+
+def load_checkpoint(path: str | Path, config: GraniteConfig | None = None, *,
+                    widen: bool = True) -> Checkpoint:
+    """Read config.json (unless ``config`` is given) and every tensor, checked against
+    ``expected_shapes``. A tied checkpoint that also stores ``lm_head.weight`` has it
+    dropped (transformers ties it to the embedding the same way).
+
+    widen=False returns the stored bits instead of float32: bfloat16 as uint16, float16
+    as float16, float32 as float32, all read-only views of the file (no copy)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a directory")
+    if config is None:
+        config = GraniteConfig.from_file(path / "config.json")
+    files = checkpoint_files(path)
+
+    index_map = None
+    if (path / INDEX_FILE).is_file():
+        index_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+
+    stored: dict[str, tuple[str, np.ndarray]] = {}
+    for f in files:
+        tensors = _map_file(f)
+        for name, value in tensors.items():
+            if name in stored:
+                raise CheckpointError(f"tensor {name!r} appears in more than one file ({f.name})")
+            if index_map is not None and index_map.get(name) != f.name:
+                raise CheckpointError(f"tensor {name!r} is in {f.name} but {INDEX_FILE} "
+                                      f"maps it to {index_map.get(name)!r}")
+            stored[name] = value
+    if index_map is not None:
+        missing_in_files = sorted(set(index_map) - set(stored))
+        if missing_in_files:
+            raise CheckpointError(f"{INDEX_FILE} lists tensors no shard holds: {missing_in_files[:5]}")
+
+    for name in [n for n in stored if n.endswith(_IGNORED_SUFFIXES)]:
+        del stored[name]
+    if config.tie_word_embeddings and "lm_head.weight" in stored:
+        del stored["lm_head.weight"]
+    fp8 = {}
+    if fp8_weight_scheme(_quantization_config(path)) is not None:
+        fp8 = take_fp8_weights(stored, path, widen_stored)
+    elif any(code == FP8_CODE for code, _ in stored.values()):
+        raise CheckpointError(f"{path}: F8_E4M3 tensors without a compressed-tensors "
+                              "quantization_config in config.json")
+
+    expected = expected_shapes(config)
+    check_shapes(path, expected, {name: arr.shape for name, (_, arr) in stored.items()})
+
+    if widen:
+        tensors = {name: fp8[name] if name in fp8 else widen_stored(*stored[name]) for name in expected}
+    else:
+        tensors = {name: fp8[name] if name in fp8 else stored[name][1] for name in expected}
+    dtypes = {name: stored[name][0] for name in expected}
+    return Checkpoint(config=config, tensors=tensors, path=path, stored_dtypes=dtypes)
+
+
+def _quantization_config(path: Path) -> dict | None:
+    """config.json's quantization_config (None without one, or without a config.json)."""
+    f = path / "config.json"
+    return json.loads(f.read_text()).get("quantization_config") if f.is_file() else None

@@ -1,0 +1,244 @@
+"""The GGUF container (llama.cpp's file format), read without torch: header, metadata,
+tensor entries, and one tensor's bytes dequantized to float32.
+
+    f = read_gguf(path)                  # GGUFFile: version, metadata, tensors, the mapped bytes
+    f.tensors["blk.0.attn_q.weight"]     # GGUFTensor: GGML type, numpy-order shape, offset
+    dequantize_tensor(f, t)              # float32[t.shape]
+
+The header is parsed here rather than by ``gguf.GGUFReader``: that reader builds a numpy
+view per string, and SmolLM2's 98k vocabulary and merge strings take it 8-15 s on this
+machine against ~0.2 s with ``struct``. Tensor bytes stay in a read-only memory map and are
+dequantized with ``gguf.quants.dequantize``, one tensor at a time. What the tensors and
+metadata mean for a model is models/gguf/checkpoint.py's business.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
+from gguf.quants import dequantize
+
+from spyre_serve.device.kernels.formats import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
+from spyre_serve.device.layout import QuantizedWeight
+from spyre_serve.models.checkpoints.hf import CheckpointError
+
+GGUF_SUFFIX = ".gguf"
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types: id -> struct format (scalars) or numpy dtype (arrays of them).
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file this server cannot serve: not GGUF, an architecture, a tensor or a tensor
+    type it does not run, metadata that does not describe the tensors."""
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor's entry in the header; its bytes stay in the file."""
+    name: str                 # llama.cpp's name, e.g. "blk.0.attn_q.weight"
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]    # numpy order (GGML's dims reversed): [rows, cols] = HF's [out, in]
+    offset: int               # byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+
+@dataclass(slots=True)
+class GGUFFile:
+    path: Path
+    version: int
+    metadata: dict[str, object]        # key -> int | float | bool | str | list of those
+    tensors: dict[str, GGUFTensor]     # by llama.cpp name, in file order
+    data: mmap.mmap                    # the whole file, read-only
+
+    @property
+    def architecture(self) -> str:
+        return require(self, Keys.General.ARCHITECTURE)
+
+    def arch_key(self, key: str) -> str:
+        """``Keys.LLM.BLOCK_COUNT`` ("{arch}.block_count") -> "llama.block_count"."""
+        return key.format(arch=self.architecture)
+
+
+def is_gguf_file(path) -> bool:
+    """A path names a GGUF file: by its suffix, as llama.cpp and transformers do."""
+    return str(path).lower().endswith(GGUF_SUFFIX)
+
+
+# ---------------------------------------------------------------- the header
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, advancing ``pos``."""
+
+    __slots__ = ("buf", "pos", "path")
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def unpack(self, fmt: str):
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise GGUFError(f"{self.path}: header ends at byte {len(self.buf)}, inside a value "
+                            f"at {self.pos} (a truncated file?)")
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise GGUFError(f"{self.path}: a string of {n} bytes at {self.pos} runs past the end "
+                            f"of the file ({len(self.buf)} bytes)")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{self.path}: a string at byte {self.pos - n} is not UTF-8: {e}") from e
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            return self.array()
+        if kind not in _SCALAR_FORMATS:
+            raise GGUFError(f"{self.path}: metadata value type {kind} at byte {self.pos} is not "
+                            "a GGUF type")
+        return self.unpack(_SCALAR_FORMATS[kind])
+
+    def array(self) -> list:
+        kind, n = self.unpack("<I"), self.unpack("<Q")
+        if kind in _SCALAR_FORMATS:   # numbers in one read
+            dtype = np.dtype(_SCALAR_FORMATS[kind].replace("?", "u1"))
+            if self.pos + n * dtype.itemsize > len(self.buf):
+                raise GGUFError(f"{self.path}: an array of {n} values at {self.pos} runs past "
+                                "the end of the file")
+            values = np.frombuffer(self.buf, dtype, n, self.pos)
+            self.pos += n * dtype.itemsize
+            return (values != 0).tolist() if kind == 7 else values.tolist()
+        return [self.value(kind) for _ in range(n)]
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """The header of a GGUF file (metadata and tensor entries); tensor data stays mapped."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"GGUF file {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        if f.read(4) != MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (it does not start with {MAGIC!r})")
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    cur = _Cursor(data, path)
+    cur.pos = 4
+    version = cur.unpack("<I")
+    if version not in VERSIONS:
+        swapped = struct.unpack(">I", struct.pack("<I", version))[0]
+        what = "a big-endian file" if swapped in VERSIONS else f"version {version}"
+        raise GGUFError(f"{path}: {what}; this reader takes little-endian GGUF "
+                        f"versions {list(VERSIONS)}")
+    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    metadata: dict[str, object] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("<I"))
+    entries = [_tensor_entry(cur) for _ in range(n_tensors)]
+    alignment = int(metadata.get(Keys.General.ALIGNMENT, DEFAULT_ALIGNMENT))
+    start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, GGUFTensor] = {}
+    for name, kind, shape, offset in entries:
+        if name in tensors:
+            raise GGUFError(f"{path}: tensor {name!r} appears twice")
+        tensors[name] = _place(path, name, kind, shape, start + offset, len(data))
+    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors, data=data)
+
+
+def _tensor_entry(cur: _Cursor) -> tuple[str, int, tuple[int, ...], int]:
+    name = cur.string()
+    dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
+    kind, offset = cur.unpack("<I"), cur.unpack("<Q")
+    return name, kind, tuple(reversed(dims)), offset
+
+
+def _place(path: Path, name: str, kind: int, shape: tuple[int, ...], offset: int,
+           file_size: int) -> GGUFTensor:
+    try:
+        ggml_type = GGMLQuantizationType(kind)
+    except ValueError:
+        raise GGUFError(f"{path}: tensor {name!r} has type id {kind}, which GGML does not "
+                        "define") from None
+    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if shape and shape[-1] % block:
+        raise GGUFError(f"{path}: tensor {name!r} {ggml_type.name}{list(shape)}: rows of "
+                        f"{shape[-1]} values are not whole blocks of {block}")
+    nbytes = math.prod(shape) // block * block_bytes
+    if offset + nbytes > file_size:
+        raise GGUFError(f"{path}: tensor {name!r} {ggml_type.name}{list(shape)} needs bytes "
+                        f"[{offset}, {offset + nbytes}) of a {file_size}-byte file")
+    return GGUFTensor(name, ggml_type, shape, offset, nbytes)
+
+
+def require(f: GGUFFile, key: str):
+    """A metadata value the model cannot do without."""
+    if key not in f.metadata:
+        raise GGUFError(f"{f.path}: metadata has no {key!r}")
+    return f.metadata[key]
+
+
+
+# ---------------------------------------------------------------- a tensor's values
+
+
+# GGML types kept at their width on the card (device.layout.QuantizedWeight), by format code
+QUANTIZED_TYPES = {GGMLQuantizationType.Q8_0: FMT_Q8_0, GGMLQuantizationType.Q4_0: FMT_Q4_0,
+                   GGMLQuantizationType.Q4_1: FMT_Q4_1}
+
+
+def quantized_tensor(f: GGUFFile, t: GGUFTensor) -> QuantizedWeight:
+    """A Q8_0 / Q4_0 / Q4_1 matrix as its quants and float16 scales (no value widened).
+
+    GGML's blocks of 32 values along a row: Q8_0 d (fp16), 32 int8; Q4_0 d, 16 bytes;
+    Q4_1 d, m, 16 bytes, value i of a block in the low nibble of byte i, value i + 16 in its
+    high nibble (ggml-common.h's block_q8_0 / block_q4_0 / block_q4_1)."""
+    rows, cols = t.shape
+    block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+    nb = cols // block
+    blocks = np.frombuffer(f.data, np.uint8, t.nbytes, t.offset).reshape(rows, nb, block_bytes)
+    half = lambda lo: blocks[:, :, lo:lo + 2].copy().view(np.float16).reshape(rows, nb)  # noqa: E731
+    fmt = QUANTIZED_TYPES[t.ggml_type]
+    if fmt == FMT_Q8_0:
+        return QuantizedWeight(fmt, blocks[:, :, 2:].copy().view(np.int8).reshape(rows, cols), half(0))
+    first = 4 if fmt == FMT_Q4_1 else 2
+    qs = blocks[:, :, first:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(rows, cols).astype(np.int8)
+    return QuantizedWeight(fmt, q, half(0), half(2) if fmt == FMT_Q4_1 else None)
+
+
+def dequantize_tensor(f: GGUFFile, t: GGUFTensor) -> np.ndarray:
+    """float32 array of ``t.shape``: F32 a read-only view of the file, others a new array."""
+    block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+    row_bytes = t.shape[-1] // block * block_bytes
+    raw = np.frombuffer(f.data, np.uint8, t.nbytes, t.offset)
+    raw = raw.reshape(*t.shape[:-1], row_bytes)           # [rows, bytes of a row]
+    out = dequantize(raw, t.ggml_type)                    # [rows, cols]
+    if out.dtype != np.float32:
+        out = out.astype(np.float32)
+    if out.shape != t.shape:
+        raise GGUFError(f"{f.path}: tensor {t.name!r} dequantized to {list(out.shape)}, "
+                        f"expected {list(t.shape)}")
+    return out
