@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # guidellm (vLLM's ecosystem's load generator), in a venv of its own, for the test that points it
-# at this server unmodified (tests/server/test_guidellm.py) and for anyone measuring with it.
+# at this server unmodified (tests/server/e2e/test_guidellm.py) and for anyone measuring with it.
 #
 #     benchmarks/peers/guidellm.sh [--cache DIR]
 #

@@ -91,7 +91,7 @@ parse_policy = choice_of("fcfs", "priority")             # --scheduling-policy (
 parse_runner = choice_of("auto", "generate", "pooling")  # --runner (server/launch/pooling.py)
 POOLER_KEYS = ("pooling_type", "normalize")
 # device.kernels.pooling.POOLING_TYPES' names (not imported: no kernel module may load before
-# device.process.configure(); tests/server/test_settings.py checks they agree)
+# device.process.configure(); tests/server/launch/test_settings.py checks they agree)
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
@@ -117,7 +117,7 @@ def parse_pooler_config(text: str) -> dict:
     return value
 
 
-QUANTIZATIONS = ("none", "int8", "fp8")   # models/checkpoints/quantize.py's (not imported: tests/server/test_settings.py checks)
+QUANTIZATIONS = ("none", "int8", "fp8")   # models/checkpoints/quantize.py's (not imported: tests/server/launch/test_settings.py checks)
 
 
 def parse_quantization(text: str) -> str | None:

@@ -73,7 +73,7 @@ class TokenLogprob:
 @dataclass(slots=True)
 class Sequence:
     # Each group of fields has its writers, and no other module writes them (WRITERS below;
-    # tests/server/test_sequence_ownership.py reads every module's assignments to check it).
+    # tests/server/sched/test_sequence_ownership.py reads every module's assignments to check it).
     # -- the request: set at creation, read by all
     seq_id: int
     request_id: str

@@ -55,7 +55,7 @@ def test_this_process_runs_a_level_the_host_has_and_caches_by_it(tmp_path, monke
 
 
 HERE = os.path.dirname(__file__)
-LEVEL_TESTS = ("test_kernels_gemm_packed.py", "test_kernels_gemm_quantized.py", "test_kernels_attention.py")
+LEVEL_TESTS = ("kernels/gemm/test_packed.py", "kernels/gemm/test_quantized.py", "kernels/attention/test_paged.py")
 
 
 def _level_job(level: str):

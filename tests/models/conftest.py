@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.checkpoints import write_granite_checkpoint
+from tests.models.hf_checkpoints import write_granite_checkpoint
 
 
 @pytest.fixture(scope="session")

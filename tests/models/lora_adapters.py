@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.models.checkpoints import load_reference_model
+from tests.models.hf_checkpoints import load_reference_model
 
 
 def write_lora_adapter(base_dir, out_dir, *, r: int, alpha: float, targets, seed: int = 0,

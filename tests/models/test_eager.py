@@ -8,7 +8,7 @@ import pytest
 from spyre_serve.device import Card
 from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model
 from spyre_serve.models.eager import EagerModel
-from tests.models.checkpoints import write_granite_checkpoint
+from tests.models.hf_checkpoints import write_granite_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16

@@ -13,7 +13,7 @@ import torch
 
 from spyre_serve.device import Card
 from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model
-from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
+from tests.models.hf_checkpoints import load_reference_model, write_granite_checkpoint
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0)

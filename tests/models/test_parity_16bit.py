@@ -15,7 +15,7 @@ same checkpoint, teacher-forced on transformers' fp32 greedy continuations:
   (transformers-16 itself disagrees with transformers-32 on up to 8 of 75 positions), so greedy
   tokens are compared where the fp32 gap is at least RESOLVED of the largest |logit|, and agree
   on at least 90% of those positions (measured: 94-100%). On a trained model the issue's 95% of
-  all positions is checked by tests/models/test_smollm2.py.
+  all positions is checked by tests/models/gguf/test_smollm2.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from spyre_serve.device import Card
 from spyre_serve.device.numerics import dlfloat16_round
 from spyre_serve.models import ModelRunner, SeqWork, load_model
-from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
+from tests.models.hf_checkpoints import load_reference_model, write_granite_checkpoint
 from tests.models.test_parity import BLOCK, GREEDY, prompts_of, reference_greedy, run_mixed
 
 TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}

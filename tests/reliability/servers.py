@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.server.engine.test_e2e_concurrency import stream_text
 from tests.server.servers import PROMPT, ServerThread, real_settings
-from tests.server.test_e2e_concurrency import stream_text
 
 # granite-tiny with a short context (and a KV cache to match): a runaway generation stops soon
 SHORT = dict(max_model_len=256, num_kv_blocks=64)

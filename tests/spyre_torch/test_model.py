@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.checkpoints import load_reference_model, write_granite_checkpoint
+from tests.models.hf_checkpoints import load_reference_model, write_granite_checkpoint
 
 PROMPT = [[1, 5, 9, 22, 7, 3, 100, 41]]
 
