@@ -1,4 +1,4 @@
-# spyre-serve: one replica of the OpenAI-compatible server. See deploy/README.md.
+# spyre-serve: one replica of the OpenAI-compatible server. See docs/deployment.md.
 #
 #   docker build -t spyre-serve .
 #   docker run -p 8000:8000 -v /path/to/granite-checkpoint:/model:ro spyre-serve

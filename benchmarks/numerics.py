@@ -22,7 +22,7 @@ weights: every depth, fewer positions) for the modes that apply to a float check
 The float32 reference of SmolLM2 is the Hugging Face checkpoint benchmarks/peers/smollm2.py
 makes, which is the shipped Q4_1 file dequantized: the Q4_1 mode's error is therefore its
 int8 activations alone, and Q8_0 is that checkpoint requantized (benchmarks/peers/llamacpp.sh).
-Results go to benchmarks/results/numerics.json; the README's table is printed last.
+Results go to benchmarks/results/numerics.json; docs/spyre-fidelity.md's table is printed last.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Granite 3.3 8B's real config (hidden 4096, 40 layers, 32 heads, 8 KV heads, head
 `--format`, at each tensor-parallel degree and batch: TTFT is a prompt of `--context` tokens
 prefilled alone in chunks of `--chunk` (the plugin's way), TPOT one decode step of `--batch`
 sequences each holding `--context` tokens. Nothing runs on this host: it is arithmetic, and
-takes well under a second. Prints the README's tables (markdown); `--json` writes the numbers.
+takes well under a second. Prints docs/spyre-fidelity.md's tables (markdown); `--json` writes the numbers.
 """
 
 from __future__ import annotations

@@ -2,5 +2,5 @@
 
 The rest of ``deploy/`` is configuration, not Python: ``compose.yaml`` (replicas
 behind nginx, scraped by Prometheus), ``nginx/``, ``prometheus/`` and ``k8s/``.
-See ``deploy/README.md``.
+See ``docs/deployment.md``.
 """

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("*/README.md")])
+DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("*/README.md")])
 PACKAGES = ("device", "models", "server", "spyre_torch", "deploy", "benchmarks")
 SOURCES = [p for pkg in (*PACKAGES, "scripts") for p in (ROOT / pkg).rglob("*.py")]
 # callables of other projects the docs name as calls
