@@ -135,7 +135,7 @@ class Metrics(EngineObserver):
 
 class ApiMetrics:
     """/metrics of an API process whose engine runs in its own process: the engine process's
-    metrics (asked for over its pipe, ``EngineClient.metrics_text``) and this process's own (the
+    metrics (asked for over its pipe, ``EngineProcessClient.metrics_text``) and this process's own (the
     worker threads). When the engine process does not answer, ``spyre_engine_alive`` is 0."""
 
     def __init__(self, client, model_name: str) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from spyre_serve.models.step.interface import SamplingParams
+from spyre_serve.models import SamplingParams
 from spyre_serve.server.openai.bridge import collect, spyre_usage
 from spyre_serve.server.openai.errors import APIError, internal_error
 from spyre_serve.server.openai.generation.prompts import completion_prompts
