@@ -17,7 +17,8 @@ from spyre_serve.models.sizing.fit import (
     weight_bytes,
 )
 from spyre_serve.server.launch.cli import parse_command
-from spyre_serve.server.launch.plan import plan, plan_config
+from spyre_serve.models import model_config as plan_config
+from spyre_serve.server.launch.plan import plan
 
 
 def run(*argv: str) -> tuple[int, str]:
