@@ -165,7 +165,8 @@ def plan(s: Settings, out=None, usable: int = CARD_USABLE_BYTES) -> int:
     if not fit.fits:
         print(f"does not fit: each card needs {_gb(fit.total)} (weights {_gb(fit.weights)}, KV cache "
               f"{_gb(fit.kv_cache)}, buffers {_gb(fit.scratch)}"
-              + (f", LoRA slots {_gb(fit.lora)}" if fit.lora else "") + f") and has {_gb(fit.usable)}; lower --max-model-len "
+              + (f", LoRA slots {_gb(fit.lora)}" if fit.lora else "")
+              + f") and has {_gb(fit.usable)}; lower --max-model-len "
               f"or --max-num-seqs, or raise --tensor-parallel-size", file=out)
         return 1
     return 0

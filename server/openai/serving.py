@@ -233,7 +233,8 @@ class Serving:
         if not engine.alive:
             raise APIError(503, "the engine is not running", retry_after=RETRY_AFTER_SECONDS)
         if not engine.accepting:
-            raise APIError(503, "the server is shutting down and admits no new requests", retry_after=RETRY_AFTER_SECONDS)
+            raise APIError(503, "the server is shutting down and admits no new requests",
+                           retry_after=RETRY_AFTER_SECONDS)
         waiting, limit = engine.num_waiting_sequences, self.settings.max_waiting
         if waiting + sequences > limit:
             raise APIError(
