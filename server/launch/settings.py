@@ -88,7 +88,7 @@ def choice_of(*choices: str) -> Callable[[str], str]:
 
 
 parse_policy = choice_of("fcfs", "priority")             # --scheduling-policy (server/sched/waiting.py)
-parse_runner = choice_of("auto", "generate", "pooling")  # --runner (server/launch/pooling.py)
+parse_runner = choice_of("auto", "generate", "pooling")  # --runner (models/build.py)
 POOLER_KEYS = ("pooling_type", "normalize")
 # device.kernels.pooling.POOLING_TYPES' names (not imported: no kernel module may load before
 # device.process.configure(); tests/server/test_settings.py checks they agree)

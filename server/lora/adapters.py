@@ -6,7 +6,8 @@
 A request picks an adapter by its ``model`` field. The API side keeps the names
 (``LoraNames``: 404 for an unknown one, /v1/models lists them with the base as ``parent``);
 the engine side keeps the adapters on the card (``models/lora/arena.py``, the runner's
-``lora``): ``register_adapters`` at start, ``apply_update`` at run time, and ``lora_admits``,
+``lora``): ``models.build_runner`` registers the ``--lora-modules`` at start, ``apply_update``
+at run time, and ``lora_admits``,
 the scheduler's gate: a waiting sequence is admitted once its adapter holds a slot, which it
 pins until the runner forgets the sequence (so a slot in use is never evicted).
 
