@@ -391,11 +391,12 @@ def main():
     rng = np.random.default_rng(0)
     prompt512 = rng.integers(1, vocab, PREFILL).tolist()
     prompts32 = [rng.integers(1, vocab, DECODE_PROMPT).tolist() for _ in range(32)]
-    r = {"model": key, "weights": model.weights.dtype, "compute": runner.compute_dtype, "config": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                                         "heads": cfg.num_attention_heads,
-                                         "kv_heads": cfg.num_key_value_heads,
-                                         "intermediate": cfg.intermediate_size,
-                                         "vocab": cfg.vocab_size, "tied": cfg.tie_word_embeddings},
+    r = {"model": key, "weights": model.weights.dtype, "compute": runner.compute_dtype,
+         "config": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
+                    "heads": cfg.num_attention_heads,
+                    "kv_heads": cfg.num_key_value_heads,
+                    "intermediate": cfg.intermediate_size,
+                    "vocab": cfg.vocab_size, "tied": cfg.tie_word_embeddings},
          "machine": {"cpus": os.cpu_count(), "threads": int(THREADS),
                      "platform": platform.platform()},
          "load_seconds": load_s, "warmup_seconds": warm_s, "programs": len(runner.programs)}

@@ -95,8 +95,8 @@ async def load(base: str, bodies: list[dict], concurrency: int, timeout: float):
 def measure(name: str, flags: list[str], batch: list[list[int]], warm: list[int], args) -> Run:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", "--model", "granite-tiny", "--port", str(port),
-           "--max-num-seqs", str(max(8, args.concurrency)), "--log-level", "warning", *flags]
+    cmd = [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", "--model", "granite-tiny",
+           "--port", str(port), "--max-num-seqs", str(max(8, args.concurrency)), "--log-level", "warning", *flags]
     body = {"model": "granite-tiny", "max_tokens": args.output_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True}
     log_path = Path(args.log_dir) / f"prefix-cache-{name}.log"

@@ -532,7 +532,8 @@ def publish(out: str, report: dict, setting: str, levels: list, lines: list[str]
 def server_args(ap: argparse.ArgumentParser, out: str) -> None:
     """The flags every serving benchmark shares: extra spyre-serve flags, the peers' cache,
     timeouts, where logs and the JSON result (``out`` under benchmarks/results) go."""
-    ap.add_argument("--spyre-args", default="", help="extra spyre-serve flags, e.g. '--max-prefill-tokens-with-decodes 128'")
+    ap.add_argument("--spyre-args", default="",
+                    help="extra spyre-serve flags, e.g. '--max-prefill-tokens-with-decodes 128'")
     ap.add_argument("--peers-cache", default=None, help="benchmarks/peers cache directory")
     ap.add_argument("--start-timeout", type=float, default=1800.0)
     ap.add_argument("--request-timeout", type=float, default=3600.0)

@@ -280,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p for n in (rng.randint(lo, hi) for _ in range(8)) for p in text_prompt_maker(8, n)(8)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", "--model", "granite-tiny", "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning", *args.server_arg]
+    cmd = [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", "--model", "granite-tiny",
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args.server_arg]
     print(f"starting {' '.join(cmd[1:])} (log: {args.log})", flush=True)
     with open(args.log, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT)
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps({
         "args": vars(args), "wall_seconds": wall, "requests": len(recs), "statuses": dict(statuses),
         "errors": errors, "malformed": dict(malformed), "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
-        "rss_growth": growth, "rss_idle_bytes": rss_idle, "rss_samples": load.rss, "idle_after": idle, "windows": wins, "p99_spread": spreads, "ttft_p99_trend": ttft_trend, "verdict": verdict,
+        "rss_growth": growth, "rss_idle_bytes": rss_idle, "rss_samples": load.rss, "idle_after": idle, "windows": wins,
+        "p99_spread": spreads, "ttft_p99_trend": ttft_trend, "verdict": verdict,
     }, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
     print(f"\nwritten {args.out}")
     return 0 if all(verdict.values()) else 1

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{got['accepted_tokens'] / got['drafts']:.2f} kept a draft")
     command = "python benchmarks/speculative.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"command": command.strip(), "checkpoint": str(hf), "kernel_isa": kernel_isa().describe(),
-              "spec": json.loads(args.spec), "prompts": args.prompts, "words": args.words, "output_tokens": args.output_tokens,
+              "spec": json.loads(args.spec), "prompts": args.prompts, "words": args.words,
+              "output_tokens": args.output_tokens,
               "cpu_count": os.cpu_count(), "rounds": args.rounds, "levels": [asdict(v) for v in levels],
               "spec_counters": got, "ratios": lines}
     return publish(args.out, report, f"SmolLM2-135M-Instruct float32, {args.prompts} prompts of {args.words}-word "

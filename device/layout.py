@@ -12,13 +12,13 @@ and a storage format; the card packs it once into panels of NR columns and keeps
 
 Formats: "float32", "bfloat16", "float16" or "dlfloat16" (16-bit values stored as uint16 bits; the
 kernels widen them to float32 right after the load, or multiply bfloat16 pairs natively; a
-bfloat16 panel keeps rows k and k + 1 of a column together, K padded to BF16_KB rows). Converting float32 to a 16-bit format
-rounds to nearest even, as torch's `.to(torch.bfloat16 / torch.float16)` does, so a
+bfloat16 panel keeps rows k and k + 1 of a column together, K padded to BF16_KB rows). Converting float32 to a 16-bit
+format rounds to nearest even, as torch's `.to(torch.bfloat16 / torch.float16)` does, so a
 checkpoint stored in that format is placed bit for bit.
 
 Block-quantized weights ("Q8_0", "Q4_0", "Q4_1": GGML's formats; "FP8_E4M3": 8-bit floats
-with a scale a column, in Q8_0's records) come as a `QuantizedWeight`, the quants and scales of each output channel in blocks of QB = 32 inputs,
-and are placed at their width: each panel is K / QB records of QB rows (the NR scales, the
+with a scale a column, in Q8_0's records) come as a `QuantizedWeight`, the quants and scales of each output channel in
+blocks of QB = 32 inputs, and are placed at their width: each panel is K / QB records of QB rows (the NR scales, the
 Q4_1 minimums, then the quants in groups of 4 rows; device/kernels/gemm/microkernel.py has the
 bytes).
 """

@@ -15,8 +15,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from spyre_serve.server.engine.core import Engine, EngineObserver
 
 # vLLM's buckets
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 ENGINE_ALIVE_HELP = "1 while the engine loop runs."  # the engine's gauge, or the API's when it is down
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -55,7 +57,8 @@ class Metrics(EngineObserver):
             "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
         )
         self.request_success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.", labels + ["finished_reason"], registry=r
+            "vllm:request_success", "Count of successfully processed requests.", labels + ["finished_reason"],
+            registry=r
         )
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels,
@@ -135,7 +138,7 @@ class Metrics(EngineObserver):
 
 class ApiMetrics:
     """/metrics of an API process whose engine runs in its own process: the engine process's
-    metrics (asked for over its pipe, ``EngineClient.metrics_text``) and this process's own (the
+    metrics (asked for over its pipe, ``EngineProcessClient.metrics_text``) and this process's own (the
     worker threads). When the engine process does not answer, ``spyre_engine_alive`` is 0."""
 
     def __init__(self, client, model_name: str) -> None:

@@ -10,8 +10,9 @@ prints), as models/step/runner.py's ModelRunner does, with the encoder's own ste
 
 The encoder holds no KV cache: every prompt is computed whole in one step (its SeqWork starts
 at position 0 and is marked `pool`, as the server sends an embedding, or `sample`: the chunk
-that completes a prompt), so a prompt is at most max_num_batched_tokens long. The scheduler still counts KV blocks: `num_kv_blocks` is enough virtual blocks for
-max_num_seqs sequences of max_model_len, which cost nothing and are never read.
+that completes a prompt), so a prompt is at most max_num_batched_tokens long. The scheduler still counts KV blocks:
+`num_kv_blocks` is enough virtual blocks for max_num_seqs sequences of max_model_len, which cost nothing and are never
+read.
 
 `launch` packs the tokens, copies them to the card and launches the bucket's program, all on one
 compute stream (FIFO: the host packs step N+1 while the card runs step N); it returns a handle

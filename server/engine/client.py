@@ -1,4 +1,4 @@
-"""The API process's side of the engine process (``server/engine/process.py``): ``EngineClient``
+"""The API process's side of the engine process (``server/engine/process.py``): ``EngineProcessClient``
 answers what the API layer asks of an ``Engine`` (sizes, counts, ``check_request``,
 ``add_request``, ``abort``, ``alive``, ``shutdown``) from what the engine process sent;
 ``spawn_engine`` starts that process, ``wait_ready`` waits until it is ready, and ``build_api``
@@ -44,7 +44,7 @@ class _Open:
     finished: set[int] = field(default_factory=set)
 
 
-class EngineClient:
+class EngineProcessClient:
     """An ``Engine`` in another process, seen from an API process (one pipe). ``process`` is the
     engine's ``multiprocessing.Process`` when this process started it, None when a sibling runs
     it (``--api-server-count``: the pipe alone says it is gone)."""
@@ -299,7 +299,7 @@ def spawn_engine(settings, api_processes: int = 1) -> tuple[list, object]:
     return [p for p, _ in pairs], process
 
 
-def wait_ready(conn, process=None, timeout: float = 3600.0) -> EngineClient:
+def wait_ready(conn, process=None, timeout: float = 3600.0) -> EngineProcessClient:
     """Wait until the engine process is ready (loaded, warmed up): its client. ``RuntimeError``
     with the engine process's reason when it could not start."""
     deadline = time.monotonic() + timeout
@@ -316,7 +316,7 @@ def wait_ready(conn, process=None, timeout: float = 3600.0) -> EngineClient:
         raise RuntimeError("the engine process exited while starting") from None
     if message[0] != "ready":
         raise RuntimeError(f"the engine process could not start: {message[1]}")
-    return EngineClient(conn, process, message[1])
+    return EngineProcessClient(conn, process, message[1])
 
 
 def build_api(settings, conn=None):
@@ -325,8 +325,7 @@ def build_api(settings, conn=None):
     engine process loads the weights."""
     from pathlib import Path
 
-    from spyre_serve.models.checkpoints.loader import LoadedModel, tokenizer_of
-    from spyre_serve.models.checkpoints.profiles import resolve_model
+    from spyre_serve.models import LoadedModel, resolve_model, tokenizer_of
     from spyre_serve.server.metrics import ApiMetrics
 
     path = resolve_model(settings.model)      # an unknown model is refused here, before a process

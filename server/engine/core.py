@@ -31,6 +31,7 @@ results into ``SeqUpdate``s (``outputs.py``), counters and metric hooks (``engin
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -53,7 +54,7 @@ from spyre_serve.server.engine.step_failures import MAX_FAILED_STEPS_IN_A_ROW, S
 from spyre_serve.server.engine.step_work import ScheduledChunk, Step, holds_grammar_sample, seq_work
 from spyre_serve.server.engine.stopping import eos_token_ids
 from spyre_serve.server.engine.watchdog import EngineFatal, EngineStalled, Fault
-from spyre_serve.server.lora.adapters import lora_admits
+from spyre_serve.server.lora.adapters import apply_update, lora_admits
 from spyre_serve.server.sched.admission import RequestRejected, check_request
 from spyre_serve.server.sched.block_manager import BlockManager
 from spyre_serve.server.sched.scheduler import Scheduler
@@ -218,6 +219,11 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="spyre-engine", daemon=True)
         self._thread.start()
         self._life.start()
+
+    async def lora_update(self, op: str, name: str, path: str | None) -> tuple[int, str] | None:
+        """Load or unload a LoRA adapter in this process's runner, off the event loop
+        (server/lora/adapters.py ``apply_update``): None, or (HTTP status, why) when refused."""
+        return await asyncio.to_thread(apply_update, self.runner, op, name, path)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True

@@ -1,6 +1,6 @@
 """How requests reach the engine's loop: the ``Inbox``, a locked list any thread adds
-requests (``EngineRequest``) and aborts to and the loop drains each iteration. Once closed (the engine died or was shut down) it takes no
-more requests, so none is queued where nobody will answer it."""
+requests (``EngineRequest``) and aborts to and the loop drains each iteration. Once closed (the engine died or was shut
+down) it takes no more requests, so none is queued where nobody will answer it."""
 
 from __future__ import annotations
 

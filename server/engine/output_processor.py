@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from spyre_serve.models.checkpoints.tokenizer import IncrementalDetokenizer
+from spyre_serve.models import IncrementalDetokenizer
 from spyre_serve.server.engine.open_requests import EngineRequest
 from spyre_serve.server.engine.outputs import token_logprob
 from spyre_serve.server.engine.stats import EngineObserver, ProjectedTimes, time_token

@@ -2,11 +2,11 @@
 step loop, with no HTTP, JSON, tokenizing or templating beside them to take their GIL.
 
     API process(es)                          engine process (this module's ``main``)
-    EngineClient.add_request/abort  --->     EngineHost.serve (the main thread, waiting on every
+    EngineProcessClient.add_request/abort  --->     EngineHost.serve (the main thread, waiting on every
       (batched by its sender thread)           API process's pipe): each message a batch of ("add",
                                                id, prompt, params bytes) and ("abort", id), handed
                                                to Engine.add_request/abort
-    EngineClient's receiver thread  <---     Outbox: the engine's SeqUpdates, collected as the
+    EngineProcessClient's receiver thread  <---     Outbox: the engine's SeqUpdates, collected as the
       (each update to its request's            loop answers, sent once per loop iteration as one
        on_update)                              ("batch", updates, counts, replies) per API process
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from spyre_serve.models.step.interface import SamplingParams, SeqWork, SeqWorkError
+from spyre_serve.models import SamplingParams, SeqWork, SeqWorkError
 from spyre_serve.server.engine.step_work import ScheduledChunk
 from spyre_serve.server.engine.watchdog import EngineFatal
 from spyre_serve.server.sched.block_manager import BlockManager

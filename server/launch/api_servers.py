@@ -38,7 +38,7 @@ def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
 
 def serve_many(s: Settings) -> int:
     """Run the supervisor until every API process has exited: 0 after a drain, else 1."""
-    from spyre_serve.models.checkpoints.profiles import resolve_model
+    from spyre_serve.models import resolve_model
     from spyre_serve.server.engine.client import spawn_engine
 
     resolve_model(s.model)                    # an unknown model is refused before any process

@@ -122,9 +122,10 @@ class Loaded:
 def load_engine(s: Settings, progress: bool = True) -> Loaded:
     """Card, model, runner (warmed up), metrics and engine (started): what the engine's process
     runs (``server/engine/process.py``), or ``build`` in one process."""
+    from spyre_serve.models import build_runner
     from spyre_serve.server.engine.core import Engine
     from spyre_serve.server.engine.watchdog import Fault
-    from spyre_serve.server.launch.cards import load_on_cards
+    from spyre_serve.server.lora.adapters import lora_modules
     from spyre_serve.server.metrics import Metrics
     from spyre_serve.server.sched.spyre_compat import for_engine
     from spyre_serve.server.spec_decode.proposals import speculator_for
@@ -133,7 +134,8 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
     from spyre_serve.device.isa import current
 
     log.info("kernels compiled for %s", current().describe())
-    card, model, runner, draft = load_on_cards(s)      # card 0 of --tensor-parallel-size
+    built = build_runner(s, lora_modules(s.lora_modules))   # card 0 of --tensor-parallel-size
+    card, model, runner, draft = built.card, built.model, built.runner, built.draft
     cfg = model.config
     log.info("model %s (%s) from %s: %d layers, hidden %d, %d heads (%s KV), vocab %d, stored %s",
              model.name, cfg.architecture, model.path, cfg.num_hidden_layers, cfg.hidden_size,
@@ -210,46 +212,41 @@ def warmup(s: Settings, progress: bool = True, out=None) -> int:
     s = s.with_numerics().one_card()
     import numba
 
-    from spyre_serve.models import load_model
-    from spyre_serve.server.launch.cards import new_card
-    from spyre_serve.server.launch.pooling import make_runner
+    from spyre_serve.models import build_runner
+    from spyre_serve.server.lora.adapters import lora_modules
 
     out = out or sys.stdout
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.monotonic()
-    card = new_card(s)
+    built = build_runner(s, lora_modules(s.lora_modules), draft=False)
+    card, model, runner = built.card, built.model, built.runner
     try:
-        model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
         cfg = model.config
         print(f"model {model.name} from {model.path}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
               f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV), vocab {cfg.vocab_size}, "
               f"stored {model.stored_dtype}", file=out)
-        runner = make_runner(s, model, card)
-        try:
-            print(memory_plan_text(card, model, runner), file=out)
-            shapes = runner.bucket_shapes()
-            print(f"compiling and preparing {len(shapes)} step programs (token buckets {runner.t_buckets}, "
-                  f"sequence buckets {runner.s_buckets}); Numba cache: "
-                  f"{numba.config.CACHE_DIR}", file=out, flush=True)
-            before = card.counters.snapshot()
-            t1 = time.monotonic()
-            runner.warmup(progress=progress)
-            after = card.counters.snapshot()
-            for (t, n), prog in sorted(runner.programs.items()):
-                print(f"  {prog.name}: tokens {t}, sequences {n}, entry {prog.entry.py_func.__name__}", file=out)
-            compiled = after.get("compiles", 0) - before.get("compiles", 0)
-            loaded = after.get("cache_loads", 0) - before.get("cache_loads", 0)
-            how = ("compiled and written to the cache" if compiled else
-                   "loaded from the cache" if loaded else "already compiled in this process")
-            print(f"{len(runner.programs)} step programs prepared in {time.monotonic() - t1:.1f} s; "
-                  f"their shared entry was {how} (compiles {compiled}, cache loads {loaded}, "
-                  f"prepares {after.get('prepares', 0) - before.get('prepares', 0)}, "
-                  f"padding launches {after.get('launches', 0) - before.get('launches', 0)})", file=out)
-            print(f"warm-up done in {time.monotonic() - t0:.1f} s", file=out, flush=True)
-        finally:
-            runner.close()
+        print(memory_plan_text(card, model, runner), file=out)
+        shapes = runner.bucket_shapes()
+        print(f"compiling and preparing {len(shapes)} step programs (token buckets {runner.t_buckets}, "
+              f"sequence buckets {runner.s_buckets}); Numba cache: "
+              f"{numba.config.CACHE_DIR}", file=out, flush=True)
+        before = card.counters.snapshot()
+        t1 = time.monotonic()
+        runner.warmup(progress=progress)
+        after = card.counters.snapshot()
+        for (t, n), prog in sorted(runner.programs.items()):
+            print(f"  {prog.name}: tokens {t}, sequences {n}, entry {prog.entry.py_func.__name__}", file=out)
+        compiled = after.get("compiles", 0) - before.get("compiles", 0)
+        loaded = after.get("cache_loads", 0) - before.get("cache_loads", 0)
+        how = ("compiled and written to the cache" if compiled else
+               "loaded from the cache" if loaded else "already compiled in this process")
+        print(f"{len(runner.programs)} step programs prepared in {time.monotonic() - t1:.1f} s; "
+              f"their shared entry was {how} (compiles {compiled}, cache loads {loaded}, "
+              f"prepares {after.get('prepares', 0) - before.get('prepares', 0)}, "
+              f"padding launches {after.get('launches', 0) - before.get('launches', 0)})", file=out)
+        print(f"warm-up done in {time.monotonic() - t0:.1f} s", file=out, flush=True)
     finally:
-        card.close()
+        built.close()
     return 0
 
 

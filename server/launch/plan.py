@@ -19,39 +19,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from spyre_serve.models.config import GraniteConfig
-from spyre_serve.models.sizing.fit import (
+from spyre_serve.models import (
     CARD_BYTES,
     CARD_USABLE_BYTES,
+    GRANITE_33_8B,
     PLUGIN_GRANITE_33_8B,
     CardFit,
-    granite_33_8b,
+    GraniteConfig,
     largest_batch,
     largest_context,
+    model_config,
+    names_gguf,
     plan_fit,
+    project_request,
+    resolve_kv_dtype,
 )
-from spyre_serve.models.step.kv_cache import resolve_dtype as resolve_kv_dtype
 from spyre_serve.server.launch.settings import Settings
-
-GRANITE_33_8B = "granite-3.3-8b"
-
-
-def plan_config(name: str) -> GraniteConfig:
-    """The config ``name`` names, read without its weights (ConfigError, GGUFError or
-    FileNotFoundError saying what is missing)."""
-    from spyre_serve.models.checkpoints.profiles import PACKAGED, PROFILES, resolve_model
-
-    if name == GRANITE_33_8B:
-        return granite_33_8b()
-    if name in PROFILES:
-        return PROFILES[name].config
-    from spyre_serve.models.gguf.checkpoint import gguf_config
-    from spyre_serve.models.gguf.file import is_gguf_file, read_gguf
-
-    path = resolve_model(name) if name in PACKAGED else Path(name)
-    if is_gguf_file(path):
-        return gguf_config(read_gguf(path))
-    return GraniteConfig.from_file(path)
 
 
 def host_available_bytes() -> int | None:
@@ -119,8 +102,6 @@ def projected(cfg: GraniteConfig, s: Settings, tp: int, max_len: int) -> tuple[f
     (at least one) prefilled in the card's chunks (--max-num-batched-tokens down to a multiple of
     the 64-token block, 64 at least: the plugin's rule), then its token at a full context beside
     --max-num-seqs - 1 others."""
-    from spyre_serve.models.sizing.projection import project_request
-
     kv_bytes = 4 if fit_kv_dtype(s, cfg) == "float32" else 2
     chunk = max(64, s.max_num_batched_tokens // 64 * 64)
     ttft, tpot = project_request(cfg, max(1, max_len - 1), 2, s.max_num_seqs, tp=tp, chunk=chunk,
@@ -143,20 +124,13 @@ def check_sizes(s: Settings, cfg: GraniteConfig) -> int:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if s.max_model_len is not None and s.max_model_len < 1:
         raise ValueError(f"--max-model-len must be at least 1, got {s.max_model_len}")
-    if s.quantization or _is_gguf(s.model):
+    if s.quantization or names_gguf(s.model):
         raise ValueError("the plan sizes float weights (--dtype); a GGUF file's quantized blocks and --quantization "
                          "are not sized yet")
     max_len = s.max_model_len or cfg.max_position_embeddings
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_len:,} is over the model's {cfg.max_position_embeddings:,} positions")
     return max_len
-
-
-def _is_gguf(name: str) -> bool:
-    from spyre_serve.models.checkpoints.profiles import PACKAGED
-    from spyre_serve.models.gguf.file import is_gguf_file
-
-    return name in PACKAGED or is_gguf_file(Path(name))
 
 
 def fit_dtype(s: Settings, cfg: GraniteConfig) -> str:
@@ -177,7 +151,7 @@ def plan(s: Settings, out=None, usable: int = CARD_USABLE_BYTES) -> int:
 
     out = out or sys.stdout
     try:
-        cfg = plan_config(s.model)
+        cfg = model_config(s.model)
         max_len = check_sizes(s, cfg)
         fit = plan_fit(cfg, dtype=fit_dtype(s, cfg), kv_dtype=fit_kv_dtype(s, cfg), tp=s.tensor_parallel_size,
                        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
@@ -191,7 +165,8 @@ def plan(s: Settings, out=None, usable: int = CARD_USABLE_BYTES) -> int:
     if not fit.fits:
         print(f"does not fit: each card needs {_gb(fit.total)} (weights {_gb(fit.weights)}, KV cache "
               f"{_gb(fit.kv_cache)}, buffers {_gb(fit.scratch)}"
-              + (f", LoRA slots {_gb(fit.lora)}" if fit.lora else "") + f") and has {_gb(fit.usable)}; lower --max-model-len "
+              + (f", LoRA slots {_gb(fit.lora)}" if fit.lora else "")
+              + f") and has {_gb(fit.usable)}; lower --max-model-len "
               f"or --max-num-seqs, or raise --tensor-parallel-size", file=out)
         return 1
     return 0

@@ -88,7 +88,7 @@ def choice_of(*choices: str) -> Callable[[str], str]:
 
 
 parse_policy = choice_of("fcfs", "priority")             # --scheduling-policy (server/sched/waiting.py)
-parse_runner = choice_of("auto", "generate", "pooling")  # --runner (server/launch/pooling.py)
+parse_runner = choice_of("auto", "generate", "pooling")  # --runner (models/build.py)
 POOLER_KEYS = ("pooling_type", "normalize")
 # device.kernels.pooling.POOLING_TYPES' names (not imported: no kernel module may load before
 # device.process.configure(); tests/server/launch/test_settings.py checks they agree)
@@ -117,7 +117,8 @@ def parse_pooler_config(text: str) -> dict:
     return value
 
 
-QUANTIZATIONS = ("none", "int8", "fp8")   # models/checkpoints/quantize.py's (not imported: tests/server/launch/test_settings.py checks)
+QUANTIZATIONS = ("none", "int8", "fp8")   # models/checkpoints/quantize.py's (not imported:
+                                          # tests/server/launch/test_settings.py checks)
 
 
 def parse_quantization(text: str) -> str | None:
@@ -280,7 +281,8 @@ class Settings:
     scheduling_policy: str = _flag("fcfs", "fcfs: requests run in arrival order; priority: by the request's "
                                    "priority (lower first, then arrival), a waiting request taking the "
                                    "slot of a running one of lower priority (vLLM's)", parse_policy)
-    spyre_compat: bool = _flag(False, "schedule and admit as the vLLM Spyre plugin does (server/sched/spyre_compat.py): "
+    spyre_compat: bool = _flag(False, "schedule and admit as the vLLM Spyre plugin does "
+                               "(server/sched/spyre_compat.py): "
                                "one prefill at a time, never beside decodes; prefill chunks of "
                                "--max-num-batched-tokens (a multiple of 64, --block-size 64); batch x "
                                "max context <= 131072; 32K context at most; prefix-cache hits in whole "

@@ -6,7 +6,8 @@
 A request picks an adapter by its ``model`` field. The API side keeps the names
 (``LoraNames``: 404 for an unknown one, /v1/models lists them with the base as ``parent``);
 the engine side keeps the adapters on the card (``models/lora/arena.py``, the runner's
-``lora``): ``register_adapters`` at start, ``apply_update`` at run time, and ``lora_admits``,
+``lora``): ``models.build_runner`` registers the ``--lora-modules`` at start, ``apply_update``
+at run time, and ``lora_admits``,
 the scheduler's gate: a waiting sequence is admitted once its adapter holds a slot, which it
 pins until the runner forgets the sequence (so a slot in use is never evicted).
 
@@ -113,26 +114,13 @@ class LoraNames:
 
 # ---- the engine side ------------------------------------------------------------------
 
-def register_adapters(runner, s) -> None:
-    """Read every --lora-modules adapter and register it in the runner's arena; ValueError
-    naming the adapter (a start-up refusal) for one that cannot be served."""
-    from spyre_serve.models.lora.adapter import LoraError, read_adapter
-
-    for name, path in lora_modules(s.lora_modules).items():
-        try:
-            runner.lora.register(name, read_adapter(path, runner.config, s.max_lora_rank))
-        except LoraError as exc:
-            raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
-        log.info("LoRA adapter %s from %s", name, path)
-
-
 _UPDATES = threading.Lock()
 
 
 def apply_update(runner, op: str, name: str, path: str | None) -> tuple[int, str] | None:
     """Load ("load", name, path) or unload ("unload", name) an adapter in the runner's arena:
     None, or (HTTP status, why) when refused (400: bad files or rank, 404: unknown name)."""
-    from spyre_serve.models.lora.adapter import LoraError, read_adapter
+    from spyre_serve.models import LoraError, read_adapter
 
     arena = getattr(runner, "lora", None)
     if arena is None:

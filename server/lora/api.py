@@ -12,13 +12,10 @@ slots on the card are filled when a request first uses it (models/lora/arena.py)
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
-from spyre_serve.server.lora.adapters import apply_update
 from spyre_serve.server.openai.body import read_request
 from spyre_serve.server.openai.errors import APIError
 from spyre_serve.server.openai.generation.protocol import StrictModel
@@ -43,10 +40,7 @@ MODELS = [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]   # their schemas in
 
 async def update(engine, op: str, name: str, path: str | None) -> None:
     """Apply the change in the engine (its process, or this one's runner); APIError if refused."""
-    if hasattr(engine, "lora_update"):
-        refused = await engine.lora_update(op, name, path)
-    else:
-        refused = await asyncio.to_thread(apply_update, engine.runner, op, name, path)
+    refused = await engine.lora_update(op, name, path)
     if refused is not None:
         status, message = refused
         raise APIError(status, message, "lora_path" if status == 400 and op == "load" else "lora_name")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI
 
-from spyre_serve.server.engine.core import Engine
+from spyre_serve.server.engine.seams import EngineClient
 from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.lora import api as lora_api
 from spyre_serve.server.openai import status, tokenization
@@ -36,7 +36,7 @@ from spyre_serve.server.openai.responses.request import ResponsesRequest
 from spyre_serve.server.openai.serving import Serving
 
 
-def create_app(engine: Engine, model, settings: Settings, metrics=None) -> FastAPI:
+def create_app(engine: EngineClient, model, settings: Settings, metrics=None) -> FastAPI:
     """The app serving ``model`` (``models.LoadedModel``) through ``engine``, with the limits,
     the API key and the served name of ``settings``; ``metrics`` renders /metrics."""
     app = FastAPI(title="spyre-serve", version=status.version(),

@@ -27,7 +27,8 @@ def check_bearer(authorization: str, api_key: str | None) -> None:
         return
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "invalid API key: send 'Authorization: Bearer <key>' with the key the server was started with")
+        raise APIError(401, "invalid API key: send 'Authorization: Bearer <key>' with the key the server was "
+                            "started with")
 
 
 def api_key_guard(api_key: str | None) -> Callable[[Request], None]:

@@ -8,8 +8,8 @@ for it up to ``timeout`` seconds. A request that finds every worker busy waits f
 most ``wait`` seconds, then is refused (``PoolFull``: 503 + Retry-After), so a flood of slow
 renders cannot queue every chat, completion and tokenize request without bound; ``stats``
 (workers, busy, waiting, refused) is what /health and /metrics show. Past ``timeout`` the
-request is refused (``TimedOut``) and the thread is interrupted: ``PyThreadState_SetAsyncExc`` raises ``Interrupted`` in it at its
-next Python instruction (a template renders as Python code, so it stops there; a call into
+request is refused (``TimedOut``) and the thread is interrupted: ``PyThreadState_SetAsyncExc`` raises ``Interrupted`` in
+it at its next Python instruction (a template renders as Python code, so it stops there; a call into
 Rust or C finishes first, and is bounded by the body's size). The thread's slot is given
 back when the thread ends, not when the request gives up, so stuck threads cannot pile up
 beyond ``workers``.

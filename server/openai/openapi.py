@@ -48,7 +48,8 @@ def route(model: type[BaseModel], statuses: tuple[int, ...], streams: bool = Fal
         extra["parameters"] = [{"name": HEADER, "in": "header", "required": False,
                                 "schema": {"type": "string", "minLength": 1, "maxLength": MAX_LENGTH},
                                 "description": "the request's id (vLLM's): the answer's id is `cmpl-<id>`, "
-                                               "`chatcmpl-<id>` or `resp_<id>`, and the response carries the header back"}]
+                                               "`chatcmpl-<id>` or `resp_<id>`, and the response carries the "
+                                               "header back"}]
     return {"openapi_extra": extra, "responses": responses}
 
 

@@ -23,7 +23,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from spyre_serve.server.engine.core import Engine, EngineUnavailable, RequestRejected
+from spyre_serve.server.engine.core import EngineUnavailable, RequestRejected
+from spyre_serve.server.engine.seams import EngineClient
 from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.lora.adapters import LoraNames
 from spyre_serve.server.openai.body import Body, read_request
@@ -58,7 +59,7 @@ def version() -> str:
 
 @dataclass
 class Serving:
-    engine: Engine
+    engine: EngineClient   # the in-process Engine or the engine process's client
     tokenizer: object
     settings: Settings
     model_name: str  # what clients put in "model"
@@ -79,14 +80,14 @@ class Serving:
         self.texts = TokenTexts(self.tokenizer)
         self.offload = Offload(OFFLOAD_THREADS, self.settings.render_timeout, self.settings.offload_wait)
         self.grammars = Grammars(self.tokenizer, self.vocab_size,
-                                 getattr(self.engine, "eos_token_ids", ()))
+                                 self.engine.eos_token_ids)
         self.responses = ResponseStore(self.settings.max_stored_responses)
         self.fingerprint = f"spyre-serve-{version()}:{self.engine.numerics}"
         self.longest_token = longest_token(self.tokenizer, self.vocab_size)
         self.loras = LoraNames.of(self.settings, self.model_name)
 
     @classmethod
-    def for_model(cls, engine: Engine, model, settings: Settings) -> Serving:
+    def for_model(cls, engine: EngineClient, model, settings: Settings) -> Serving:
         """For a loaded model (``models.LoadedModel``: name, path, config, tokenizer)."""
         tokenizer = with_chat_template(model.tokenizer, settings.chat_template)
         return cls(engine, tokenizer, settings, settings.served_name(model), str(model.path),
@@ -232,7 +233,8 @@ class Serving:
         if not engine.alive:
             raise APIError(503, "the engine is not running", retry_after=RETRY_AFTER_SECONDS)
         if not engine.accepting:
-            raise APIError(503, "the server is shutting down and admits no new requests", retry_after=RETRY_AFTER_SECONDS)
+            raise APIError(503, "the server is shutting down and admits no new requests",
+                           retry_after=RETRY_AFTER_SECONDS)
         waiting, limit = engine.num_waiting_sequences, self.settings.max_waiting
         if waiting + sequences > limit:
             raise APIError(

@@ -4,7 +4,7 @@ reaches the runner and fails the other requests of its step."""
 
 from __future__ import annotations
 
-from spyre_serve.models.step.interface import INT32_MAX, MAX_LOGPROBS, ParamError
+from spyre_serve.models import INT32_MAX, MAX_LOGPROBS, ParamError
 from spyre_serve.server.sched.sequence import GenerationParams
 
 

@@ -6,8 +6,8 @@ most recently admitted running sequence.
 
 ``priority``: the request's ``priority`` first (lower runs first, vLLM's field), then arrival;
 a preempted sequence goes back to its place in that order; a preemption takes the running
-sequence that comes last in it (the one asking for a block, if that is it); and when ``max_num_seqs`` sequences run, a waiting one of a
-strictly higher priority than the lowest running takes its place (``outranked``), so that a
+sequence that comes last in it (the one asking for a block, if that is it); and when ``max_num_seqs`` sequences run, a
+waiting one of a strictly higher priority than the lowest running takes its place (``outranked``), so that a
 flood of low-priority requests never keeps a high-priority one waiting for a slot.
 """
 

@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model (`--speculative-config '{"model": DIR, ...}'`).
 
 A small model of the same tokenizer, placed on the same card with a runner of its own
-(server/launch/cards.py loads it before the served model's KV cache takes the card), proposes k
+(models/build.py loads it before the served model's KV cache takes the card), proposes k
 tokens greedily for each sequence about to decode with proposals:
 
     round 1   every such sequence's tokens the draft has not computed yet (its catch-up, up

@@ -49,8 +49,8 @@ async def create_chat_completion(request: Request):
     sub, tools = await start_chat(serving, req, engine_id)
     k = top_logprobs(req)
     finished, streamed = tool_choices(tools, finished_choice, streamed_choice)
-    head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", serving.answered_as(req.model),
-                    serving.fingerprint, response_id)
+    head = new_head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion",
+                    serving.answered_as(req.model), serving.fingerprint, response_id)
     role = reply_role(req)
     echo = echoed(req, role)
     if req.stream:

@@ -1,5 +1,5 @@
 """``POST /v1/embeddings`` (OpenAI's) and ``POST /score`` and ``/v1/score`` (vLLM's), served by
-a pooling runner (``--runner pooling``, or an encoder checkpoint: ``server/launch/pooling.py``).
+a pooling runner (``--runner pooling``, or an encoder checkpoint: ``models/build.py``).
 
 Each input is tokenized as a completion's prompt (special tokens added unless
 ``add_special_tokens`` is false), checked to fit the context, and submitted as a request that
@@ -23,7 +23,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from spyre_serve.models.step.interface import SamplingParams
+from spyre_serve.models import SamplingParams
 from spyre_serve.server.openai.bridge import collect, spyre_usage
 from spyre_serve.server.openai.errors import APIError, internal_error
 from spyre_serve.server.openai.generation.prompts import completion_prompts

@@ -76,7 +76,8 @@ def output_items(tools: ToolRequest | None, text: str, finish_reason: str | None
 
 def responses_usage(usage: dict) -> dict:
     """A submission's usage (``bridge.Submission.usage``) as the Responses API counts it."""
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"], **({"spyre": usage["spyre"]} if "spyre" in usage else {})}
 

@@ -226,7 +226,8 @@ def chat_messages(items: str | list) -> list[dict]:
         if isinstance(item, MessageItem):
             out.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant":   # one turn: the message and its calls
                 out[-1].setdefault("tool_calls", []).append(call)
             else:

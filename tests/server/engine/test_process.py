@@ -1,5 +1,5 @@
 """The engine process's side of the pipe (``EngineHost``, ``Outbox``) against a scripted engine, and
-the API's side (``EngineClient``) against a scripted host, over real pipes in one process: what
+the API's side (``EngineProcessClient``) against a scripted host, over real pipes in one process: what
 crosses, in how many messages, and who answers a request when an API process leaves or the
 engine dies. The real processes: tests/server/engine/test_e2e_process.py."""
 
@@ -11,7 +11,7 @@ import threading
 import time
 
 from spyre_serve.models.step.interface import SamplingParams
-from spyre_serve.server.engine.client import EngineClient
+from spyre_serve.server.engine.client import EngineProcessClient
 from spyre_serve.server.engine.outputs import SeqUpdate
 from spyre_serve.server.engine.process import EngineCounts, EngineHost, EngineInfo
 from spyre_serve.server.sched.sequence import GenerationParams
@@ -103,7 +103,7 @@ def test_a_dead_engine_sends_its_last_updates_then_why():
 def test_the_client_counts_what_it_sent_as_waiting_until_the_engine_says_it_took_it():
     api, host = multiprocessing.Pipe(duplex=True)
     info = EngineInfo("m", "/m", None, "float32", 64, 8, 16, 100, (0,), "fp32")
-    client = EngineClient(api, None, info)
+    client = EngineProcessClient(api, None, info)
     got: list[SeqUpdate] = []
     client.add_request("r", [1, 2], PARAMS * 2, got.append)
     assert client.num_waiting_sequences == 2 and client.num_requests == 1

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from spyre_serve.models import model_config as plan_config
 from spyre_serve.models.sizing.fit import (
     kv_token_bytes,
     largest_batch,
@@ -17,7 +18,7 @@ from spyre_serve.models.sizing.fit import (
     weight_bytes,
 )
 from spyre_serve.server.launch.cli import parse_command
-from spyre_serve.server.launch.plan import plan, plan_config
+from spyre_serve.server.launch.plan import plan
 
 
 def run(*argv: str) -> tuple[int, str]:

@@ -52,11 +52,15 @@ class ScriptedEngine:
     def __init__(self, reply: str = "ok.", max_model_len: int = 64) -> None:
         self.reply = reply
         self.max_model_len = max_model_len
+        self.vocab_size = VOCAB
+        self.eos_token_ids = ()
         self.numerics = "scripted"
         self.pooling = None          # a generating engine
         self.alive = True
         self.accepting = True
         self.error = None
+        self.on_death = None
+        self.num_requests = self.num_running_requests = self.num_waiting_requests = 0
         self.num_waiting_sequences = 0
         self.added: list = []  # (request_id, prompt ids, params)
         self.aborted: list[str] = []
@@ -78,6 +82,12 @@ class ScriptedEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def lora_update(self, op: str, name: str, path: str | None):
+        return 400, "LoRA is not enabled on this server (start it with --enable-lora)"
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.alive = self.accepting = False
 
 
 class RecordingEngine:

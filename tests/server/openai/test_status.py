@@ -55,7 +55,7 @@ def test_an_api_process_metrics_say_the_engine_is_down_when_its_process_does_not
 
     from spyre_serve.server.metrics import ApiMetrics
 
-    class Silent:           # an EngineClient whose engine process is gone
+    class Silent:           # an EngineProcessClient whose engine process is gone
         async def metrics_text(self):
             return b""
 
