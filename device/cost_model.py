@@ -10,7 +10,7 @@ Every figure is one named constant with its source. The sources (cited in docs/p
              card): T = max(compute, HBM); HBM = (R + W) / 150 GB/s + a turnaround penalty on
              min(R, W) that brings a balanced read+write to ~105 GB/s; matmul compute at a
              sustained 1140 MAC/ns/core; no fixed term per kernel ("fill ~ 0")
-  [DESIGN]   ../shared/DESIGN.md, the hardware table (~1.5 GHz, 204.8 GB/s nominal, ~98.3
+  [DESIGN]   docs/spyre-fidelity.md, the hardware table (~1.5 GHz, 204.8 GB/s nominal, ~98.3
              TFLOPS fp16 peak, inner dimensions padded to 64)
   [PCIE]     PCI-SIG, PCIe 5.0: 32 GT/s per lane, 128b/130b encoding
 

@@ -32,11 +32,11 @@ from spyre_serve.models.step.kv_cache import block_bytes
 from spyre_serve.models.step.program import INPUTS, KMAX, LAYER_FIELDS, OUTPUTS, WORKSPACE
 
 GB = 10**9
-# The real card (../shared/DESIGN.md, from torch-spyre's spyre_accelerator.md): up to 128 GB of
+# The real card (docs/spyre-fidelity.md, from torch-spyre's spyre_accelerator.md): up to 128 GB of
 # LPDDR5, about 112 GB of it usable.
 CARD_BYTES = 128 * GB
 CARD_USABLE_BYTES = 112 * GB
-# vLLM Spyre plugin (sendnn_inference/config/model_configs.yaml, ../shared/DESIGN.md): the
+# vLLM Spyre plugin (sendnn_inference/config/model_configs.yaml; docs/spyre-fidelity.md): the
 # context and batch it serves Granite 3.3 8B with, by tensor-parallel degree.
 PLUGIN_GRANITE_33_8B = {1: (3072, 16), 4: (32768, 32)}
 
@@ -67,7 +67,7 @@ def workspace_dims(cap: Capacity, cfg: GraniteConfig) -> dict[str, int]:
 
 
 def granite_33_8b() -> GraniteConfig:
-    """Granite 3.3 8B's config (../shared/DESIGN.md): granite-8b-layers' widths with its 40 layers
+    """Granite 3.3 8B's config (docs/spyre-fidelity.md): granite-8b-layers' widths with its 40 layers
     and 128K positions, bfloat16 as published."""
     from spyre_serve.models.checkpoints.profiles import EIGHT_B_LAYERS
 

@@ -2,7 +2,7 @@
 
 The plugin (sendnn-inference, formerly vllm-spyre: its docs/contributing/scheduler.md,
 docs/user_guide/supported_features and sendnn_inference/config/model_configs.yaml; the facts
-are in ../shared/DESIGN.md) schedules more strictly than our scheduler does by default. Under
+are in docs/spyre-fidelity.md) schedules more strictly than our scheduler does by default. Under
 ``--spyre-compat`` the scheduler (server/sched/scheduler.py) consults a ``SpyreCompat`` at its
 decision points, and ``check_settings`` / ``for_engine`` refuse at start what the plugin
 would not run (ValueError with the numbers):

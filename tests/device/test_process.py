@@ -14,7 +14,8 @@ def state():
     return (numba.config.CACHE_DIR, numba.config.THREADING_LAYER, numba.config.CPU_NAME,
             os.environ.get("OPENBLAS_THREAD_TIMEOUT"), os.environ.get("OMP_WAIT_POLICY"))
 before = state()
-import spyre_serve.device, spyre_serve.models, spyre_serve.server.engine.core, spyre_serve.server.openai.app, spyre_serve.models.step.program
+import spyre_serve.device, spyre_serve.models, spyre_serve.server.engine.core
+import spyre_serve.server.openai.app, spyre_serve.models.step.program
 assert state() == before, (state(), before)
 from spyre_serve.device.process import configure
 isa = configure()

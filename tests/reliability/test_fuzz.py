@@ -94,7 +94,8 @@ def test_the_servers_own_api_fuzzed_gives_no_500_and_leaves_it_healthy_and_empty
                     per_operation[f"{operation.label} {mode.value}"] = dict(seen)
                     statuses.update(seen)
     sent = sum(statuses.values())
-    print(f"\nfuzz: {sent} requests in {time.monotonic() - t0:.1f} s; statuses {dict(sorted(statuses.items(), key=str))}")
+    print(f"\nfuzz: {sent} requests in {time.monotonic() - t0:.1f} s; "
+          f"statuses {dict(sorted(statuses.items(), key=str))}")
     print("per operation:", per_operation)
     assert not failures, "\n".join(map(str, failures[:10]))
     assert sent >= 250 and time.monotonic() < deadline, "the run was cut short by its time bound"

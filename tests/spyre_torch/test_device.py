@@ -209,7 +209,8 @@ torch.spyre.empty_cache()
 before = [torch.spyre.memory_allocated(i) for i in (0, 1)]
 big = torch.empty(1000, device="spyre:1")   # 4000 bytes: 32 sticks of 128
 out["memory_delta"] = [torch.spyre.memory_allocated(i) - before[i] for i in (0, 1)]
-out["stats_1"] = torch.spyre.memory_stats("spyre:1")["allocation.all.current"] - torch.spyre.memory_stats(1)["allocation.all.current"]
+out["stats_1"] = (torch.spyre.memory_stats("spyre:1")["allocation.all.current"]
+                  - torch.spyre.memory_stats(1)["allocation.all.current"])
 del big
 torch.spyre.empty_cache()
 out["memory_back"] = [torch.spyre.memory_allocated(i) - before[i] for i in (0, 1)]

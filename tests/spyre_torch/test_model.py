@@ -13,7 +13,7 @@ PROMPT = [[1, 5, 9, 22, 7, 3, 100, 41]]
 
 @pytest.fixture(scope="module")
 def granite_dir(tmp_path_factory):
-    # untied: a tied random Granite repeats one token (../shared/DESIGN.md)
+    # untied: a tied random Granite repeats one token (docs/design.md, "Testing with random weights")
     return write_granite_checkpoint(tmp_path_factory.mktemp("granite"), vocab=256, hidden=64,
                                     layers=2, heads=4, kv_heads=2, tie=False)
 

@@ -127,7 +127,8 @@ def test_unexpected_tensor_named_with_shape(small_granite_dir, tmp_path):
     def add(t):
         t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(128, np.float32)
     path = copy_with_tensors(small_granite_dir, tmp_path / "c", add)
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model.layers.0.self_attn.q_proj.bias' with shape \[128\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"unexpected tensor 'model.layers.0.self_attn.q_proj.bias' with shape \[128\]"):
         load_checkpoint(path)
 
 

@@ -116,6 +116,7 @@ def test_proposals_verified_over_two_cards_keep_one_cards_tokens(model_dir, one_
 
     want = one_card[1]
     with tp_runner(model_dir, 2) as runner:
-        for propose in (lambda i, o: want[i][len(o):len(o) + 3], lambda i, o: [(t + 1) % 301 for t in want[i][len(o):len(o) + 2]]):
+        for propose in (lambda i, o: want[i][len(o):len(o) + 3],
+                        lambda i, o: [(t + 1) % 301 for t in want[i][len(o):len(o) + 2]]):
             got, _, history = generate(runner, PROMPTS, 8, [SamplingParams(temperature=0.0)] * len(PROMPTS), propose)
             assert got == want and history

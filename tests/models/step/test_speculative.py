@@ -142,7 +142,8 @@ def test_with_proposals_the_kept_tokens_follow_the_models_distribution(tmp_path)
                          max_num_batched_tokens=64, block_size=BLOCK, num_kv_blocks=40, seed=1)
     try:
         context = [1, 5, 9, 2]
-        first = runner.launch([SeqWork(0, context, 0, [0], True, SamplingParams(temperature=1.0, logprobs=16))]).result()
+        first = runner.launch([SeqWork(0, context, 0, [0], True,
+                                       SamplingParams(temperature=1.0, logprobs=16))]).result()
         p = int(first.top_ids[0, 0])                    # the likeliest next token: kept often
         after_p = runner.launch([SeqWork(1, context + [p], 0, [1], True,
                                          SamplingParams(temperature=1.0, logprobs=16))]).result()

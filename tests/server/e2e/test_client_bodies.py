@@ -70,7 +70,8 @@ def bench_parse(messages: list[dict], content) -> dict:
 
 # serve.py main_async: --temperature etc. reach the body through extra_body (none by default: it
 # warns that the server decides); the random datasets set ignore_eos
-BENCH_EXTRA = [pytest.param({}, id="server-default-temperature"), pytest.param({"temperature": 0.0}, id="temperature-0")]
+BENCH_EXTRA = [pytest.param({}, id="server-default-temperature"),
+               pytest.param({"temperature": 0.0}, id="temperature-0")]
 
 
 def test_bench_serve_reads_the_model_and_aligns_prompts_with_tokenize(client):

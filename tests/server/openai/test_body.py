@@ -103,7 +103,8 @@ def test_nesting_up_to_the_limit_is_read():
 def test_a_body_that_is_not_declared_json_is_a_400_naming_its_type(client, content_type):
     r = client.post("/detokenize", content=b'{"tokens": [1]}', headers={"content-type": content_type})
     assert r.status_code == 400
-    assert r.json()["error"]["message"].startswith("request body must be JSON (Content-Type: application/json, in UTF-8), got ")
+    assert r.json()["error"]["message"].startswith(
+        "request body must be JSON (Content-Type: application/json, in UTF-8), got ")
     assert content_type in r.json()["error"]["message"]
 
 

@@ -99,7 +99,8 @@ def test_metrics_count_drafts_and_accepted_tokens(spec_client):
     assert set(values) == {"vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                            "vllm:spec_decode_num_accepted_tokens_total"}
     assert values["vllm:spec_decode_num_drafts_total"] > 0
-    assert 0 <= values["vllm:spec_decode_num_accepted_tokens_total"] <= values["vllm:spec_decode_num_draft_tokens_total"]
+    accepted, drafted = (values[f"vllm:spec_decode_num_{k}_tokens_total"] for k in ("accepted", "draft"))
+    assert 0 <= accepted <= drafted
 
 
 def test_what_speculation_does_not_take_is_refused():
@@ -134,7 +135,8 @@ def test_a_draft_model_proposes_and_the_answers_do_not_change(client, draft_clie
     greedy = [{"prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
               for p in ("The quick brown fox jumps over the lazy dog. Then", QUOTING)]
     for body in greedy:
-        assert _texts(draft_client.post("/v1/completions", json=body)) == _texts(client.post("/v1/completions", json=body))
+        drafted = _texts(draft_client.post("/v1/completions", json=body))
+        assert drafted == _texts(client.post("/v1/completions", json=body))
     # the same model greedily: every proposal is the token the served model samples
     assert stats.spec_drafts > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
     for body in BODIES[1:]:                       # seeded, logprobs, penalties (no proposals), two prompts

@@ -53,7 +53,8 @@ def test_a_token_without_a_logprob_has_none_for_it_and_its_top():
 def test_minus_infinity_is_reported_as_the_floor():
     texts = TokenTexts(CharTokenizer())
     out = completion_logprobs(texts, [TokenLogprob(A, float("-inf"), [(B, float("-inf"))])], [A], 0)
-    assert out["token_logprobs"] == [LOGPROB_FLOOR] and out["top_logprobs"] == [{"b": LOGPROB_FLOOR, "a": LOGPROB_FLOOR}]
+    assert out["token_logprobs"] == [LOGPROB_FLOOR]
+    assert out["top_logprobs"] == [{"b": LOGPROB_FLOOR, "a": LOGPROB_FLOOR}]
     chat = chat_logprobs(texts, [TokenLogprob(A, float("-inf"), [(B, float("-inf"))])], [A], 1)
     assert chat[0]["logprob"] == chat[0]["top_logprobs"][0]["logprob"] == LOGPROB_FLOOR
 

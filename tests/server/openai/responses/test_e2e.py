@@ -194,7 +194,8 @@ def test_a_field_not_served_is_a_400_naming_it(oai, model, kw, param):
 
 
 def test_bad_input_is_a_400_and_the_server_serves_the_next_request(oai, client, model):
-    for bad in (5, [], [{"type": "reasoning", "summary": []}], [{"role": "user", "content": [{"type": "input_image"}]}]):
+    for bad in (5, [], [{"type": "reasoning", "summary": []}],
+                [{"role": "user", "content": [{"type": "input_image"}]}]):
         r = client.post("/v1/responses", json={"input": bad, "max_output_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
     assert client.get("/v1/responses/resp_x", params={"stream": "true"}).json()["error"]["param"] == "stream"
