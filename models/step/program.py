@@ -201,10 +201,15 @@ _ROW_WORDS = SAMPLE_ROW.words
 @njit(nogil=True, cache=True)
 def _bounded(table, slot, n):
     """The address of the field at `slot`, once n elements are known to fit in its length
-    (slot + 1): a view ends at most at the end of its field."""
+    (slot + 1): a view ends at most at the end of its field.
+
+    The exception is static (a constant message): a raise with runtime values compiled into two
+    cached programs (this one and the encoder's both call it) crashed the process when the second
+    program's launch raised it after the first had run from Numba's cache (a segmentation fault
+    instead of the error). The host's tables place every field for the launch's dims, so this
+    fires only on a layout the entry disagrees with: the test that makes one checks it."""
     if n < 0 or n > table[slot + 1]:
-        raise IndexError("step_entry: view longer than its field (slot, elements, field length)",
-                         slot, n, table[slot + 1])
+        raise IndexError("step_entry: view longer than its field")
     return table[slot]
 
 
