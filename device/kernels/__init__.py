@@ -13,6 +13,10 @@ module; this package exports nothing, so importing it compiles nothing.
     the layers: norm.py (RMSNorm), rope.py, activation.py (SwiGLU), residual.py,
                 gather.py (the embedding lookup), softmax.py (log-softmax), pooling.py,
                 encoder.py (the encoder's own), lora.py (each row's adapter update)
+    mamba.py    Granite 4.0's Mamba-2 mixer: the causal conv1d and the SSM scan from each
+                sequence's states, the gated RMSNorm
+    moe.py      mixture of experts: route (top-k, softmax), group rows by expert, each
+                expert's packed GEMMs, combine
 
 Imports ``numba``, ``numpy`` and ``device.isa``; nothing above ``device``.
 """
