@@ -1,8 +1,13 @@
 """GraniteConfig: the model shape and multipliers, read from a Hugging Face config.json.
 
-Two architectures are accepted: ``GraniteForCausalLM`` and ``LlamaForCausalLM``.
-A Llama model is a Granite model with the four multipliers neutral:
-embedding 1, attention 1/sqrt(head_dim), residual 1, logits scaling 1.
+Three architectures are accepted: ``GraniteForCausalLM``, ``LlamaForCausalLM`` and Granite 4.0's
+hybrid ``GraniteMoeHybridForCausalLM``. A Llama model is a Granite model with the four
+multipliers neutral: embedding 1, attention 1/sqrt(head_dim), residual 1, logits scaling 1.
+A hybrid model (transformers' GraniteMoeHybridConfig) has Granite's multipliers and, layer by
+layer, a Mamba-2 mixer (``layer_kinds[i] == "mamba"``: its shape in ``mamba``) or attention
+(with RoPE, or none: ``rope`` False for ``position_embedding_type: "nope"``), then a dense
+MLP of ``intermediate_size`` (its ``shared_intermediate_size``) beside a mixture of
+``num_experts`` experts of ``expert_intermediate_size`` when it has them.
 Anything the model code does not implement is refused, naming the field and its value.
 """
 
@@ -13,12 +18,47 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHITECTURES = {"GraniteForCausalLM": "granite", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"GraniteForCausalLM": "granite", "LlamaForCausalLM": "llama",
+                 "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
+HYBRID = "GraniteMoeHybridForCausalLM"
+# a layer's mixer as published configs name it (layers_block_type) and as transformers 5 does
+# (layer_types)
+LAYER_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
+               "full_attention": "attention"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
     """A config.json this server cannot run."""
+
+
+@dataclass(frozen=True, slots=True)
+class MambaShape:
+    """A Mamba-2 mixer's shape (transformers' mamba_* fields)."""
+
+    n_heads: int          # NH
+    head_dim: int         # P: NH * P is the mixer's inner width (mamba_expand * hidden_size)
+    d_state: int          # N
+    n_groups: int         # G: heads share B and C by group
+    d_conv: int           # K: the causal conv's width
+    conv_bias: bool
+    dt_min: float         # time_step_limit: dt clamped to [dt_min, dt_max]
+    dt_max: float
+    chunk_size: int       # transformers' SSD chunk (the scan here is token by token)
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: x, B and C."""
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def proj(self) -> int:
+        """in_proj's outputs: gate z, x B C, dt."""
+        return self.d_inner + self.conv_dim + self.n_heads
 
 
 @dataclass(slots=True)
@@ -43,6 +83,29 @@ class GraniteConfig:
     eos_token_id: list[int]      # always a list: config.json's, then generation_config.json's
     pad_token_id: int | None
     torch_dtype: str             # dtype the checkpoint declares: float32, bfloat16, float16
+    # Granite 4.0's hybrid models (the defaults: every layer attention with RoPE, a dense MLP)
+    layer_kinds: tuple[str, ...] = ()    # per layer "attention" or "mamba" (empty: all attention)
+    rope: bool = True                    # False: attention without position embedding ("nope")
+    mamba: MambaShape | None = None
+    num_experts: int = 0                 # E experts beside the dense MLP (0: none)
+    num_experts_per_tok: int = 0         # k of them per token
+    expert_intermediate_size: int = 0    # each expert's SwiGLU width
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.architecture == HYBRID
+
+    def kind_of(self, layer: int) -> str:
+        return self.layer_kinds[layer] if self.layer_kinds else "attention"
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with attention (and a KV cache)."""
+        return [i for i in range(self.num_hidden_layers) if self.kind_of(i) == "attention"]
+
+    @property
+    def mamba_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.kind_of(i) == "mamba"]
 
     @property
     def q_size(self) -> int:
@@ -112,6 +175,24 @@ class GraniteConfig:
                     f"GraniteForCausalLM has no head_dim field: head_dim {self.head_dim} "
                     f"x num_attention_heads {self.num_attention_heads} must equal "
                     f"hidden_size {self.hidden_size}")
+        elif arch == HYBRID:
+            m = self.mamba
+            kinds = [self.kind_of(i) for i in range(self.num_hidden_layers)]
+            d.update({
+                "embedding_multiplier": self.embedding_multiplier,
+                "attention_multiplier": self.attention_multiplier,
+                "residual_multiplier": self.residual_multiplier, "logits_scaling": self.logits_scaling,
+                "layer_types": ["linear_attention" if k == "mamba" else "full_attention" for k in kinds],
+                "position_embedding_type": "rope" if self.rope else "nope",
+                "shared_intermediate_size": self.intermediate_size,
+                "intermediate_size": self.expert_intermediate_size or self.intermediate_size,
+                "num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+            })
+            if m is not None:
+                d.update({"mamba_n_heads": m.n_heads, "mamba_d_head": m.head_dim, "mamba_d_state": m.d_state,
+                          "mamba_n_groups": m.n_groups, "mamba_d_conv": m.d_conv, "mamba_conv_bias": m.conv_bias,
+                          "mamba_expand": m.d_inner / self.hidden_size, "mamba_chunk_size": m.chunk_size,
+                          "mamba_proj_bias": False, "time_step_limit": [m.dt_min, m.dt_max]})
         else:
             d["head_dim"] = self.head_dim
         return d
@@ -244,7 +325,7 @@ def _parse(d: dict) -> GraniteConfig:
         raise ConfigError(f"config field 'rms_norm_eps' must be > 0, got {d.get('rms_norm_eps')!r}")
     theta = _rope_theta(d)
 
-    if arch == "GraniteForCausalLM":
+    if arch in ("GraniteForCausalLM", HYBRID):
         mults = {k: float(d.get(k, 1.0)) for k in
                  ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                   "logits_scaling")}
@@ -258,6 +339,10 @@ def _parse(d: dict) -> GraniteConfig:
                 raise ConfigError(f"config field {k!r} ({d[k]!r}) is not part of LlamaForCausalLM")
         mults = {"embedding_multiplier": 1.0, "attention_multiplier": 1.0 / math.sqrt(head_dim),
                  "residual_multiplier": 1.0, "logits_scaling": 1.0}
+
+    hybrid = _hybrid_fields(d, hidden, layers) if arch == HYBRID else {}
+    if hybrid:
+        inter = hybrid.pop("intermediate_size")
 
     dtype = d.get("torch_dtype", d.get("dtype")) or "float32"
     if dtype not in DTYPES:
@@ -284,4 +369,63 @@ def _parse(d: dict) -> GraniteConfig:
         head_dim=head_dim, max_position_embeddings=max_pos, rms_norm_eps=eps, rope_theta=theta,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=_token_id(d, "bos_token_id"), eos_token_id=eos_list,
-        pad_token_id=_token_id(d, "pad_token_id"), torch_dtype=dtype, **mults)
+        pad_token_id=_token_id(d, "pad_token_id"), torch_dtype=dtype, **mults, **hybrid)
+
+
+def _number(v, key: str) -> float:
+    """A number of config.json, or transformers 5's {"__float__": "Infinity"} spelling of one."""
+    if isinstance(v, dict) and set(v) == {"__float__"}:
+        v = v["__float__"]
+    try:
+        out = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config field {key!r} holds {v!r}, not a number") from None
+    if math.isnan(out):
+        raise ConfigError(f"config field {key!r} is NaN")
+    return out
+
+
+def _hybrid_fields(d: dict, hidden: int, layers: int) -> dict:
+    """A GraniteMoeHybridConfig's own fields (see the module docstring), checked."""
+    kinds_raw = d.get("layer_types", d.get("layers_block_type"))
+    if not isinstance(kinds_raw, list) or len(kinds_raw) != layers:
+        raise ConfigError(f"config field 'layer_types' must list one mixer per layer ({layers}), "
+                          f"got {kinds_raw!r}")
+    bad = [k for k in kinds_raw if k not in LAYER_KINDS]
+    if bad:
+        raise ConfigError(f"config field 'layer_types' holds {bad[0]!r}; supported: {sorted(LAYER_KINDS)}")
+    kinds = tuple(LAYER_KINDS[k] for k in kinds_raw)
+    pe = d.get("position_embedding_type") or "rope"
+    if pe not in ("rope", "nope"):
+        raise ConfigError(f"config field 'position_embedding_type' is {pe!r}; supported: 'rope', 'nope'")
+    if d.get("mamba_proj_bias"):
+        raise ConfigError("config field 'mamba_proj_bias' is True; supported: False")
+    experts = int(d.get("num_local_experts") or 0)
+    if experts < 0:
+        raise ConfigError(f"config field 'num_local_experts' must be >= 0, got {experts}")
+    top_k = _positive_int(d, "num_experts_per_tok") if experts else 0
+    if top_k > experts:
+        raise ConfigError(f"config field 'num_experts_per_tok' ({top_k}) is over num_local_experts ({experts})")
+    out: dict = {"layer_kinds": kinds, "rope": pe == "rope", "num_experts": experts, "num_experts_per_tok": top_k,
+                 "expert_intermediate_size": _positive_int(d, "intermediate_size") if experts else 0,
+                 "intermediate_size": _positive_int(d, "shared_intermediate_size")}
+    if "mamba" in kinds:
+        heads, head_dim = _positive_int(d, "mamba_n_heads"), _positive_int(d, "mamba_d_head")
+        groups, state = _positive_int(d, "mamba_n_groups"), _positive_int(d, "mamba_d_state")
+        expand = _number(d.get("mamba_expand", 2), "mamba_expand")
+        if heads * head_dim != expand * hidden:
+            raise ConfigError(f"config fields mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be "
+                              f"mamba_expand ({expand}) x hidden_size ({hidden})")
+        if heads % groups:
+            raise ConfigError(f"config field 'mamba_n_groups' ({groups}) must divide mamba_n_heads ({heads})")
+        limit = d.get("time_step_limit") or [0.0, math.inf]
+        if not isinstance(limit, list | tuple) or len(limit) != 2:
+            raise ConfigError(f"config field 'time_step_limit' must be [min, max], got {limit!r}")
+        lo, hi = (_number(v, "time_step_limit") for v in limit)
+        if not 0 <= lo <= hi:
+            raise ConfigError(f"config field 'time_step_limit' must be 0 <= min <= max, got {limit!r}")
+        out["mamba"] = MambaShape(n_heads=heads, head_dim=head_dim, d_state=state, n_groups=groups,
+                                  d_conv=_positive_int(d, "mamba_d_conv"),
+                                  conv_bias=bool(d.get("mamba_conv_bias", True)),
+                                  dt_min=lo, dt_max=hi, chunk_size=int(d.get("mamba_chunk_size") or 256))
+    return out

@@ -52,7 +52,8 @@ def mamba_conv(out, x, w, bias, states, seq_start, seq_slot, reset):
     window is the sequence's conv state (its last K - 1 inputs; zeros where ``reset[s]``) followed
     by its rows of x[T, C]; then the state holds the window's last K - 1 rows. w: [C, K] (the
     conv's weight, transformers' [C, 1, K] squeezed), bias: [C], states: [slots, K - 1, C],
-    seq_start: [S + 1] first row of each sequence, seq_slot: [S] its state slot."""
+    seq_start: [S + 1] first row of each sequence, seq_slot: [S] its state slot (-1: none,
+    a bucket's padding sequence: skipped)."""
     t_n, c_n = x.shape
     k_n = w.shape[1]
     if out.shape[0] != t_n or out.shape[1] != c_n or w.shape[0] != c_n or bias.shape[0] != c_n:
@@ -63,6 +64,8 @@ def mamba_conv(out, x, w, bias, states, seq_start, seq_slot, reset):
     blocks = (c_n + 63) // 64
     for job in prange(s_n * blocks):
         s, b = job // blocks, job % blocks
+        if seq_slot[s] < 0:               # a bucket's padding sequence
+            continue
         c0, c1 = b * 64, min(c_n, (b + 1) * 64)
         r0, r1 = seq_start[s], seq_start[s + 1]
         st = states[seq_slot[s]]
@@ -100,6 +103,8 @@ def ssm_scan(y, x, dt, b, c, a, d, dt_bias, dt_min, dt_max, states, seq_start, s
     s_n = seq_slot.shape[0]
     for job in prange(s_n * h_n):
         s, h = job // h_n, job % h_n
+        if seq_slot[s] < 0:
+            continue
         st = states[seq_slot[s], h]
         if reset[s]:
             st[:, :] = 0.0

@@ -72,17 +72,40 @@ def expected_shapes(config: GraniteConfig) -> dict[str, tuple[int, ...]]:
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (H,)
-        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, H)
-        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, H)
-        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, H)
-        shapes[p + "self_attn.o_proj.weight"] = (H, c.q_size)
+        if c.kind_of(i) == "mamba":
+            shapes.update(_mamba_shapes(p + "mamba.", c))
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (c.q_size, H)
+            shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, H)
+            shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, H)
+            shapes[p + "self_attn.o_proj.weight"] = (H, c.q_size)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
-        shapes[p + "mlp.gate_proj.weight"] = (I, H)
-        shapes[p + "mlp.up_proj.weight"] = (I, H)
-        shapes[p + "mlp.down_proj.weight"] = (H, I)
+        if c.is_hybrid:          # Granite 4.0: the dense MLP is "shared_mlp", gate and up fused
+            shapes[p + "shared_mlp.input_linear.weight"] = (2 * I, H)
+            shapes[p + "shared_mlp.output_linear.weight"] = (H, I)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (I, H)
+            shapes[p + "mlp.up_proj.weight"] = (I, H)
+            shapes[p + "mlp.down_proj.weight"] = (H, I)
+        if c.num_experts:
+            e, ie = c.num_experts, c.expert_intermediate_size
+            shapes[p + "block_sparse_moe.router.layer.weight"] = (e, H)
+            shapes[p + "block_sparse_moe.input_linear.weight"] = (e, 2 * ie, H)
+            shapes[p + "block_sparse_moe.output_linear.weight"] = (e, H, ie)
     shapes["model.norm.weight"] = (H,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, H)
+    return shapes
+
+
+def _mamba_shapes(p: str, c: GraniteConfig) -> dict[str, tuple[int, ...]]:
+    """A Mamba-2 mixer's tensors (transformers' GraniteMoeHybridMambaLayer)."""
+    m = c.mamba
+    shapes = {p + "in_proj.weight": (m.proj, c.hidden_size), p + "conv1d.weight": (m.conv_dim, 1, m.d_conv),
+              p + "dt_bias": (m.n_heads,), p + "A_log": (m.n_heads,), p + "D": (m.n_heads,),
+              p + "norm.weight": (m.d_inner,), p + "out_proj.weight": (c.hidden_size, m.d_inner)}
+    if m.conv_bias:
+        shapes[p + "conv1d.bias"] = (m.conv_dim,)
     return shapes
 
 

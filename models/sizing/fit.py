@@ -56,14 +56,19 @@ class Capacity:
 
     def input_dims(self) -> dict[str, int]:
         return {"T": self.tmax, "S": self.smax, "SR": self.srmax, "R": self.rmax, "MB": self.mbmax,
-                "NBAN": self.nban_max, "NMW": self.nmw_max, "NBIAS": self.nbias_max}
+                "NBAN": self.nban_max, "NMW": self.nmw_max, "NBIAS": self.nbias_max, "SST": self.smax}
 
 
 def workspace_dims(cap: Capacity, cfg: GraniteConfig) -> dict[str, int]:
     """The dims WORKSPACE is declared in, for this capacity and model."""
+    m = cfg.mamba if cfg.mamba_layers else None
     return {"TMAX": cap.tmax, "RMAX": cap.rmax, "SMAX": cap.smax,
             "H": cfg.hidden_size, "QD": cfg.q_size, "KD": cfg.kv_size,
-            "I": cfg.intermediate_size, "V": cfg.vocab_size, "HALF_D": cfg.head_dim // 2}
+            "I": cfg.intermediate_size, "V": cfg.vocab_size, "HALF_D": cfg.head_dim // 2,
+            # a hybrid's Mamba-2 mixers and experts (0: the fields take no room)
+            "MTMAX": cap.tmax if m else 0, "MPROJ": m.proj if m else 0, "MCONV": m.conv_dim if m else 0,
+            "MDI": m.d_inner if m else 0, "ETMAX": cap.tmax if cfg.num_experts else 0, "E": cfg.num_experts,
+            "TOPK": cfg.num_experts_per_tok, "IE": cfg.expert_intermediate_size}
 
 
 def granite_33_8b() -> GraniteConfig:

@@ -226,11 +226,14 @@ def seed_of(w: SeqWork, runner_seed: int) -> int:
 def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: bool,
               limits: StepLimits, last_rows: dict[int, int],
               pen_slots: dict[int, int] | None = None,
-              lora_slots: dict[int, int] | None = None) -> PackedStep:
+              lora_slots: dict[int, int] | None = None,
+              state_slots: dict[int, int] | None = None) -> PackedStep:
     """The INPUTS buffer of a launch of bucket (t, s) for `work` (already checked; empty for
     a padding launch). `last_rows` are the previous launch's sample_rows; `pen_slots` the
     penalty slot of each sequence with penalties (models/step/penalty_slots.py); `lora_slots` the
-    adapter slot of each sequence with a LoRA adapter (models/lora/arena.py)."""
+    adapter slot of each sequence with a LoRA adapter (models/lora/arena.py); `state_slots` (a
+    hybrid model's) every sequence's slot of the Mamba-2 states, reset where its chunk starts at
+    position 0."""
     pen_slots = pen_slots or {}
     missing = [w.seq_id for w in work if w.sampling.uses_penalties and w.seq_id not in pen_slots]
     if missing:
@@ -248,7 +251,8 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
             "K": max([w.sampling.logprobs for w in work] + [0]),
             "NBAN": sum(len(b) for b in bans),
             "NMW": sum(w.token_mask is not None for w in samplers) * mask_words(limits.vocab_size),
-            "NBIAS": sum(len(w.sampling.logit_bias or ()) for w in samplers)}
+            "NBIAS": sum(len(w.sampling.logit_bias or ()) for w in samplers),
+            "SST": s if state_slots is not None else 0}
     placement = layout.place(dims)
     host = np.zeros(placement.nbytes, np.uint8)
     v = placement.views(host)
@@ -257,6 +261,10 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     row_start = _write_rows(v, work, limits.block_size, last_rows, pen_slots)
     for w, r0 in zip(work, row_start, strict=True):
         v["lora_slot"][r0:r0 + len(w.token_ids)] = (lora_slots or {}).get(w.seq_id, -1)
+    if state_slots is not None:
+        for i, w in enumerate(work):
+            v["state_slot"][i] = state_slots[w.seq_id]
+            v["state_reset"][i] = w.start_pos == 0
     sample_rows, first_rows = _write_sampling(v, records, work, row_start, bans, limits.seed, pen_slots)
     scored_rows, at = {}, 0
     if return_rows:
@@ -287,6 +295,7 @@ def _write_defaults(v: dict[str, np.ndarray], records: list[tuple[str, Record]],
     v["src_rows"][:] = -1
     v["count_slot"][:] = -1
     v["lora_slot"][:] = -1
+    v["state_slot"][:] = -1
     for name, record in records:
         v[name][:] = record.defaults
 

@@ -21,8 +21,9 @@ DTYPES = ("float32", "bfloat16", "float16", "dlfloat16")
 
 
 def block_bytes(config: GraniteConfig, block_size: int, dtype: str = "float32") -> int:
-    """Bytes one block costs across all layers, K and V."""
-    return 2 * config.num_hidden_layers * block_size * config.kv_size * (4 if dtype == "float32" else 2)
+    """Bytes one block costs across the layers with attention (a hybrid's Mamba layers keep
+    states instead: models/step/memory_plan.py), K and V."""
+    return 2 * len(config.attention_layers) * block_size * config.kv_size * (4 if dtype == "float32" else 2)
 
 
 def resolve_dtype(kv_cache_dtype: str, compute_dtype: str) -> str:
@@ -50,7 +51,7 @@ def blocks_for_budget(card: Card, config: GraniteConfig, block_size: int, fracti
         raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction}")
     budget = int(free_device_bytes(card) * fraction)
     # Each layer's K and V are separate allocations: leave room for 128-byte alignment.
-    per_tensor_pad = 128 * 2 * config.num_hidden_layers
+    per_tensor_pad = 128 * 2 * len(config.attention_layers)
     n = (budget - per_tensor_pad) // block_bytes(config, block_size, dtype) - 1
     if n < 1:
         raise DeviceOutOfMemory(requested=2 * block_bytes(config, block_size, dtype),
@@ -83,11 +84,11 @@ class KVCache:
         self.num_blocks = int(num_blocks)                   # NB usable blocks
         self.trash_block = self.num_blocks                  # index of the padding block
         nbt, hkv, d = self.num_blocks + 1, config.num_key_value_heads, config.head_dim
-        self.k: list[DeviceTensor] = []                     # per layer [NB + 1, Hkv, D, BS]
+        self.k: list[DeviceTensor] = []                     # per attention layer [NB + 1, Hkv, D, BS]
         self.v: list[DeviceTensor] = []                     # per layer [NB + 1, Hkv, BS, D]
         try:
             storage = np.float32 if dtype == "float32" else np.uint16
-            for _ in range(config.num_hidden_layers):
+            for _ in config.attention_layers:
                 self.k.append(card.empty((nbt, hkv, d, block_size), storage))
                 self.v.append(card.empty((nbt, hkv, block_size, d), storage))
         except BaseException:

@@ -6,6 +6,8 @@
                   the start of it
     outputs x 2   OUTPUTS at (SMAX, KMAX): launches alternate between them, so step N+1
                   reads step N's samples while step N's are read back
+    states        a hybrid model's: per Mamba layer, its conv and SSM states of every state
+                  slot (device/kernels/mamba.py), zeroed
     kv cache      models/step/kv_cache.py: num_kv_blocks, or kv_cache_fraction of the largest
                   free block left
     layer table   each layer's weight and KV cache addresses (models/step/weights.py)
@@ -33,24 +35,34 @@ class StepMemory:
     def __init__(self, card: Card, cfg: GraniteConfig, weights: ModelWeights, cap: Capacity,
                  block_size: int, num_kv_blocks: int | None, kv_cache_fraction: float,
                  kv_cache_dtype: str = "float32",
-                 lora_columns: list[tuple[int, int, int]] | None = None):
+                 lora_columns: list[tuple[int, int, int]] | None = None, state_slots: int = 0):
         self.card = card
         self.inputs_layout: Layout = INPUTS
         self.outputs_layout: Layout = OUTPUTS
         self.workspace_placement: Placement = WORKSPACE.place(workspace_dims(cap, cfg))
         self._allocated: list[DeviceTensor] = []
+        self.states: list[tuple[DeviceTensor, DeviceTensor]] = []
         sizes = buffer_bytes(cfg, cap)           # what `spyre-serve plan` counts (models/sizing/fit.py)
         try:
             self.workspace = self._alloc(sizes["workspace"], zero=True)
             self.inputs = self._alloc(sizes["inputs"])
             self.outputs = [self._alloc(sizes["output"], zero=True) for _ in range(2)]
+            self.states = [(self._alloc_f32(state_slots, m.d_conv - 1, m.conv_dim),
+                            self._alloc_f32(state_slots, m.n_heads, m.head_dim, m.d_state))
+                           for m in [cfg.mamba] * len(cfg.mamba_layers)]
             self.kv = KVCache(card, cfg, block_size, num_kv_blocks, kv_cache_fraction,
                               kv_cache_dtype)
-            self.layer_table = build_layer_table(card, weights, self.kv.k, self.kv.v, lora_columns)
+            self.layer_table = build_layer_table(card, weights, self.kv.k, self.kv.v, lora_columns,
+                                                 self.states)
             self._allocated.append(self.layer_table)
         except BaseException:
             self.free()
             raise
+
+    def _alloc_f32(self, *shape: int) -> DeviceTensor:
+        t = self.card.zeros(shape, np.float32)
+        self._allocated.append(t)
+        return t
 
     def _alloc(self, nbytes: int, zero: bool = False) -> DeviceTensor:
         t = self.card.zeros((nbytes,), np.uint8) if zero else self.card.empty((nbytes,), np.uint8)
@@ -67,8 +79,11 @@ class StepMemory:
         """Device bytes by use: 'workspace', 'io' (input and output buffers), 'layer_table',
         'kv_cache'. The first three add up to scratch_bytes; the weights belong to the model."""
         io = [self.inputs, *self.outputs]
-        return {"workspace": self.workspace.nbytes, "io": sum(t.nbytes for t in io),
-                "layer_table": self.layer_table.nbytes, "kv_cache": self.kv.nbytes}
+        out = {"workspace": self.workspace.nbytes, "io": sum(t.nbytes for t in io),
+               "layer_table": self.layer_table.nbytes, "kv_cache": self.kv.nbytes}
+        if self.states:
+            out["states"] = sum(t.nbytes for pair in self.states for t in pair)
+        return out
 
     def workspace_bindings(self) -> dict[str, int]:
         """Address and length slots of every workspace field (the same for every launch)."""

@@ -1,4 +1,5 @@
-"""Which row of the card's penalty tables each sequence with penalties owns.
+"""Which row of the card's penalty tables each sequence with penalties owns (and, alike, which
+slot of a hybrid model's Mamba-2 states each sequence owns: ``StateSlots``).
 
 The step program keeps, per slot, how many times each token was generated and which tokens
 the prompt holds (WORKSPACE `pen_output_counts`, `pen_prompt_mask`); the device fills them
@@ -18,6 +19,13 @@ from spyre_serve.models.step.interface import SeqWork, SeqWorkError
 
 
 class PenaltySlots:
+    what = "penalty"     # the state a slot holds, in errors
+
+    @staticmethod
+    def wants(w: SeqWork) -> bool:
+        """Whether a work item needs a slot."""
+        return w.sampling.uses_penalties
+
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))   # pop() gives the lowest first
@@ -33,17 +41,17 @@ class PenaltySlots:
         bad: dict[int, str] = {}
         out: dict[int, int] = {}
         for w in work:
-            if not w.sampling.uses_penalties:
+            if not self.wants(w):
                 continue
             slot = self._slot.get(w.seq_id)
             if slot is None:
                 if w.start_pos != 0:
-                    bad[w.seq_id] = (f"seq {w.seq_id}: its penalties are counted from position "
-                                     f"0, but it holds no penalty slot and this chunk starts "
+                    bad[w.seq_id] = (f"seq {w.seq_id}: its {self.what} state starts at position "
+                                     f"0, but it holds no {self.what} slot and this chunk starts "
                                      f"at {w.start_pos}")
                     continue
                 if not self._free:
-                    bad[w.seq_id] = f"seq {w.seq_id}: all {self.num_slots} penalty slots are held"
+                    bad[w.seq_id] = f"seq {w.seq_id}: all {self.num_slots} {self.what} slots are held"
                     continue
                 slot = self._slot[w.seq_id] = self._free.pop()
             out[w.seq_id] = slot
@@ -55,3 +63,15 @@ class PenaltySlots:
         slot = self._slot.pop(seq_id, None)
         if slot is not None:
             self._free.append(slot)
+
+
+class StateSlots(PenaltySlots):
+    """A hybrid model's: which slot of the Mamba-2 layers' conv and SSM states each sequence
+    owns (every sequence has one), given at its chunk from position 0, where the card starts its
+    states from zeros (``state_reset``), kept until ``forget``."""
+
+    what = "Mamba"
+
+    @staticmethod
+    def wants(w: SeqWork) -> bool:
+        return True

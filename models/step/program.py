@@ -11,6 +11,9 @@ A step (T token rows, S sequences, R logit rows, NS of them sampling):
     x[T, H] = embed[tokens] * embedding_multiplier
     per layer: rmsnorm, qkv = h @ Wqkv, split, rope(q, k), write_kv, paged attention,
                x += res * (attn @ Wo), rmsnorm, gu = h @ Wgu, swiglu, x += res * (act @ Wdown)
+    (Granite 4.0's hybrid: a Mamba-2 layer's mixer instead of attention, zxbcdt = h @ Win,
+     conv and scan from each sequence's states, gated norm, @ Wout; beside the dense MLP, a
+     mixture of experts: route, group rows by expert, the experts' MLPs, combine)
     hsel[R, H] = rmsnorm(x[logit_rows]);   logits[R, V] = hsel @ lm_head / logits_scaling
     (a pooling runner, POOL > 0, instead: pooled[S, H] = each sequence's rows of rmsnorm(x) pooled)
 One launch may run a part of this (the H0, H1 slots, in halves of layers): a card of several
@@ -48,6 +51,8 @@ from spyre_serve.device.kernels.activation import swiglu
 from spyre_serve.device.kernels.attention.paged import attention_at
 from spyre_serve.device.kernels.gather import gather_columns_at, gather_rows
 from spyre_serve.device.kernels.gemm.packed import gemm_at
+from spyre_serve.device.kernels.mamba import gated_rmsnorm, mamba_conv, ssm_scan
+from spyre_serve.device.kernels.moe import moe_experts_at, moe_order, moe_route
 from spyre_serve.device.kernels.norm import rmsnorm
 from spyre_serve.device.kernels.pooling import pool_rows
 from spyre_serve.device.kernels.residual import residual_add
@@ -66,15 +71,27 @@ COL_IN_NORM, COL_QKV, COL_O, COL_POST_NORM, COL_GATE_UP, COL_DOWN, COL_K_CACHE, 
 COL_QKV_FMT, COL_O_FMT, COL_GATE_UP_FMT, COL_DOWN_FMT = range(8, 12)
 # the layer's LoRA adapters (models/lora/layout.py): block address (0: none), rank, slots
 COL_LORA, COL_LORA_RANK, COL_LORA_SLOTS = range(12, 15)
-LAYER_FIELDS = 15
+# the hybrid's: the layer's mixer (KIND_*); a Mamba-2 mixer's weights (in_proj and out_proj with
+# their formats; the conv's weight [C, K] and bias [C]; dt_bias, A = -exp(A_log), D [NH]; the
+# gated norm [DI]) and its states (conv [NSS, K - 1, C], SSM [NSS, NH, P, N]); the experts'
+# router [H, E] and its format, their table int64[E, 2] (each expert's gate_up and down
+# addresses), their two formats; whether the layer has the dense MLP
+(COL_KIND, COL_M_IN, COL_M_IN_FMT, COL_M_CONV_W, COL_M_CONV_B, COL_M_DT_BIAS, COL_M_A, COL_M_D, COL_M_NORM,
+ COL_M_OUT, COL_M_OUT_FMT, COL_M_CONV_STATE, COL_M_SSM_STATE, COL_MOE_ROUTER, COL_MOE_ROUTER_FMT,
+ COL_MOE_EXPERTS, COL_MOE_GU_FMT, COL_MOE_DOWN_FMT, COL_DENSE) = range(15, 34)
+LAYER_FIELDS = 34
+KIND_ATTENTION, KIND_MAMBA = 0, 1
 # Indexes into the model's float32 constants (models/step/weights.py places them).
 CONST_EPS, CONST_EMB_MULT, CONST_ATTN_SCALE, CONST_RES_MULT, CONST_INV_LOGIT_SCALE = range(5)
+CONST_DT_MIN, CONST_DT_MAX = 5, 6          # the Mamba-2 mixers' dt limits
 N_CONSTS = 8
 # Kernel timers (`timers` field; device/profile.py): where a step's device time goes.
 TIMERS = ("embedding", "rmsnorm", "qkv", "rope", "write_kv", "attention", "o_proj", "residual",
-          "gate_up", "swiglu", "down", "lm_head", "log_softmax", "sampling", "lora")
+          "gate_up", "swiglu", "down", "lm_head", "log_softmax", "sampling", "lora",
+          "mamba_in", "mamba_conv", "ssm_scan", "mamba_out", "moe")
 (K_EMBEDDING, K_RMSNORM, K_QKV, K_ROPE, K_WRITE_KV, K_ATTENTION, K_O_PROJ, K_RESIDUAL, K_GATE_UP,
- K_SWIGLU, K_DOWN, K_LM_HEAD, K_LOG_SOFTMAX, K_SAMPLING, K_LORA) = range(len(TIMERS))
+ K_SWIGLU, K_DOWN, K_LM_HEAD, K_LOG_SOFTMAX, K_SAMPLING, K_LORA, K_MAMBA_IN, K_MAMBA_CONV, K_SSM_SCAN,
+ K_MAMBA_OUT, K_MOE) = range(len(TIMERS))
 I32, F32, I64 = np.int32, np.float32, np.int64
 
 # One record per sampling row (the sampling sequences, in work order), read by the sampler as
@@ -121,6 +138,10 @@ INPUTS = Layout("inputs", [
     Field("bias", F32, ("NBIAS",)),
     Field("sample_rows", SAMPLE_ROW, ("SR",)),  # per sampling row: its parameters (above)
     Field("lora_slot", I32, ("T",)),            # per token row: its LoRA adapter's slot, or -1
+    # a hybrid model's: per sequence, its slot of the Mamba-2 states (-1: padding), and 1 where
+    # it starts from position 0 (its states start from zeros)
+    Field("state_slot", I32, ("SST",)),
+    Field("state_reset", I32, ("SST",)),
 ])
 
 # Read back after each launch; rows 0..NS-1 are written. Dims: SR sampling rows, K top
@@ -157,6 +178,24 @@ WORKSPACE = Layout("workspace", [
     # was generated, and 1 where the prompt holds it; cleared by a chunk at position 0
     Field("pen_output_counts", I32, ("2*SMAX", "V")),
     Field("pen_prompt_mask", I32, ("2*SMAX", "V")),
+    # a hybrid model's (the dims are 0 for the others): a Mamba-2 mixer's in_proj out [z | xBC |
+    # dt], the conv's out [x | B | C], the scan's y and the gated norm's out; the experts' router
+    # logits, each row's k experts and weights, the (row, choice) pairs by expert and where each
+    # expert's start, the experts' rows in and out, and their sum
+    Field("zxbcdt", F32, ("MTMAX", "MPROJ")),
+    Field("xbc", F32, ("MTMAX", "MCONV")),
+    Field("ssm_y", F32, ("MTMAX", "MDI")),
+    Field("gnorm", F32, ("MTMAX", "MDI")),
+    Field("router_logits", F32, ("ETMAX", "E")),
+    Field("moe_ids", I32, ("ETMAX", "TOPK")),
+    Field("moe_weights", F32, ("ETMAX", "TOPK")),
+    Field("moe_order", I32, ("ETMAX*TOPK",)),
+    Field("moe_starts", I32, ("E+1",)),
+    Field("moe_rows", F32, ("ETMAX*TOPK", "H")),
+    Field("moe_gate_up", F32, ("ETMAX*TOPK", "2*IE")),
+    Field("moe_act", F32, ("ETMAX*TOPK", "IE")),
+    Field("moe_down", F32, ("ETMAX*TOPK", "H")),
+    Field("moe_out", F32, ("ETMAX", "H")),
 ])
 
 
@@ -170,6 +209,7 @@ SLOTS = [
     # step shapes
     ("T", "dim"), ("S", "dim"), ("SR", "dim"), ("R", "dim"), ("NS", "dim"), ("MB", "dim"), ("K", "dim"),
     ("NBAN", "dim"), ("NMW", "dim"), ("NBIAS", "dim"),
+    ("SST", "dim"),      # sequences with Mamba-2 state slots (a hybrid model's: S, else 0)
     # pooling (embedding models): 0 generates, else 1 + device.kernels.pooling.POOL_*; unit norm
     ("POOL", "dim"), ("POOL_NORM", "dim"),
     # the part of the step this launch runs, in halves of layers: [H0, H1) of 0..2L+1 (2l: layer
@@ -179,6 +219,10 @@ SLOTS = [
     # model shapes
     ("H", "dim"), ("HQ", "dim"), ("HKV", "dim"), ("D", "dim"), ("I", "dim"), ("V", "dim"),
     ("L", "dim"), ("NBT", "dim"), ("BS", "dim"),
+    # a hybrid model's: the Mamba-2 mixers' inner width, heads, head dim, state size, groups,
+    # conv width, state slots; the experts, k of them a token, their width (0: none)
+    ("MDI", "dim"), ("MNH", "dim"), ("MP", "dim"), ("MN", "dim"), ("MG", "dim"), ("MK", "dim"), ("NSS", "dim"),
+    ("E", "dim"), ("TOPK", "dim"), ("IE", "dim"),
     # number formats (device.kernels.formats.FMT_*): the embedding's and the LM head's (a layer's
     # projections: its table row), the GEMM inputs' (CFMT) and the KV cache's (KV_FMT)
     ("EMBED_FMT", "dim"), ("LM_HEAD_FMT", "dim"), ("CFMT", "dim"), ("KV_FMT", "dim"),
@@ -232,6 +276,29 @@ def _sample_rows(i64, table, n):
 
 
 @njit(nogil=True, cache=True)
+def _mamba_mixer(y, hbuf, f32, u16, row, cfmt, zxbcdt, xbc, ssm_y, gnorm, query_start, state_slot,
+                 state_reset, H, MDI, MNH, MP, MN, MCONV, MK, NSS, dt_min, dt_max, eps, timers, t):
+    """y = a Mamba-2 mixer of the normed rows hbuf (its weights and states: the layer's table
+    `row`): in_proj to [z | xBC | dt], the conv and the scan from each sequence's states, the
+    gated norm, out_proj. Returns the timer's last stamp."""
+    gemm_at(zxbcdt, hbuf, f32, u16, row[COL_M_IN], H, MDI + MCONV + MNH, row[COL_M_IN_FMT], cfmt)
+    t = lap(timers, K_MAMBA_IN, t)
+    conv_states = f32_at(f32, row[COL_M_CONV_STATE], NSS * (MK - 1) * MCONV).reshape(NSS, MK - 1, MCONV)
+    mamba_conv(xbc, zxbcdt[:, MDI:MDI + MCONV], f32_at(f32, row[COL_M_CONV_W], MCONV * MK).reshape(MCONV, MK),
+               f32_at(f32, row[COL_M_CONV_B], MCONV), conv_states, query_start, state_slot, state_reset)
+    t = lap(timers, K_MAMBA_CONV, t)
+    gn = (MCONV - MDI) // 2
+    ssm_states = f32_at(f32, row[COL_M_SSM_STATE], NSS * MNH * MP * MN).reshape(NSS, MNH, MP, MN)
+    ssm_scan(ssm_y, xbc[:, :MDI], zxbcdt[:, MDI + MCONV:], xbc[:, MDI:MDI + gn], xbc[:, MDI + gn:],
+             f32_at(f32, row[COL_M_A], MNH), f32_at(f32, row[COL_M_D], MNH), f32_at(f32, row[COL_M_DT_BIAS], MNH),
+             dt_min, dt_max, ssm_states, query_start, state_slot, state_reset)
+    t = lap(timers, K_SSM_SCAN, t)
+    gated_rmsnorm(gnorm, ssm_y, zxbcdt[:, :MDI], f32_at(f32, row[COL_M_NORM], MDI), MDI // (gn // MN), eps)
+    gemm_at(y, gnorm, f32, u16, row[COL_M_OUT], MDI, H, row[COL_M_OUT_FMT], cfmt)
+    return lap(timers, K_MAMBA_OUT, t)
+
+
+@njit(nogil=True, cache=True)
 def step_entry(f32, i32, i64, u16, table):
     T = table[Slot.T]
     S = table[Slot.S]
@@ -254,6 +321,10 @@ def step_entry(f32, i32, i64, u16, table):
     BS = table[Slot.BS]
     QD, KD = HQ * D, HKV * D
     QKV = QD + 2 * KD
+    MDI, MNH, MP, MN, MG, MK, NSS = (table[Slot.MDI], table[Slot.MNH], table[Slot.MP], table[Slot.MN],
+                                     table[Slot.MG], table[Slot.MK], table[Slot.NSS])
+    MCONV = MDI + 2 * MG * MN
+    E, TOPK, IE = table[Slot.E], table[Slot.TOPK], table[Slot.IE]
 
     consts = f32_at(f32, table[Slot.consts], N_CONSTS)
     eps, emb_mult = consts[CONST_EPS], consts[CONST_EMB_MULT]
@@ -281,6 +352,9 @@ def step_entry(f32, i32, i64, u16, table):
     bias = _f32(f32, table, Slot.bias, NBIAS)
     rows = _sample_rows(i64, table, SR)
     lora_slot = _i32(i32, table, Slot.lora_slot, T)
+    SST = table[Slot.SST]
+    state_slot = _i32(i32, table, Slot.state_slot, SST)
+    state_reset = _i32(i32, table, Slot.state_reset, SST)
 
     # Decode tokens sampled by the previous launch, read here instead of on the host.
     prev_sampled = _i32(i32, table, Slot.prev_sampled, table[Slot.prev_sampled + 1])
@@ -312,6 +386,24 @@ def step_entry(f32, i32, i64, u16, table):
     pen_counts = _i32(i32, table, Slot.pen_output_counts, npsl * V).reshape(npsl, V)
     pen_prompt = _i32(i32, table, Slot.pen_prompt_mask, npsl * V).reshape(npsl, V)
 
+    MT = T if MDI > 0 else 0
+    zxbcdt = _f32(f32, table, Slot.zxbcdt, MT * (MDI + MCONV + MNH)).reshape(MT, MDI + MCONV + MNH)
+    xbc = _f32(f32, table, Slot.xbc, MT * MCONV).reshape(MT, MCONV)
+    ssm_y = _f32(f32, table, Slot.ssm_y, MT * MDI).reshape(MT, MDI)
+    gnorm = _f32(f32, table, Slot.gnorm, MT * MDI).reshape(MT, MDI)
+    ET = T if E > 0 else 0
+    router_logits = _f32(f32, table, Slot.router_logits, ET * E).reshape(ET, E)
+    moe_ids = _i32(i32, table, Slot.moe_ids, ET * TOPK).reshape(ET, TOPK)
+    moe_weights = _f32(f32, table, Slot.moe_weights, ET * TOPK).reshape(ET, TOPK)
+    moe_ord = _i32(i32, table, Slot.moe_order, ET * TOPK)
+    moe_starts = _i32(i32, table, Slot.moe_starts, E + 1 if E > 0 else 0)
+    moe_rows = _f32(f32, table, Slot.moe_rows, ET * TOPK * H).reshape(ET * TOPK, H)
+    moe_gu = _f32(f32, table, Slot.moe_gate_up, ET * TOPK * 2 * IE).reshape(ET * TOPK, 2 * IE)
+    moe_act = _f32(f32, table, Slot.moe_act, ET * TOPK * IE).reshape(ET * TOPK, IE)
+    moe_down = _f32(f32, table, Slot.moe_down, ET * TOPK * H).reshape(ET * TOPK, H)
+    moe_out = _f32(f32, table, Slot.moe_out, ET * H).reshape(ET, H)
+    dt_min, dt_max = consts[CONST_DT_MIN], consts[CONST_DT_MAX]
+
     q3, a3 = qf.reshape(T, HQ, D), attn.reshape(T, HQ, D)
     k3, v3 = kf.reshape(T, HKV, D), vf.reshape(T, HKV, D)
 
@@ -335,7 +427,13 @@ def step_entry(f32, i32, i64, u16, table):
             break
         layer = half // 2
         lora = layers[layer, COL_LORA:COL_LORA + 3]
-        if half % 2 == 0:
+        if half % 2 == 0 and layers[layer, COL_KIND] == KIND_MAMBA:
+            rmsnorm(hbuf, x, f32_at(f32, layers[layer, COL_IN_NORM], H), eps)
+            t = lap(timers, K_RMSNORM, t)
+            t = _mamba_mixer(y, hbuf, f32, u16, layers[layer], cfmt, zxbcdt, xbc, ssm_y, gnorm, query_start,
+                             state_slot, state_reset, H, MDI, MNH, MP, MN, MCONV, MK, NSS, dt_min, dt_max, eps,
+                             timers, t)
+        elif half % 2 == 0:
             rmsnorm(hbuf, x, f32_at(f32, layers[layer, COL_IN_NORM], H), eps)
             t = lap(timers, K_RMSNORM, t)
             gemm_at(qkv, hbuf, f32, u16, layers[layer, COL_QKV], H, QKV,
@@ -356,17 +454,33 @@ def step_entry(f32, i32, i64, u16, table):
         else:
             rmsnorm(hbuf, x, f32_at(f32, layers[layer, COL_POST_NORM], H), eps)
             t = lap(timers, K_RMSNORM, t)
-            gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER,
-                    layers[layer, COL_GATE_UP_FMT], cfmt)
-            t = lap(timers, K_GATE_UP, t)
-            lora_layer(gu, hbuf, f32, lora, lora_slot, ON_GATE_UP[0], ON_GATE_UP[1], H, QD, KD, INTER)
-            t = lap(timers, K_LORA, t)
-            swiglu(act, gu)
-            t = lap(timers, K_SWIGLU, t)
-            gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H, layers[layer, COL_DOWN_FMT], cfmt)
-            t = lap(timers, K_DOWN, t)
-            lora_layer(y, act, f32, lora, lora_slot, ON_DOWN[0], ON_DOWN[1], H, QD, KD, INTER)
-            t = lap(timers, K_LORA, t)
+            if E > 0:                 # the experts first: their sum, then the dense MLP's added
+                row = layers[layer]
+                gemm_at(router_logits, hbuf, f32, u16, row[COL_MOE_ROUTER], H, E, row[COL_MOE_ROUTER_FMT], cfmt)
+                moe_route(moe_ids, moe_weights, router_logits)
+                moe_order(moe_ord, moe_starts, moe_ids)
+                moe_experts_at(moe_out, hbuf, moe_weights, moe_ord, moe_starts, moe_rows, moe_gu, moe_act, moe_down,
+                               f32, u16, i64_at(i64, row[COL_MOE_EXPERTS], E * 2).reshape(E, 2),
+                               row[COL_MOE_GU_FMT:COL_MOE_DOWN_FMT + 1], cfmt)
+                t = lap(timers, K_MOE, t)
+            if layers[layer, COL_DENSE] != 0:
+                gemm_at(gu, hbuf, f32, u16, layers[layer, COL_GATE_UP], H, 2 * INTER,
+                        layers[layer, COL_GATE_UP_FMT], cfmt)
+                t = lap(timers, K_GATE_UP, t)
+                lora_layer(gu, hbuf, f32, lora, lora_slot, ON_GATE_UP[0], ON_GATE_UP[1], H, QD, KD, INTER)
+                t = lap(timers, K_LORA, t)
+                swiglu(act, gu)
+                t = lap(timers, K_SWIGLU, t)
+                gemm_at(y, act, f32, u16, layers[layer, COL_DOWN], INTER, H, layers[layer, COL_DOWN_FMT], cfmt)
+                t = lap(timers, K_DOWN, t)
+                lora_layer(y, act, f32, lora, lora_slot, ON_DOWN[0], ON_DOWN[1], H, QD, KD, INTER)
+                t = lap(timers, K_LORA, t)
+                if E > 0:
+                    for r in range(T):
+                        for c in range(H):
+                            y[r, c] = moe_out[r, c] + y[r, c]
+            else:
+                y[:, :] = moe_out
 
     norm = f32_at(f32, table[Slot.norm], H)
     if H0 <= 2 * L < H1 and table[Slot.POOL] > 0:   # an embedding model: each sequence's rows pooled

@@ -19,6 +19,7 @@ card from step N's samples.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -37,11 +38,13 @@ from spyre_serve.models.step.inputs import PackedStep, StepLimits, check_work, p
 from spyre_serve.models.step.interface import SeqWork, SeqWorkError, StepOutput
 from spyre_serve.models.step.kv_cache import resolve_dtype as resolve_kv_dtype
 from spyre_serve.models.step.memory_plan import StepMemory
-from spyre_serve.models.step.penalty_slots import PenaltySlots
+from spyre_serve.models.step.penalty_slots import PenaltySlots, StateSlots
 from spyre_serve.models.step.program import TIMERS
 from spyre_serve.models.step.prompt_logprobs import PromptLogprobs
 from spyre_serve.models.step.threads import use_every_core
 from spyre_serve.models.step.weights import compute_code, resolve_compute_dtype
+
+log = logging.getLogger(__name__)
 
 
 class StepHandle:
@@ -98,6 +101,9 @@ class ModelRunner:
         context never exceeds one step's tokens. `lora`: (max_loras, max_rank), an adapter
         arena of that many slots (`self.lora`, models/lora/arena.py; `SeqWork.lora`)."""
         cfg = model.config
+        if cfg.is_hybrid and (pooling or lora):
+            raise ValueError(f"{cfg.architecture} generates; it is not served with "
+                             f"{'--runner pooling' if pooling else '--enable-lora'} yet")
         self.compute_dtype = resolve_compute_dtype(compute_dtype, model.weights)
         self.kv_cache_dtype = resolve_kv_dtype(kv_cache_dtype, self.compute_dtype)
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -127,7 +133,7 @@ class ModelRunner:
         try:
             self.memory = StepMemory(card, cfg, self.weights, cap, block_size, num_kv_blocks,
                                      kv_cache_fraction, self.kv_cache_dtype,
-                                     self.lora.layer_columns() if self.lora else None)
+                                     self.lora.layer_columns() if self.lora else None, state_slots=2 * smax)
         except BaseException:
             if self.lora:
                 self.lora.free()
@@ -142,6 +148,8 @@ class ModelRunner:
             max_blocks_per_seq=cap.mbmax, num_penalty_slots=2 * smax,
             vocab_size=cfg.vocab_size,
             seed=random.randrange(1 << 62) if seed is None else int(seed))
+        # a hybrid model's Mamba-2 states: a slot per sequence, as many as the penalty tables' rows
+        self._state_slots = StateSlots(2 * smax) if cfg.mamba_layers else None
         self.stream.enqueue(use_every_core, compute=False, label="use_every_core")
         self._programs = StepPrograms(card, self.t_buckets, self.s_buckets, self._static_bindings(),
                                       {"H": cfg.hidden_size, "V": cfg.vocab_size})
@@ -155,7 +163,10 @@ class ModelRunner:
         self._timers: DeviceTensor | None = None      # int64[len(TIMERS)] while profiling
         self._timer_bindings: dict = {}
         # each launch's seconds on a real card, the model as placed (one card: tp 1)
-        self.projector = StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype)
+        self.projector = None if cfg.is_hybrid else StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype)
+        if cfg.is_hybrid:
+            log.info("%s: the real card's clock (usage.spyre, spyre_projected_step_seconds) does not price "
+                     "Mamba-2 mixers and experts yet: its steps are projected as 0 s", cfg.architecture)
 
     @property
     def numerics(self) -> str:
@@ -172,6 +183,7 @@ class ModelRunner:
             "H": cfg.hidden_size, "HQ": cfg.num_attention_heads, "HKV": cfg.num_key_value_heads,
             "D": cfg.head_dim, "I": cfg.intermediate_size, "V": cfg.vocab_size,
             "L": cfg.num_hidden_layers, "NBT": self.kv.num_blocks + 1, "BS": self.block_size,
+            **self._hybrid_bindings(),
             "EMBED_FMT": w.embed.fmt, "LM_HEAD_FMT": w.lm_head.fmt,
             "CFMT": compute_code(self.compute_dtype), "KV_FMT": self.kv.fmt,
             "POOL": 1 + POOLING_TYPES[self.pooling_type] if self.pooling else 0,
@@ -182,6 +194,15 @@ class ModelRunner:
             "timers": 0, length_slot("timers"): 0,            # timing off (see `profile`)
             **self.memory.workspace_bindings(),
         }
+
+    def _hybrid_bindings(self) -> dict:
+        """The Mamba-2 mixers' and the experts' shapes (zeros: a model without them)."""
+        cfg = self.config
+        m = cfg.mamba if cfg.mamba_layers else None
+        shape = (m.d_inner, m.n_heads, m.head_dim, m.d_state, m.n_groups, m.d_conv) if m else (0,) * 6
+        return {**dict(zip(("MDI", "MNH", "MP", "MN", "MG", "MK"), shape, strict=True)),
+                "NSS": self._state_slots.num_slots if m else 0, "E": cfg.num_experts,
+                "TOPK": cfg.num_experts_per_tok, "IE": cfg.expert_intermediate_size}
 
     @property
     def scratch_bytes(self) -> int:
@@ -221,12 +242,14 @@ class ModelRunner:
             raise SeqWorkError(wrong)
         lora_slots = self._lora_slots(work)
         pen_slots = self._pen_slots.assign(work)
+        state_slots = self._state_slots.assign(work) if self._state_slots is not None else None
         t = bucket(self.t_buckets, n_tok)
         s = bucket(self.s_buckets, len(work))
         return self._launch(t, s, work, return_rows=return_logits, return_logits=return_logits,
                             pen_slots=pen_slots, projected=self.projector.seconds(
-                                step_of_work(work, self.lora and self.lora.targets_of(lora_slots))),
-                            lora_slots=lora_slots)
+                                step_of_work(work, self.lora and self.lora.targets_of(lora_slots)))
+                            if self.projector is not None else 0.0,
+                            lora_slots=lora_slots, state_slots=state_slots)
 
     def _lora_slots(self, work: list[SeqWork]) -> dict[int, int]:
         """The adapter slot of each item with a LoRA adapter (pinned until `forget`); a
@@ -253,21 +276,25 @@ class ModelRunner:
 
     def _launch(self, t: int, s: int, work: list[SeqWork], return_rows: bool,
                 return_logits: bool, pen_slots: dict[int, int] | None = None,
-                projected: float = 0.0, lora_slots: dict[int, int] | None = None) -> StepHandle:
+                projected: float = 0.0, lora_slots: dict[int, int] | None = None,
+                state_slots: dict[int, int] | None = None) -> StepHandle:
         step, bindings, readback = self.prepare_launch(t, s, work, return_rows, return_logits, pen_slots,
-                                                       lora_slots)
+                                                       lora_slots, state_slots)
         handle = self._programs.get(t, s).launch(self.stream, bindings, readback=readback)
         return StepHandle(handle, step, self._prompt_logprobs, projected)
 
     def prepare_launch(self, t: int, s: int, work: list[SeqWork], return_rows: bool, return_logits: bool,
                        pen_slots: dict[int, int] | None,
-                       lora_slots: dict[int, int] | None = None) -> tuple[_Launched, dict, list]:
+                       lora_slots: dict[int, int] | None = None,
+                       state_slots: dict[int, int] | None = None) -> tuple[_Launched, dict, list]:
         """Pack `work` into bucket (t, s), copy it to the card, and count the launch as made:
         (what its result is read from, the program's bindings, the readbacks). The caller
         launches `programs[(t, s)]` with them, whole or in parts (models/parallel/runner.py)."""
         mem, stream = self.memory, self.stream
+        if self._state_slots is not None and state_slots is None:
+            state_slots = {}                 # a padding launch: every sequence slot -1
         packed = pack_step(mem.inputs_layout, work, t, s, return_rows, self.limits,
-                           self._last_rows, pen_slots, lora_slots)
+                           self._last_rows, pen_slots, lora_slots, state_slots)
         dims = packed.dims
         stream.copy_h2d(mem.inputs_prefix(packed.placement.nbytes), packed.host)
         out_dev = mem.outputs[self._launches & 1]
@@ -327,6 +354,8 @@ class ModelRunner:
         aborted, failed) or is preempted (a recompute starts again from position 0)."""
         self._prompt_logprobs.forget(seq_id)
         self._pen_slots.forget(seq_id)
+        if self._state_slots is not None:
+            self._state_slots.forget(seq_id)
         if self.lora is not None:
             self.lora.unpin(seq_id)
 

@@ -41,13 +41,32 @@ from spyre_serve.device.layout import (
 )
 from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.step.program import (
+    COL_DENSE,
     COL_DOWN,
     COL_DOWN_FMT,
     COL_GATE_UP,
     COL_GATE_UP_FMT,
     COL_IN_NORM,
     COL_K_CACHE,
+    COL_KIND,
     COL_LORA,
+    COL_M_A,
+    COL_M_CONV_B,
+    COL_M_CONV_STATE,
+    COL_M_CONV_W,
+    COL_M_D,
+    COL_M_DT_BIAS,
+    COL_M_IN,
+    COL_M_IN_FMT,
+    COL_M_NORM,
+    COL_M_OUT,
+    COL_M_OUT_FMT,
+    COL_M_SSM_STATE,
+    COL_MOE_DOWN_FMT,
+    COL_MOE_EXPERTS,
+    COL_MOE_GU_FMT,
+    COL_MOE_ROUTER,
+    COL_MOE_ROUTER_FMT,
     COL_O,
     COL_O_FMT,
     COL_POST_NORM,
@@ -55,10 +74,13 @@ from spyre_serve.models.step.program import (
     COL_QKV_FMT,
     COL_V_CACHE,
     CONST_ATTN_SCALE,
+    CONST_DT_MAX,
+    CONST_DT_MIN,
     CONST_EMB_MULT,
     CONST_EPS,
     CONST_INV_LOGIT_SCALE,
     CONST_RES_MULT,
+    KIND_MAMBA,
     LAYER_FIELDS,
     N_CONSTS,
 )
@@ -68,13 +90,60 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class MambaWeights:
+    """A Mamba-2 mixer's (Granite 4.0's hybrid layers): see device/kernels/mamba.py."""
+
+    in_proj: GemmWeight        # [H, DI + C + NH]  columns: gate z, x B C, dt
+    conv_w: DeviceTensor       # float32 [C, K]
+    conv_b: DeviceTensor       # float32 [C] (zeros without a conv bias)
+    dt_bias: DeviceTensor      # float32 [NH]
+    a: DeviceTensor            # float32 [NH]: -exp(A_log)
+    d: DeviceTensor            # float32 [NH]
+    norm: DeviceTensor         # float32 [DI]: the gated RMSNorm's weight
+    out_proj: GemmWeight       # [DI, H]
+
+    def gemms(self) -> list[GemmWeight]:
+        return [self.in_proj, self.out_proj]
+
+    def tensors(self) -> list[DeviceTensor]:
+        return [self.in_proj.tensor, self.conv_w, self.conv_b, self.dt_bias, self.a, self.d, self.norm,
+                self.out_proj.tensor]
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    """A layer's mixture of experts: the router and each expert's SwiGLU MLP."""
+
+    router: GemmWeight                 # [H, E]
+    gate_up: list[GemmWeight]          # per expert [H, 2 IE]  columns: gate, up
+    down: list[GemmWeight]             # per expert [IE, H]
+    table: DeviceTensor                # int64[E, 2]: each expert's gate_up and down addresses
+
+    def gemms(self) -> list[GemmWeight]:
+        return [self.router, *self.gate_up, *self.down]
+
+
+@dataclass(slots=True)
 class LayerWeights:
     in_norm: DeviceTensor      # float32 [H]
-    qkv: GemmWeight            # [H, (Hq + 2 Hkv) D]  columns: q heads, k heads, v heads
-    o: GemmWeight              # [Hq D, H]
+    qkv: GemmWeight | None     # [H, (Hq + 2 Hkv) D]  columns: q heads, k heads, v heads (None: a Mamba layer)
+    o: GemmWeight | None       # [Hq D, H]
     post_norm: DeviceTensor    # float32 [H]
     gate_up: GemmWeight        # [H, 2I]  columns: gate, up
     down: GemmWeight           # [I, H]
+    mamba: MambaWeights | None = None
+    experts: ExpertWeights | None = None
+
+    def gemms(self) -> list[GemmWeight]:
+        out = [g for g in (self.qkv, self.o, self.gate_up, self.down) if g is not None]
+        out += self.mamba.gemms() if self.mamba else []
+        return out + (self.experts.gemms() if self.experts else [])
+
+    def tensors(self) -> list[DeviceTensor]:
+        out = [self.in_norm, self.post_norm, *(g.tensor for g in self.gemms())]
+        out += [t for t in self.mamba.tensors() if t not in (self.mamba.in_proj.tensor, self.mamba.out_proj.tensor)
+                ] if self.mamba else []
+        return out + ([self.experts.table] if self.experts else [])
 
 
 @dataclass(slots=True)
@@ -94,7 +163,7 @@ class ModelWeights:
         """Every GEMM weight, once (a tied LM head is the embedding)."""
         out = [self.embed] + ([] if self.tied else [self.lm_head])
         for lw in self.layers:
-            out += [lw.qkv, lw.o, lw.gate_up, lw.down]
+            out += lw.gemms()
         return out
 
     @property
@@ -110,8 +179,7 @@ class ModelWeights:
         if not self.tied:
             out.append(self.lm_head.tensor)
         for lw in self.layers:
-            out += [lw.in_norm, lw.qkv.tensor, lw.o.tensor, lw.post_norm, lw.gate_up.tensor,
-                    lw.down.tensor]
+            out += lw.tensors()
         return out
 
     def free(self, card: Card) -> None:
@@ -120,8 +188,12 @@ class ModelWeights:
 
 
 def rope_inv_freq(config: GraniteConfig) -> np.ndarray:
-    """inv_freq[D/2] = 1 / theta^(2i/D), in float32 as transformers' default RoPE computes it."""
+    """inv_freq[D/2] = 1 / theta^(2i/D), in float32 as transformers' default RoPE computes it;
+    zeros for attention without position embedding (a hybrid's "nope": every angle 0, so the
+    step's rotation is the identity)."""
     d = config.head_dim
+    if not config.rope:
+        return np.zeros(d // 2, np.float32)
     exps = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)   # [D/2]
     return (1.0 / (np.float32(config.rope_theta) ** exps)).astype(np.float32)
 
@@ -134,6 +206,8 @@ def model_constants(config: GraniteConfig) -> np.ndarray:
     consts[CONST_ATTN_SCALE] = config.attention_multiplier
     consts[CONST_RES_MULT] = config.residual_multiplier
     consts[CONST_INV_LOGIT_SCALE] = 1.0 / config.logits_scaling
+    if config.mamba is not None:
+        consts[CONST_DT_MIN], consts[CONST_DT_MAX] = config.mamba.dt_min, config.mamba.dt_max
     return consts
 
 
@@ -234,14 +308,21 @@ def place_weights(card: Card, config: GraniteConfig,
         layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
+            attention = c.kind_of(i) == "attention"
+            if c.is_hybrid:
+                gate_up, down = gemm(p + "shared_mlp.input_linear.weight"), gemm(p + "shared_mlp.output_linear.weight")
+            else:
+                gate_up = gemm(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")   # [H, 2I]
+                down = gemm(p + "mlp.down_proj.weight")                                # [I, H]
             layers.append(LayerWeights(
                 in_norm=put.vector(tensors[p + "input_layernorm.weight"]),
                 qkv=gemm(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                         p + "self_attn.v_proj.weight"),                          # [H, QD+2KD]
-                o=gemm(p + "self_attn.o_proj.weight"),                            # [QD, H]
+                         p + "self_attn.v_proj.weight") if attention else None,       # [H, QD+2KD]
+                o=gemm(p + "self_attn.o_proj.weight") if attention else None,          # [QD, H]
                 post_norm=put.vector(tensors[p + "post_attention_layernorm.weight"]),
-                gate_up=gemm(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),  # [H, 2I]
-                down=gemm(p + "mlp.down_proj.weight"),                            # [I, H]
+                gate_up=gate_up, down=down,
+                mamba=None if attention else _place_mamba(put, c, tensors, p + "mamba."),
+                experts=_place_experts(put, c, tensors, p + "block_sparse_moe.") if c.num_experts else None,
             ))
         norm = put.vector(tensors["model.norm.weight"])
         tied = c.tie_word_embeddings
@@ -256,29 +337,86 @@ def place_weights(card: Card, config: GraniteConfig,
                         lm_head=lm_head, tied=tied, inv_freq=inv_freq, consts=consts, nbytes=nbytes)
 
 
+def _place_mamba(put: _Placer, c: GraniteConfig, tensors, p: str) -> MambaWeights:
+    """A Mamba-2 mixer's tensors (HF names under `p`) on the card; A as the scan reads it."""
+    m = c.mamba
+    conv_b = tensors[p + "conv1d.bias"] if m.conv_bias else np.zeros(m.conv_dim, np.float32)
+    a_log = np.asarray(tensors[p + "A_log"], np.float32)
+    return MambaWeights(
+        in_proj=put.gemm(p + "in_proj.weight", tensors[p + "in_proj.weight"]),
+        conv_w=put.vector(np.asarray(tensors[p + "conv1d.weight"], np.float32).reshape(m.conv_dim, m.d_conv)),
+        conv_b=put.vector(conv_b), dt_bias=put.vector(tensors[p + "dt_bias"]),
+        # transformers: A = -exp(A_log.float()), from the stored (rounded) A_log
+        a=put.vector(-np.exp(decode(encode(a_log, put.fmt), put.fmt)), rounded=False),
+        d=put.vector(tensors[p + "D"]), norm=put.vector(tensors[p + "norm.weight"]),
+        out_proj=put.gemm(p + "out_proj.weight", tensors[p + "out_proj.weight"]))
+
+
+def _place_experts(put: _Placer, c: GraniteConfig, tensors, p: str) -> ExpertWeights:
+    """A layer's router and experts (HF names under `p`: input_linear [E, 2 IE, H], gate rows
+    first, output_linear [E, H, IE]), each expert a GEMM weight of its own."""
+    gu, dn = tensors[p + "input_linear.weight"], tensors[p + "output_linear.weight"]
+    gate_up = [put.gemm(f"{p}input_linear.weight[{e}]", np.asarray(gu[e])) for e in range(c.num_experts)]
+    down = [put.gemm(f"{p}output_linear.weight[{e}]", np.asarray(dn[e])) for e in range(c.num_experts)]
+    host = np.array([[g.address, d.address] for g, d in zip(gate_up, down, strict=True)], np.int64)
+    table = put.card.empty(host.shape, np.int64)
+    table.numpy()[...] = host
+    put.placed.append(table)
+    return ExpertWeights(router=put.gemm(p + "router.layer.weight", tensors[p + "router.layer.weight"]),
+                         gate_up=gate_up, down=down, table=table)
+
+
 def build_layer_table(card: Card, weights: ModelWeights, k_caches: list[DeviceTensor],
                       v_caches: list[DeviceTensor],
-                      lora: list[tuple[int, int, int]] | None = None) -> DeviceTensor:
+                      lora: list[tuple[int, int, int]] | None = None,
+                      states: list[tuple[DeviceTensor, DeviceTensor]] | None = None) -> DeviceTensor:
     """int64[L, LAYER_FIELDS]: each layer's weights and KV cache by byte address, and each
     projection's format (columns COL_* of models/step/program.py, which reads it); `lora`:
-    each layer's adapter block (address, rank, slots: models/lora/arena.py), else zeros."""
+    each layer's adapter block (address, rank, slots: models/lora/arena.py), else zeros. A hybrid
+    model's KV caches are its attention layers', in order, and `states` its Mamba layers' (conv,
+    SSM) state arrays."""
     L = len(weights.layers)
-    if len(k_caches) != L or len(v_caches) != L:
-        raise ValueError(f"KV cache has {len(k_caches)}/{len(v_caches)} layers, model has {L}")
+    attention = weights.config.attention_layers
+    mamba = weights.config.mamba_layers
+    if len(k_caches) != len(attention) or len(v_caches) != len(attention):
+        raise ValueError(f"KV cache has {len(k_caches)}/{len(v_caches)} layers, model has {len(attention)} "
+                         f"attention layers of {L}")
+    if mamba and (states is None or len(states) != len(mamba)):
+        raise ValueError(f"the model has {len(mamba)} Mamba layers, the states {0 if states is None else len(states)}")
+    kv_of = {layer: j for j, layer in enumerate(attention)}
+    states_of = {layer: j for j, layer in enumerate(mamba)}
     host = np.zeros((L, LAYER_FIELDS), np.int64)
     for i, lw in enumerate(weights.layers):
         host[i, COL_IN_NORM] = lw.in_norm.address
-        host[i, COL_QKV] = lw.qkv.address
-        host[i, COL_O] = lw.o.address
         host[i, COL_POST_NORM] = lw.post_norm.address
         host[i, COL_GATE_UP] = lw.gate_up.address
         host[i, COL_DOWN] = lw.down.address
-        host[i, COL_K_CACHE] = k_caches[i].address
-        host[i, COL_V_CACHE] = v_caches[i].address
-        host[i, COL_QKV_FMT] = lw.qkv.fmt
-        host[i, COL_O_FMT] = lw.o.fmt
         host[i, COL_GATE_UP_FMT] = lw.gate_up.fmt
         host[i, COL_DOWN_FMT] = lw.down.fmt
+        host[i, COL_DENSE] = 1
+        if i in kv_of:
+            host[i, COL_QKV] = lw.qkv.address
+            host[i, COL_O] = lw.o.address
+            host[i, COL_QKV_FMT] = lw.qkv.fmt
+            host[i, COL_O_FMT] = lw.o.fmt
+            host[i, COL_K_CACHE] = k_caches[kv_of[i]].address
+            host[i, COL_V_CACHE] = v_caches[kv_of[i]].address
+        else:
+            m, (conv, ssm) = lw.mamba, states[states_of[i]]
+            host[i, COL_KIND] = KIND_MAMBA
+            host[i, [COL_M_IN, COL_M_IN_FMT, COL_M_OUT, COL_M_OUT_FMT]] = (m.in_proj.address, m.in_proj.fmt,
+                                                                           m.out_proj.address, m.out_proj.fmt)
+            host[i, [COL_M_CONV_W, COL_M_CONV_B, COL_M_DT_BIAS, COL_M_A, COL_M_D, COL_M_NORM]] = [
+                v.address for v in (m.conv_w, m.conv_b, m.dt_bias, m.a, m.d, m.norm)]
+            host[i, COL_M_CONV_STATE], host[i, COL_M_SSM_STATE] = conv.address, ssm.address
+        if lw.experts is not None:
+            ex = lw.experts
+            host[i, [COL_MOE_ROUTER, COL_MOE_ROUTER_FMT, COL_MOE_EXPERTS]] = (ex.router.address, ex.router.fmt,
+                                                                             ex.table.address)
+            fmts = {g.fmt for g in ex.gate_up}, {d.fmt for d in ex.down}
+            if len(fmts[0]) != 1 or len(fmts[1]) != 1:
+                raise ValueError(f"layer {i}: the experts' weights are of several formats {fmts}")
+            host[i, COL_MOE_GU_FMT], host[i, COL_MOE_DOWN_FMT] = fmts[0].pop(), fmts[1].pop()
         if lora is not None:
             host[i, COL_LORA:COL_LORA + 3] = lora[i]
     t = card.empty(host.shape, np.int64)
