@@ -1,0 +1,137 @@
+"""Granite 4.0's hybrid models (GraniteMoeHybridForCausalLM: Mamba-2 mixers and attention, experts
+beside a shared MLP) on the card against transformers on the same checkpoint, written by
+transformers itself, in float32: greedy tokens exact over prompts that cross the step's chunks and
+transformers' SSD chunk, sequences batched together, a recompute from position 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+from spyre_serve.device import Card
+from spyre_serve.models import ConfigError, GraniteConfig, ModelRunner, SamplingParams, SeqWork, load_model
+
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK = 16
+
+VARIANTS = {
+    # Granite 4.0-H-Tiny's kind: experts beside the shared MLP, attention without positions
+    "moe-nope": dict(layer_types=["mamba", "attention", "mamba", "mamba"], num_local_experts=4,
+                     num_experts_per_tok=2, position_embedding_type="nope"),
+    # Granite 4.0-H-Micro's kind: a dense MLP only, and attention with RoPE for the test's sake
+    "dense-rope": dict(layer_types=["mamba", "mamba", "attention"], num_local_experts=0,
+                       position_embedding_type="rope"),
+}
+
+
+def write_hybrid(path, seed: int = 0, **kw):
+    """A seeded random hybrid checkpoint, saved by transformers; (path, its model)."""
+    torch.manual_seed(seed)
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=64, shared_intermediate_size=96,
+        num_hidden_layers=len(kw["layer_types"]), num_attention_heads=4, num_key_value_heads=2,
+        mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2,
+        mamba_chunk_size=32, max_position_embeddings=1024, embedding_multiplier=2.0, residual_multiplier=0.5,
+        logits_scaling=2.0, attention_multiplier=0.1, tie_word_embeddings=False, **kw)
+    model = GraniteMoeHybridForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", ".D", "dt_bias")):
+                continue                          # transformers' own init: A 1..NH, D 1, dt_bias 1
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def hybrid(request, tmp_path_factory):
+    path, ref = write_hybrid(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+    card = Card(256 << 20)
+    model = load_model(path, card, tokenizer=False)
+    runner = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=64, block_size=BLOCK,
+                         num_kv_blocks=96, seed=1, compute_dtype="float32")
+    yield runner, ref
+    runner.close()
+    card.close()
+
+
+def reference(ref, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def generate(runner, prompts: dict[int, list[int]], n: int) -> dict[int, list[int]]:
+    """Greedy tokens of every prompt, batched: prompts prefilled in chunks of the step's budget
+    (several sequences' chunks in one step), then one decode a step for all of them."""
+    budget = runner.max_num_batched_tokens
+    done = {i: 0 for i in prompts}
+    out: dict[int, list[int]] = {i: [] for i in prompts}
+    blocks = {i: list(range(i * 20, i * 20 + 20)) for i in prompts}
+    while any(len(v) < n for v in out.values()):
+        work = [SeqWork(i, [out[i][-1]], len(prompt) + len(out[i]) - 1, blocks[i], True, GREEDY)
+                for i, prompt in prompts.items() if out[i] and len(out[i]) < n]      # decodes first
+        room = budget - len(work)
+        for i, prompt in prompts.items():
+            if done[i] < len(prompt) and room > 0:
+                take = min(room, len(prompt) - done[i])
+                last = done[i] + take == len(prompt)
+                work.append(SeqWork(i, prompt[done[i]:done[i] + take], done[i], blocks[i], last, GREEDY))
+                done[i] += take
+                room -= take
+        res = runner.launch(work).result()
+        for seq_id, tok in zip(res.seq_ids, res.token_ids, strict=True):
+            if len(out[seq_id]) < n:
+                out[seq_id].append(int(tok))
+    for i in prompts:
+        runner.forget(i)
+    return out
+
+
+def test_greedy_tokens_match_transformers_for_prompts_over_the_chunks(hybrid):
+    runner, ref = hybrid
+    rng = np.random.default_rng(7)
+    # 5: one chunk; 70: two steps' chunks and three of transformers' 32-token SSD chunks; 150: more
+    prompts = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate((5, 70, 150))}
+    got = generate(runner, prompts, 8)
+    for i, prompt in prompts.items():
+        want = reference(ref, prompt, 8)
+        assert len(set(want)) > 2, want                       # a varied reference, not one repeated token
+        assert got[i] == want, (i, len(prompt))
+
+
+def test_a_recompute_from_position_0_starts_from_fresh_states(hybrid):
+    """A sequence forgotten (preempted) and computed again from position 0 gives its tokens
+    again: its states restart from zeros, whoever held its slot."""
+    runner, ref = hybrid
+    prompt = np.random.default_rng(3).integers(0, 256, 40).tolist()
+    first = generate(runner, {0: prompt}, 6)[0]
+    other = generate(runner, {0: np.random.default_rng(4).integers(0, 256, 30).tolist()}, 3)
+    assert other[0] != first[:3]
+    assert generate(runner, {0: prompt}, 6)[0] == first == reference(ref, prompt, 6)
+
+
+def test_a_chunk_past_position_0_without_a_state_slot_is_refused():
+    from spyre_serve.models.step.penalty_slots import StateSlots
+
+    slots = StateSlots(2)
+    with pytest.raises(Exception, match="holds no Mamba slot"):
+        slots.assign([SeqWork(5, [1], 3, [0], True, GREEDY)])
+
+
+def test_config_reads_the_published_spelling_and_refuses_what_it_cannot_run(tmp_path):
+    path, _ = write_hybrid(tmp_path / "m", layer_types=["mamba", "attention"], num_local_experts=0)
+    d = GraniteConfig.from_file(path).to_dict()
+    d.pop("layer_types")
+    d["layers_block_type"] = ["mamba", "attention"]                  # as Granite 4.0's config.json spells it
+    cfg = GraniteConfig.from_dict(d)
+    assert cfg.layer_kinds == ("mamba", "attention") and cfg.attention_layers == [1]
+    for key, value, why in (("layers_block_type", ["mamba"], "one mixer per layer"),
+                            ("layers_block_type", ["mamba", "rwkv"], "'rwkv'"),
+                            ("position_embedding_type", "alibi", "'alibi'"),
+                            ("mamba_proj_bias", True, "mamba_proj_bias"),
+                            ("mamba_n_groups", 3, "must divide")):
+        with pytest.raises(ConfigError, match=why):
+            GraniteConfig.from_dict({**d, key: value})
