@@ -87,6 +87,7 @@ def build_runner(s: RunnerSettings, adapters: dict[str, str] | None = None, draf
             from spyre_serve.models.checkpoints.loader import load_model
 
             model = load_model(s.model, card, dtype=s.dtype, quantization=s.quantization)
+            refuse_for_hybrid(s, model.config)
             draft_runner = load_draft(s, card, model) if draft and spec is not None and spec.model else None
             return Built(card, model, make_runner(s, model, card, adapters or {}), draft_runner)
         except BaseException:
@@ -95,6 +96,20 @@ def build_runner(s: RunnerSettings, adapters: dict[str, str] | None = None, draf
     if spec is not None and spec.model:
         raise ValueError(f"--speculative-config with a draft model runs on one card, not --tensor-parallel-size {tp}")
     return _load_sharded(s, tp)
+
+
+def refuse_for_hybrid(s: RunnerSettings, config) -> None:
+    """What a hybrid model (Granite 4.0's Mamba-2 layers) is not served with yet: ValueError saying why."""
+    if not getattr(config, "mamba_layers", None):
+        return
+    why = {"--speculative-config": (s.speculative_config is not None,
+                                    "a rejected proposal would need each sequence's Mamba state rolled back"),
+           "--quantization": (bool(s.quantization), "its Mamba and expert weights are served in float widths"),
+           "--enable-lora": (s.enable_lora, "its adapters' targets are attention and MLP projections"),
+           "--runner pooling": (s.runner == "pooling", "it generates")}
+    for flag, (given, reason) in why.items():
+        if given:
+            raise ValueError(f"{flag} is not served with {config.architecture} yet: {reason}")
 
 
 def new_card(s: RunnerSettings):
@@ -226,6 +241,11 @@ def _load_sharded(s: RunnerSettings, tp: int) -> Built:
         raise ValueError(f"--tensor-parallel-size {tp} shards a float checkpoint directory of a generating "
                          f"model: not a GGUF file, --quantization or --runner pooling (got --model {s.model}, "
                          f"--quantization {s.quantization}, --runner {s.runner})")
+    from spyre_serve.models.config import GraniteConfig
+
+    if GraniteConfig.from_file(path).mamba_layers:
+        raise ValueError(f"--tensor-parallel-size {tp}: a hybrid model's Mamba-2 layers are not sharded yet; "
+                         "serve it on one card")
     name = s.model if s.model in model_names() else path.name
     cards = [new_card(s) for _ in range(tp)]
     try:

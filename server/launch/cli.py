@@ -142,6 +142,11 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
              cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", "no"), cfg.vocab_size,
              model.stored_dtype)
     compat = for_engine(s, runner)   # --spyre-compat: the plugin's rules (refused at start: ValueError)
+    prefix_caching = s.enable_prefix_caching
+    if prefix_caching and getattr(cfg, "mamba_layers", None):
+        prefix_caching = False
+        log.info("prefix caching is off for %s: its Mamba-2 layers keep a state per sequence, not per KV "
+                 "block, and a cached prefix would skip the tokens that state is made of", cfg.architecture)
     log.info("weights on the card: %s (float tensors %s), GEMM inputs in %s, KV cache in %s",
              ", ".join(sorted(model.weights.formats)), model.weights.dtype, runner.compute_dtype,
              runner.kv_cache_dtype)
@@ -159,7 +164,7 @@ def load_engine(s: Settings, progress: bool = True) -> Loaded:
     engine = Engine(runner, model.tokenizer, observer=metrics, fault=Fault.from_env(),
                     max_num_seqs=s.max_num_seqs,
                     max_num_batched_tokens=s.max_num_batched_tokens, card=card,
-                    step_timeout=s.step_timeout, enable_prefix_caching=s.enable_prefix_caching,
+                    step_timeout=s.step_timeout, enable_prefix_caching=prefix_caching,
                     max_prefill_with_decodes=s.max_prefill_tokens_with_decodes,
                     max_scored_tokens_per_step=s.max_scored_tokens_per_step,
                     scheduling_policy=s.scheduling_policy, spyre_compat=compat,

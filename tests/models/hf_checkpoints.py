@@ -103,6 +103,36 @@ def write_granite_checkpoint(directory, *, vocab: int = 256, hidden: int = 128, 
     return directory
 
 
+def write_hybrid_checkpoint(directory, *, seed: int = 0, vocab: int = 256, with_tokenizer: bool = False, **kw):
+    """A seeded random Granite 4.0 hybrid (GraniteMoeHybridForCausalLM) saved by transformers in
+    ``directory``, 128 wide, its Mamba-2 mixers 8 heads of 32 (2 groups, state 16), SSD chunks of
+    32 tokens, Granite's multipliers away from 1; ``kw``: its layer_types, experts and position
+    embedding (transformers' field names). Returns (directory, the transformers model)."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=64, shared_intermediate_size=96,
+        num_hidden_layers=len(kw["layer_types"]), num_attention_heads=4, num_key_value_heads=2,
+        mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2,
+        mamba_chunk_size=32, max_position_embeddings=1024, embedding_multiplier=2.0, residual_multiplier=0.5,
+        logits_scaling=2.0, attention_multiplier=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        **kw)
+    model = GraniteMoeHybridForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", ".D", "dt_bias")):
+                continue                          # transformers' own init: A 1..NH, D 1, dt_bias 1
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.2)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    if with_tokenizer:
+        for f in TOKENIZER_FILES:
+            shutil.copyfile(ASSETS / f, directory / f)
+    return directory, model
+
+
 def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
 from spyre_serve.device import Card
 from spyre_serve.models import ConfigError, GraniteConfig, ModelRunner, SamplingParams, SeqWork, load_model
+from tests.models.hf_checkpoints import write_hybrid_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16
@@ -26,28 +26,9 @@ VARIANTS = {
 }
 
 
-def write_hybrid(path, seed: int = 0, **kw):
-    """A seeded random hybrid checkpoint, saved by transformers; (path, its model)."""
-    torch.manual_seed(seed)
-    cfg = GraniteMoeHybridConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=64, shared_intermediate_size=96,
-        num_hidden_layers=len(kw["layer_types"]), num_attention_heads=4, num_key_value_heads=2,
-        mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2,
-        mamba_chunk_size=32, max_position_embeddings=1024, embedding_multiplier=2.0, residual_multiplier=0.5,
-        logits_scaling=2.0, attention_multiplier=0.1, tie_word_embeddings=False, **kw)
-    model = GraniteMoeHybridForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", ".D", "dt_bias")):
-                continue                          # transformers' own init: A 1..NH, D 1, dt_bias 1
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.2)
-    model.save_pretrained(path)
-    return path, model
-
-
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def hybrid(request, tmp_path_factory):
-    path, ref = write_hybrid(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+    path, ref = write_hybrid_checkpoint(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
     card = Card(256 << 20)
     model = load_model(path, card, tokenizer=False)
     runner = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=64, block_size=BLOCK,
@@ -122,7 +103,7 @@ def test_a_chunk_past_position_0_without_a_state_slot_is_refused():
 
 
 def test_config_reads_the_published_spelling_and_refuses_what_it_cannot_run(tmp_path):
-    path, _ = write_hybrid(tmp_path / "m", layer_types=["mamba", "attention"], num_local_experts=0)
+    path, _ = write_hybrid_checkpoint(tmp_path / "m", layer_types=["mamba", "attention"], num_local_experts=0)
     d = GraniteConfig.from_file(path).to_dict()
     d.pop("layer_types")
     d["layers_block_type"] = ["mamba", "attention"]                  # as Granite 4.0's config.json spells it

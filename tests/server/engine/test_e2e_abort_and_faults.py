@@ -116,8 +116,10 @@ def test_a_step_failing_mid_chat_stream_sends_an_error_chunk_then_done_and_no_us
     assert len(ids) <= real_settings().max_num_batched_tokens, "the fault needs a one-chunk prompt"
     faulty_runner["mark"] = ids[-1]  # no other request runs meanwhile
     faulty_runner["from_decode"] = 2
+    # a salt of its own: the fault marks a prompt computed from position 0, never one found in
+    # the prefix cache (another test of the session's server may have sent the same chat)
     body = {"messages": CHAT, "max_tokens": 8, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "cache_salt": "a-step-failing-mid-chat-stream"}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         events = sse_events(r)

@@ -139,7 +139,9 @@ def test_an_adapters_projected_time_counts_its_modules(client, lora):
     """usage.spyre prices the adapter's shrink and expand on a real card: the same prompt
     costs more with an adapter than without, and more with seven modules than with two."""
     prompt = lora.prompts[1]
-    projected = {m: client.post("/v1/completions", json={**completion(m, prompt), "max_tokens": 2}
+    # each computes the whole prompt (a salt of its own: no prefix another test cached)
+    projected = {m: client.post("/v1/completions", json={**completion(m, prompt), "max_tokens": 2,
+                                                          "cache_salt": f"projected-{m}"}
                                 ).json()["usage"]["spyre"]["projected_seconds"]
                  for m in ("base", "qv8", "all4")}
     assert projected["base"] < projected["qv8"] < projected["all4"], projected
