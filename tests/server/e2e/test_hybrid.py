@@ -136,3 +136,13 @@ def test_preempted_sequences_recompute_their_states_and_answer_the_same(hybrid):
 def test_what_it_is_not_served_with_is_refused_at_start(hybrid, flags, why):
     with pytest.raises(ValueError, match=why):
         served(hybrid[0], **flags)
+
+
+def test_the_plan_refuses_what_it_cannot_size(hybrid):
+    import io
+
+    from spyre_serve.server.launch.plan import plan
+
+    out = io.StringIO()
+    assert plan(real_settings(model=str(hybrid[0])), out=out) == 1
+    assert "Mamba-2 states and experts are not sized yet" in out.getvalue()
