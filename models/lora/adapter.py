@@ -5,10 +5,10 @@
     adapter.weights[(layer, "q_proj")]                 # (A float32[r, K], B.T float32[r, N])
 
 What is served: LoRA on q/k/v/o/gate/up/down_proj of the decoder layers (PEFT's
-`target_modules`, a list, a regular expression or "all-linear"), bias "none", no DoRA, no
-`modules_to_save`, one rank and alpha for every module. Anything else is refused with what
-it is, as is a rank over `max_rank` (`LoraError.rank_over` is then set) and a tensor whose
-shape does not match the base model.
+`target_modules`, a list, "all-linear" or a regular expression, matched in linear time by
+`target_pattern.py`), bias "none", no DoRA, no `modules_to_save`, one rank and alpha for every
+module. Anything else is refused with what it is, as is a rank over `max_rank`
+(`LoraError.rank_over` is then set) and a tensor whose shape does not match the base model.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 from spyre_serve.models.checkpoints.hf import CheckpointError, _map_file, widen_stored
 from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.lora.layout import MODULES, module_dims
+from spyre_serve.models.lora.target_pattern import PATTERN_FEATURES, PatternError, TargetPattern
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -67,11 +68,15 @@ def _targets(value, where: Path) -> tuple[str, ...]:
     if value == "all-linear":
         return MODULES
     if isinstance(value, str):
-        pattern = re.compile(value)
+        try:   # matched in linear time: the file may be a client's, and re backtracks (issue 38)
+            pattern = TargetPattern(value)
+        except PatternError as e:
+            raise LoraError(f"{where}: target_modules {value[:80]!r} is refused: {e} (a regular expression "
+                            f"here may use what PEFT configs do: {PATTERN_FEATURES})") from None
         names = {m for m in MODULES for i in range(2)
                  if pattern.fullmatch(f"model.layers.{i}.{_PARENT[m]}.{m}")}
         if not names:
-            raise LoraError(f"{where}: target_modules {value!r} matches none of {', '.join(MODULES)}")
+            raise LoraError(f"{where}: target_modules {value[:80]!r} matches none of {', '.join(MODULES)}")
         return tuple(m for m in MODULES if m in names)
     if not isinstance(value, list) or not value:
         raise LoraError(f"{where}: target_modules must be a list of module names, got {value!r}")
