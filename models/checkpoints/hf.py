@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,29 +88,52 @@ def expected_shapes(config: GraniteConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header without __metadata__, byte offset where tensor data starts)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: {len(head)} bytes, too short for a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        size = path.stat().st_size
-        if n > size - 8:
-            raise CheckpointError(f"{path}: header length {n} exceeds file size {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not JSON: {e}") from e
+def open_regular(path: Path, max_bytes: int | None = None, what: str = ""):
+    """(the file at ``path`` open for reading in binary, its size): a regular file of at most
+    ``max_bytes`` (CheckpointError otherwise, ``what`` saying what the limit is for; a missing
+    file is the OSError of open). Opened without blocking and checked on the open descriptor,
+    so a FIFO is refused rather than waited on for a writer, and a device (a symlink to
+    /dev/zero) rather than read without end; the caller closes it."""
+    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+    info = os.fstat(f.fileno())
+    if not stat.S_ISREG(info.st_mode):
+        f.close()
+        raise CheckpointError(f"{path}: not a regular file")
+    if max_bytes is not None and info.st_size > max_bytes:
+        f.close()
+        raise CheckpointError(f"{path}: {info.st_size} bytes, over the limit of {max_bytes} bytes{what}")
+    return f, info.st_size
+
+
+def _header(f, size: int, path: Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where tensor data starts) of the open file."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: {len(head)} bytes, too short for a safetensors file")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8:
+        raise CheckpointError(f"{path}: header length {n} exceeds file size {size}")
+    try:
+        header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not JSON: {e}") from e
     header.pop("__metadata__", None)
     return header, 8 + n
 
 
-def _map_file(path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """name -> (dtype code, stored-bits view into a read-only mapping of the file)."""
-    header, start = read_safetensors_header(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where tensor data starts)."""
+    f, size = open_regular(path)
+    with f:
+        return _header(f, size, path)
+
+
+def _map_file(path: Path, max_bytes: int | None = None, what: str = "") -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (dtype code, stored-bits view into a read-only mapping of the file); the file a
+    regular one of at most ``max_bytes`` (``open_regular``)."""
+    f, size = open_regular(path, max_bytes, what)
+    with f:
+        header, start = _header(f, size, path)
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     buf = memoryview(mm)
     out = {}
