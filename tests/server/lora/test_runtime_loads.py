@@ -168,3 +168,51 @@ def test_forty_loads_hold_at_most_max_cpu_loras_in_memory(tree):
     finally:
         runner.lora.free()
         card.close()
+
+
+def test_a_malformed_safetensors_file_is_a_400_naming_the_problem(tree):
+    """Issue 38, finding 4: a weights file whose header holds a tensor entry that is not an
+    object raised TypeError through the load (a 500 naming it); it is a CheckpointError, a 400."""
+    import json
+    import struct
+
+    from spyre_serve.server.lora.adapters import apply_update
+
+    root, _ = tree
+    header = json.dumps({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": 1}).encode()
+    (root / "good" / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    card, runner = _runner()
+    try:
+        status, message = apply_update(runner, "load", "bad", str(root / "good"))
+        assert status == 400 and "its entry is not an object" in message, message
+    finally:
+        runner.lora.free()
+        card.close()
+
+
+class FailingEngine(ScriptedEngine):
+    """The engine process's answer to a load that failed unexpectedly, or (``raises``) the
+    in-process engine's exception."""
+
+    def __init__(self, raises: bool) -> None:
+        super().__init__()
+        self.raises = raises
+
+    async def lora_update(self, op, name, path):
+        if self.raises:
+            raise TypeError("boom: /secret/path")
+        return 500, f"LoRA {op} of {name!r} failed: TypeError: boom: /secret/path"
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_an_unexpected_failure_is_a_500_naming_only_the_request_id(tree, raises):
+    root, _ = tree
+    client = client_for(FailingEngine(raises), raise_server_exceptions=False, enable_lora=True,
+                        allow_runtime_lora=True, allowed_lora_root=(str(root),))
+    for headers in ({}, {"X-Request-Id": "my-id-1"}):
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "good")},
+                        headers=headers)
+        assert r.status_code == 500
+        message, rid = r.json()["error"]["message"], r.headers["x-request-id"]
+        assert message == f"internal error (request id {rid}): the server's log says what failed", message
+        assert rid == headers.get("X-Request-Id", rid)
