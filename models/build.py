@@ -52,6 +52,7 @@ class RunnerSettings(Protocol):
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
+    max_cpu_loras: int | None         # adapters in host memory (None: max_loras)
     speculative_config: object | None   # .model, .num_speculative_tokens, .disable_by_batch_size
 
 
@@ -193,7 +194,7 @@ def lora_runner(s: RunnerSettings, model, card, adapters: dict[str, str]):
     if is_gguf_file(model.path):
         raise ValueError(f"--enable-lora serves adapters of a float checkpoint directory, not the GGUF file "
                          f"{model.path}")
-    runner = ModelRunner(model, card, **generating_sizes(s), lora=(s.max_loras, s.max_lora_rank))
+    runner = ModelRunner(model, card, **generating_sizes(s), lora=(s.max_loras, s.max_lora_rank, s.max_cpu_loras))
     try:
         for name, path in adapters.items():
             try:

@@ -15,7 +15,10 @@ the mapping (no copy); bfloat16 is widened by a 16-bit shift and float16 by
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +38,9 @@ INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype code -> (numpy dtype of the stored bits, bytes per element)
 _STORED = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2"),
            FP8_CODE: np.dtype("u1")}
+
+# safetensors' own limit on a header's length (its Rust reader's MAX_HEADER_SIZE)
+MAX_HEADER_BYTES = 100_000_000
 
 # Tensors some exporters write that the model does not use.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -109,44 +115,97 @@ def _mamba_shapes(p: str, c: GraniteConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header without __metadata__, byte offset where tensor data starts)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: {len(head)} bytes, too short for a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        size = path.stat().st_size
-        if n > size - 8:
-            raise CheckpointError(f"{path}: header length {n} exceeds file size {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not JSON: {e}") from e
+def open_regular(path: Path, max_bytes: int | None = None, what: str = ""):
+    """(the file at ``path`` open for reading in binary, its size): a regular file of at most
+    ``max_bytes`` (CheckpointError otherwise, ``what`` saying what the limit is for; a missing
+    file is the OSError of open). Opened without blocking and checked on the open descriptor,
+    so a FIFO is refused rather than waited on for a writer, and a device (a symlink to
+    /dev/zero) rather than read without end; the caller closes it."""
+    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+    info = os.fstat(f.fileno())
+    if not stat.S_ISREG(info.st_mode):
+        f.close()
+        raise CheckpointError(f"{path}: not a regular file")
+    if max_bytes is not None and info.st_size > max_bytes:
+        f.close()
+        raise CheckpointError(f"{path}: {info.st_size} bytes, over the limit of {max_bytes} bytes{what}")
+    return f, info.st_size
+
+
+def _header(f, size: int, path: Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where tensor data starts) of the open file:
+    a JSON object of at most ``MAX_HEADER_BYTES``, every entry's types checked (``_entry``)."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: {len(head)} bytes, too short for a safetensors file")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8:
+        raise CheckpointError(f"{path}: header length {n} exceeds file size {size}")
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{path}: header length {n} is over safetensors' limit of {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(f.read(n))
+    except (ValueError, RecursionError) as e:   # JSONDecodeError, UTF-8, an int over 4300 digits, nesting
+        why = e if isinstance(e, ValueError) else "nested too deep"
+        raise CheckpointError(f"{path}: header is not JSON: {why}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is not a JSON object")
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        _entry(path, name, info, size - 8 - n)
     return header, 8 + n
 
 
-def _map_file(path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """name -> (dtype code, stored-bits view into a read-only mapping of the file)."""
-    header, start = read_safetensors_header(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _entry(path: Path, name: str, info, data_bytes: int) -> None:
+    """One tensor's entry, checked as safetensors' reader checks it before anything uses it
+    (a file may come from a client: /v1/load_lora_adapter): an object with a known ``dtype``,
+    a ``shape`` of non-negative ints and ``data_offsets`` of two ints in order, within the data
+    section and exactly the shape's bytes (Python ints: no int64 wrap-around). CheckpointError
+    naming the tensor and the problem otherwise; a TypeError, or shape [-1] read as the whole
+    data section, is what an unchecked header gave (issue 38)."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(f"{path}: tensor {name!r}: its entry is not an object with dtype, shape and "
+                              "data_offsets")
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(code, str) or code not in _STORED:
+        shown = code if isinstance(code, (str, int)) and len(str(code)) <= 20 else repr(code)[:40]
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {shown}; supported: {sorted(_STORED)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{path}: tensor {name!r}: shape {json.dumps(shape)[:80]} is not a list of "
+                              "non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {json.dumps(offsets)[:80]} is not two "
+                              "integers")
+    (lo, hi), need = offsets, math.prod(shape) * _STORED[code].itemsize
+    if not 0 <= lo <= hi <= data_bytes or hi - lo != need:
+        raise CheckpointError(f"{path}: tensor {name!r} {code}{shape} needs {need} bytes, header gives "
+                              f"offsets [{lo}, {hi}) in a data section of {data_bytes} bytes")
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where tensor data starts)."""
+    f, size = open_regular(path)
+    with f:
+        return _header(f, size, path)
+
+
+def _map_file(path: Path, max_bytes: int | None = None, what: str = "") -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (dtype code, stored-bits view into a read-only mapping of the file); the file a
+    regular one of at most ``max_bytes`` (``open_regular``)."""
+    f, size = open_regular(path, max_bytes, what)
+    with f:
+        header, start = _header(f, size, path)
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     buf = memoryview(mm)
     out = {}
-    for name, info in header.items():
-        code, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        if code not in _STORED:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {code}; "
-                                  f"supported: {sorted(_STORED)}")
+    for name, info in header.items():       # each entry checked by _header
+        code, shape, lo = info["dtype"], tuple(info["shape"]), info["data_offsets"][0]
         dt = _STORED[code]
-        count = int(np.prod(shape, dtype=np.int64))
-        if hi - lo != count * dt.itemsize or start + hi > size or lo < 0:
-            raise CheckpointError(f"{path}: tensor {name!r} {code}{list(shape)} needs "
-                                  f"{count * dt.itemsize} bytes, header gives offsets [{lo}, {hi}) "
-                                  f"in a data section of {size - start} bytes")
-        arr = np.frombuffer(buf, dtype=dt, count=count, offset=start + lo).reshape(shape)
+        arr = np.frombuffer(buf, dtype=dt, count=math.prod(shape), offset=start + lo).reshape(shape)
         out[name] = (code, arr)
     return out
 

@@ -107,7 +107,7 @@ def gguf_name(name: str) -> str:
 def check_architecture(f: GGUFFile) -> str:
     """Our architecture class for the file's, or the refusal naming it."""
     arch = f.architecture
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise GGUFError(f"{f.path}: GGUF architecture {arch!r} is not supported; supported: "
                         f"{', '.join(sorted(ARCHITECTURES))}")
     return ARCHITECTURES[arch]
@@ -140,18 +140,41 @@ def _one_value(f: GGUFFile, key: str):
     return v
 
 
+def _count(f: GGUFFile, key: str) -> int:
+    """A size or count of the metadata (one value, or a uniform per-layer array): a positive int."""
+    v = _one_value(f, key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise GGUFError(f"{f.path}: metadata {key!r} is {v!r:.40}, not a positive integer")
+    return v
+
+
+def _number(f: GGUFFile, key: str, default: float) -> float:
+    """A float of the metadata (an int or a float, finite), ``default`` when absent."""
+    v = f.metadata.get(key, default)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise GGUFError(f"{f.path}: metadata {key!r} is {v!r:.40}, not a number")
+    return float(v)
+
+
 def gguf_config(f: GGUFFile) -> GraniteConfig:
     """The GraniteConfig the metadata and tensors describe (llama.cpp's defaults where a key
-    is optional), checked by the same parser as a config.json."""
+    is optional), checked by the same parser as a config.json. Each count is checked first, a
+    GGUFError naming the key (a head count of 0 divided by zero), and the block count against
+    the tensors the file holds (10^12 blocks in an 8 KB file made their expected tensors until
+    memory ran out: issue 38)."""
     arch = check_architecture(f)
     key = f.arch_key
     for k in (Keys.LLM.EMBEDDING_LENGTH, Keys.LLM.BLOCK_COUNT, Keys.LLM.FEED_FORWARD_LENGTH,
               Keys.Attention.HEAD_COUNT, Keys.LLM.CONTEXT_LENGTH):
         require(f, key(k))
-    hidden = _one_value(f, key(Keys.LLM.EMBEDDING_LENGTH))
-    heads = _one_value(f, key(Keys.Attention.HEAD_COUNT))
-    kv_heads = _one_value(f, key(Keys.Attention.HEAD_COUNT_KV)) \
+    hidden = _count(f, key(Keys.LLM.EMBEDDING_LENGTH))
+    heads = _count(f, key(Keys.Attention.HEAD_COUNT))
+    kv_heads = _count(f, key(Keys.Attention.HEAD_COUNT_KV)) \
         if key(Keys.Attention.HEAD_COUNT_KV) in f.metadata else heads
+    blocks = _count(f, key(Keys.LLM.BLOCK_COUNT))
+    if blocks * len(_LAYER_TENSORS) > len(f.tensors):
+        raise GGUFError(f"{f.path}: metadata {key(Keys.LLM.BLOCK_COUNT)!r} is {blocks}: the file holds "
+                        f"{len(f.tensors)} tensors, and each block has {len(_LAYER_TENSORS)}")
     head_dim = _head_dim(f, hidden, heads)
     _refuse_rope_scaling(f)
     embed = f.tensors.get("token_embd.weight")
@@ -166,13 +189,13 @@ def gguf_config(f: GGUFFile) -> GraniteConfig:
         "architectures": [arch],
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": _one_value(f, key(Keys.LLM.FEED_FORWARD_LENGTH)),
-        "num_hidden_layers": f.metadata[key(Keys.LLM.BLOCK_COUNT)],
+        "intermediate_size": _count(f, key(Keys.LLM.FEED_FORWARD_LENGTH)),
+        "num_hidden_layers": blocks,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "max_position_embeddings": f.metadata[key(Keys.LLM.CONTEXT_LENGTH)],
-        "rms_norm_eps": float(f.metadata.get(key(Keys.Attention.LAYERNORM_RMS_EPS), 1e-5)),
-        "rope_theta": float(f.metadata.get(key(Keys.Rope.FREQ_BASE), 10000.0)),
+        "max_position_embeddings": _count(f, key(Keys.LLM.CONTEXT_LENGTH)),
+        "rms_norm_eps": _number(f, key(Keys.Attention.LAYERNORM_RMS_EPS), 1e-5),
+        "rope_theta": _number(f, key(Keys.Rope.FREQ_BASE), 10000.0),
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "torch_dtype": _dominant_dtype(f),
         **_special_ids(f, vocab),
@@ -191,7 +214,7 @@ def _head_dim(f: GGUFFile, hidden: int, heads: int) -> int:
     """``attention.key_length`` or hidden / heads (llama.cpp's rule); values and rotary
     dims must be the same size: partial rotary is not implemented."""
     key = f.arch_key
-    head_dim = f.metadata.get(key(Keys.Attention.KEY_LENGTH))
+    head_dim = _count(f, key(Keys.Attention.KEY_LENGTH)) if key(Keys.Attention.KEY_LENGTH) in f.metadata else None
     if head_dim is None:
         if hidden % heads:
             raise GGUFError(f"{f.path}: embedding_length {hidden} is not divisible by "
@@ -217,11 +240,10 @@ def _granite_multipliers(f: GGUFFile, head_dim: int) -> dict[str, float]:
     computes them (its attention scale defaults to 1/sqrt(head_dim), not HF's 1.0)."""
     key = f.arch_key
     return {
-        "embedding_multiplier": float(f.metadata.get(key(Keys.LLM.EMBEDDING_SCALE), 1.0)),
-        "residual_multiplier": float(f.metadata.get(key(Keys.LLM.RESIDUAL_SCALE), 1.0)),
-        "attention_multiplier": float(f.metadata.get(key(Keys.Attention.SCALE),
-                                                     1.0 / math.sqrt(head_dim))),
-        "logits_scaling": float(f.metadata.get(key(Keys.LLM.LOGIT_SCALE), 1.0)),
+        "embedding_multiplier": _number(f, key(Keys.LLM.EMBEDDING_SCALE), 1.0),
+        "residual_multiplier": _number(f, key(Keys.LLM.RESIDUAL_SCALE), 1.0),
+        "attention_multiplier": _number(f, key(Keys.Attention.SCALE), 1.0 / math.sqrt(head_dim)),
+        "logits_scaling": _number(f, key(Keys.LLM.LOGIT_SCALE), 1.0),
     }
 
 

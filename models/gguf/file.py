@@ -32,6 +32,13 @@ GGUF_SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+# A file may come from anywhere (a path, a download): every count it gives is checked against
+# what its bytes can hold before anything is read or allocated by it (issue 38).
+MAX_ARRAY_DEPTH = 8      # arrays of arrays: llama.cpp writes none; 20,000 levels raised RecursionError
+MAX_DIMS = 4             # GGML_MAX_DIMS
+_MIN_KV_BYTES = 12       # a key's length (8) and a value's type (4), before the key and value
+_MIN_TENSOR_BYTES = 24   # a name's length (8), dims (4), type (4), offset (8)
+_MIN_ITEM_BYTES = {8: 8, 9: 12}   # an array's string (its length), array (its type and count)
 
 # GGUF metadata value types: id -> struct format (scalars) or numpy dtype (arrays of them).
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -112,27 +119,37 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise GGUFError(f"{self.path}: a string at byte {self.pos - n} is not UTF-8: {e}") from e
 
-    def value(self, kind: int):
+    def left(self) -> int:
+        return len(self.buf) - self.pos
+
+    def value(self, kind: int, depth: int = 0):
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
-            return self.array()
+            return self.array(depth + 1)
         if kind not in _SCALAR_FORMATS:
             raise GGUFError(f"{self.path}: metadata value type {kind} at byte {self.pos} is not "
                             "a GGUF type")
         return self.unpack(_SCALAR_FORMATS[kind])
 
-    def array(self) -> list:
+    def array(self, depth: int = 1) -> list:
+        """An array's values; nested at most ``MAX_ARRAY_DEPTH`` deep, and of a count its
+        items' smallest size fits in the bytes left (checked before any is read)."""
+        if depth > MAX_ARRAY_DEPTH:
+            raise GGUFError(f"{self.path}: arrays nested deeper than {MAX_ARRAY_DEPTH} levels at byte {self.pos}")
         kind, n = self.unpack("<I"), self.unpack("<Q")
         if kind in _SCALAR_FORMATS:   # numbers in one read
             dtype = np.dtype(_SCALAR_FORMATS[kind].replace("?", "u1"))
-            if self.pos + n * dtype.itemsize > len(self.buf):
+            if n * dtype.itemsize > self.left():
                 raise GGUFError(f"{self.path}: an array of {n} values at {self.pos} runs past "
                                 "the end of the file")
             values = np.frombuffer(self.buf, dtype, n, self.pos)
             self.pos += n * dtype.itemsize
             return (values != 0).tolist() if kind == 7 else values.tolist()
-        return [self.value(kind) for _ in range(n)]
+        if n * _MIN_ITEM_BYTES.get(kind, 1) > self.left():
+            raise GGUFError(f"{self.path}: an array of {n} values at {self.pos} cannot fit in the "
+                            f"{self.left()} bytes left of the file")
+        return [self.value(kind, depth) for _ in range(n)]
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -153,12 +170,18 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise GGUFError(f"{path}: {what}; this reader takes little-endian GGUF "
                         f"versions {list(VERSIONS)}")
     n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    for n, what, least in ((n_kv, "metadata entries", _MIN_KV_BYTES), (n_tensors, "tensor entries", _MIN_TENSOR_BYTES)):
+        if n * least > cur.left():
+            raise GGUFError(f"{path}: the header counts {n} {what}, more than its {cur.left()} bytes left can hold")
     metadata: dict[str, object] = {}
     for _ in range(n_kv):
         key = cur.string()
         metadata[key] = cur.value(cur.unpack("<I"))
     entries = [_tensor_entry(cur) for _ in range(n_tensors)]
-    alignment = int(metadata.get(Keys.General.ALIGNMENT, DEFAULT_ALIGNMENT))
+    alignment = metadata.get(Keys.General.ALIGNMENT, DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: {Keys.General.ALIGNMENT} {alignment!r:.40} is not a power of two (GGUF's "
+                        "alignment is a uint32 power of two)")
     start = -(-cur.pos // alignment) * alignment
     tensors: dict[str, GGUFTensor] = {}
     for name, kind, shape, offset in entries:
@@ -170,7 +193,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
 def _tensor_entry(cur: _Cursor) -> tuple[str, int, tuple[int, ...], int]:
     name = cur.string()
-    dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
+    n_dims = cur.unpack("<I")
+    if n_dims > MAX_DIMS:
+        raise GGUFError(f"{cur.path}: tensor {name!r} has {n_dims} dimensions; GGML's have at most {MAX_DIMS}")
+    dims = [cur.unpack("<Q") for _ in range(n_dims)]
     kind, offset = cur.unpack("<I"), cur.unpack("<Q")
     return name, kind, tuple(reversed(dims)), offset
 

@@ -2,6 +2,7 @@
 kernel ``device.kernels.lora``).
 
     adapter.py  a PEFT adapter read from its directory and checked against the model
+    target_pattern.py  a string target_modules (a regular expression) matched in linear time
     arena.py    K slots in device memory, placed once, evicted least recently used, pinned
                 per running sequence
     layout.py   where a layer's adapters sit in the arena, and the step's call that applies them

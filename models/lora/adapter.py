@@ -5,10 +5,10 @@
     adapter.weights[(layer, "q_proj")]                 # (A float32[r, K], B.T float32[r, N])
 
 What is served: LoRA on q/k/v/o/gate/up/down_proj of the decoder layers (PEFT's
-`target_modules`, a list, a regular expression or "all-linear"), bias "none", no DoRA, no
-`modules_to_save`, one rank and alpha for every module. Anything else is refused with what
-it is, as is a rank over `max_rank` (`LoraError.rank_over` is then set) and a tensor whose
-shape does not match the base model.
+`target_modules`, a list, "all-linear" or a regular expression, matched in linear time by
+`target_pattern.py`), bias "none", no DoRA, no `modules_to_save`, one rank and alpha for every
+module. Anything else is refused with what it is, as is a rank over `max_rank`
+(`LoraError.rank_over` is then set) and a tensor whose shape does not match the base model.
 """
 
 from __future__ import annotations
@@ -21,12 +21,17 @@ from pathlib import Path
 
 import numpy as np
 
-from spyre_serve.models.checkpoints.hf import CheckpointError, _map_file, widen_stored
+from spyre_serve.models.checkpoints.hf import CheckpointError, _map_file, open_regular, widen_stored
 from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.lora.layout import MODULES, module_dims
+from spyre_serve.models.lora.target_pattern import PATTERN_FEATURES, PatternError, TargetPattern
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# PEFT writes a config of 1-2 KB; one listing every module of an 80-layer model by its path is
+# some 30 KB. Larger is refused unread (a runtime load may name any file: issue 38).
+MAX_CONFIG_BYTES = 256 << 10
+MAX_HEADER_BYTES = 1 << 20   # a safetensors header of ~150 bytes a tensor, 14 tensors a layer
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -51,10 +56,14 @@ class LoraAdapter:
 
 def _json(path: Path) -> dict:
     try:
-        cfg = json.loads(path.read_text())
+        f, _ = open_regular(path, MAX_CONFIG_BYTES)
+        with f:
+            cfg = json.loads(f.read())
     except FileNotFoundError as e:
         raise LoraError(f"{path}: no such file (a PEFT LoRA adapter has {CONFIG_FILE} and "
                         f"{WEIGHTS_FILE})") from e
+    except CheckpointError as e:
+        raise LoraError(str(e)) from None
     except (OSError, ValueError) as e:
         raise LoraError(f"{path}: not a JSON file: {e}") from e
     if not isinstance(cfg, dict):
@@ -62,16 +71,31 @@ def _json(path: Path) -> dict:
     return cfg
 
 
+def max_weights_bytes(config: GraniteConfig, max_rank: int) -> int:
+    """The largest adapter_model.safetensors of an adapter of ``config``'s model served at
+    ``max_rank``: rank ``max_rank`` on every module of every layer, in float32, and a header of
+    ``MAX_HEADER_BYTES``. A larger file is no adapter this server serves: refused unread."""
+    c = config
+    dims = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+            c.intermediate_size)
+    per_rank = sum(sum(module_dims(m, *dims)) for m in range(len(MODULES)))
+    return 8 + MAX_HEADER_BYTES + 4 * max_rank * c.num_hidden_layers * per_rank
+
+
 def _targets(value, where: Path) -> tuple[str, ...]:
     """PEFT's target_modules as names of MODULES (a regex is matched against module paths)."""
     if value == "all-linear":
         return MODULES
     if isinstance(value, str):
-        pattern = re.compile(value)
+        try:   # matched in linear time: the file may be a client's, and re backtracks (issue 38)
+            pattern = TargetPattern(value)
+        except PatternError as e:
+            raise LoraError(f"{where}: target_modules {value[:80]!r} is refused: {e} (a regular expression "
+                            f"here may use what PEFT configs do: {PATTERN_FEATURES})") from None
         names = {m for m in MODULES for i in range(2)
                  if pattern.fullmatch(f"model.layers.{i}.{_PARENT[m]}.{m}")}
         if not names:
-            raise LoraError(f"{where}: target_modules {value!r} matches none of {', '.join(MODULES)}")
+            raise LoraError(f"{where}: target_modules {value[:80]!r} matches none of {', '.join(MODULES)}")
         return tuple(m for m in MODULES if m in names)
     if not isinstance(value, list) or not value:
         raise LoraError(f"{where}: target_modules must be a list of module names, got {value!r}")
@@ -118,11 +142,14 @@ def read_adapter(path: str | Path, config: GraniteConfig, max_rank: int) -> Lora
                         f"{CONFIG_FILE} and {WEIGHTS_FILE})")
     rank, scaling, targets = read_config(path, max_rank)
     file = path / WEIGHTS_FILE
-    if not file.is_file():
-        raise LoraError(f"{file}: no such file (adapter weights in safetensors are needed)")
+    limit, what = max_weights_bytes(config, max_rank), f" for an adapter of rank {max_rank} of this model"
     try:
-        tensors = _map_file(file)
-    except (CheckpointError, OSError, KeyError, ValueError) as e:
+        tensors = _map_file(file, limit, what)
+    except FileNotFoundError as e:
+        raise LoraError(f"{file}: no such file (adapter weights in safetensors are needed)") from e
+    except CheckpointError as e:      # each names the file and what is wrong with it
+        raise LoraError(str(e)) from None
+    except (OSError, KeyError, ValueError) as e:
         raise LoraError(f"{file}: not a readable safetensors file: {e}") from e
     adapter = LoraAdapter(path=path, rank=rank, scaling=scaling, targets=targets)
     c = config

@@ -94,12 +94,12 @@ class ModelRunner:
                  kv_cache_fraction: float = 0.9, max_model_len: int | None = None,
                  seed: int | None = None, compute_dtype: str = "auto",
                  kv_cache_dtype: str = "auto", pooling: tuple[str, bool] | None = None,
-                 lora: tuple[int, int] | None = None):
+                 lora: tuple[int, int] | tuple[int, int, int | None] | None = None):
         """`pooling`: (type, normalize) serves embeddings instead of generating (`--runner
         pooling`): each work item is a whole prompt (`SeqWork.pool`), and the step returns its
         rows pooled (device.kernels.pooling: LAST, MEAN or CLS) in `StepOutput.pooled`; a
-        context never exceeds one step's tokens. `lora`: (max_loras, max_rank), an adapter
-        arena of that many slots (`self.lora`, models/lora/arena.py; `SeqWork.lora`)."""
+        context never exceeds one step's tokens. `lora`: (max_loras, max_rank[, max_cpu_loras]), an
+        adapter arena of that many slots (`self.lora`, models/lora/arena.py; `SeqWork.lora`)."""
         cfg = model.config
         if cfg.is_hybrid and (pooling or lora):
             raise ValueError(f"{cfg.architecture} generates; it is not served with "
@@ -129,7 +129,7 @@ class ModelRunner:
         cap = capacity(cfg, max_num_seqs, max_num_batched_tokens, want_len, block_size)
         smax = cap.smax
         self.stream = card.new_stream("compute")
-        self.lora = LoraArena(card, cfg, *lora, self.stream) if lora else None
+        self.lora = LoraArena(card, cfg, *lora[:2], self.stream, *lora[2:]) if lora else None
         try:
             self.memory = StepMemory(card, cfg, self.weights, cap, block_size, num_kv_blocks,
                                      kv_cache_fraction, self.kv_cache_dtype,

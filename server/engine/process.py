@@ -225,7 +225,8 @@ class EngineHost:
 
     def _lora_update(self, box: Outbox, item: tuple) -> None:
         """Apply a LoRA load or unload (the arena takes it under its lock) and reply: None, or
-        (status, why); an unexpected failure is a 500 naming it, never a reply left unsent."""
+        (status, why); an unexpected failure is a 500 naming it, never a reply left unsent (the
+        API process logs that text under the request id and shows the client only the id)."""
         from spyre_serve.server.lora.adapters import apply_update
 
         try:

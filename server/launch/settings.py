@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 from spyre_serve.device.memory import DeviceError, parse_bytes
-from spyre_serve.server.lora.adapters import check_lora_settings, parse_lora_module
+from spyre_serve.server.lora.adapters import check_lora_settings, parse_lora_module, parse_lora_root
 from spyre_serve.server.sched.spyre_compat import check_settings
 from spyre_serve.server.spec_decode.proposals import SpeculativeConfig
 
@@ -313,8 +313,15 @@ class Settings:
     max_loras: int = _flag(1, "adapters on the card at once (slots placed at start; more are swapped "
                            "in least recently used first, never one a running request uses)", int, sizing=True)
     max_lora_rank: int = _flag(16, "largest rank of an adapter (every slot is this rank)", int, sizing=True)
+    max_cpu_loras: int | None = _flag(None, "adapters kept in host memory (vLLM's; default --max-loras): "
+                                      "the least recently used are dropped and read again from their "
+                                      "directory when a request needs one", int)
     allow_runtime_lora: bool = _flag(False, "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
                                      "VLLM_ALLOW_RUNTIME_LORA_UPDATING)", parse_bool)
+    allowed_lora_root: tuple | None = _flag(None, "directories a runtime load may read adapters from, on their "
+                                            "real paths (default: the directories holding the --lora-modules "
+                                            "adapters; the variable joins several with ':')", parse_lora_root,
+                                            nargs="+")
     warmup: bool = _flag(True, "compile and prepare every step program before listening", parse_bool)
     log_level: str = _flag("info", "debug, info, warning or error", sizing=True)
 

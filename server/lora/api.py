@@ -5,19 +5,26 @@
 
 Answered as vLLM answers: 200 with a line of text on success; 400 for a missing field, a name
 already loaded, or adapter files the server cannot serve (the message names the problem: rank
-over --max-lora-rank, DoRA, a target module, a broken file); 404 for unloading an unknown name.
+over --max-lora-rank, DoRA, a target module, a file whose safetensors header is malformed:
+models/checkpoints/hf.py's CheckpointError); 404 for unloading an unknown name; 500 for anything
+else, naming only the request id (the failure goes to the log under it).
+A path is read only under --allowed-lora-root (``adapters.runtime_path``, checked off the event
+loop); every path refused there gets one 400, whatever exists at it.
 The engine (its own process, or this one's) reads the adapter and places it in its registry; the
 slots on the card are filled when a request first uses it (models/lora/arena.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
+from spyre_serve.server.lora.adapters import lora_roots, refused_path, runtime_path
 from spyre_serve.server.openai.body import read_request
-from spyre_serve.server.openai.errors import APIError
+from spyre_serve.server.openai.errors import APIError, internal_error, request_id_of
 from spyre_serve.server.openai.generation.protocol import StrictModel
 from spyre_serve.server.openai.openapi import route
 from spyre_serve.server.openai.serving import serving_of
@@ -38,11 +45,18 @@ class UnloadLoRAAdapterRequest(StrictModel):
 MODELS = [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]   # their schemas in /openapi.json
 
 
-async def update(engine, op: str, name: str, path: str | None) -> None:
-    """Apply the change in the engine (its process, or this one's runner); APIError if refused."""
+async def update(request: Request, engine, op: str, name: str, path: str | None, given: str | None = None) -> None:
+    """Apply the change in the engine (its process, or this one's runner); APIError if refused
+    (a message naming the real ``path`` names it as the client ``given`` it). The engine
+    process's 500 (an exception the load did not expect) is logged here under the request id,
+    which is all the client sees of it."""
     refused = await engine.lora_update(op, name, path)
     if refused is not None:
         status, message = refused
+        if status >= 500 and status != 503:
+            raise internal_error(f"{request.method} {request.url.path}: {message}", request_id_of(request))
+        if path and given:
+            message = message.replace(path, given)
         raise APIError(status, message, "lora_path" if status == 400 and op == "load" else "lora_name")
 
 
@@ -54,7 +68,10 @@ async def load_lora_adapter(request: Request):
         raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
     if req.lora_name in serving.loras.adapters or req.lora_name == serving.model_name:
         raise APIError(400, f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
-    await update(serving.engine, "load", req.lora_name, req.lora_path)
+    real = await asyncio.to_thread(lambda: runtime_path(req.lora_path, lora_roots(serving.settings)))
+    if real is None:
+        raise APIError(400, refused_path(req.lora_path), "lora_path")
+    await update(request, serving.engine, "load", req.lora_name, real, req.lora_path)
     serving.loras.add(req.lora_name, req.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
@@ -67,6 +84,6 @@ async def unload_lora_adapter(request: Request):
         raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
     if req.lora_name not in serving.loras.adapters:
         raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name")
-    await update(serving.engine, "unload", req.lora_name, None)
+    await update(request, serving.engine, "unload", req.lora_name, None)
     serving.loras.adapters.pop(req.lora_name, None)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 from typing import TypeVar
 
@@ -90,19 +89,34 @@ def _parse(text: str):
         raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels") from None
 
 
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')   # unrolled: no alternation per character
-_BRACKET = np.zeros(256, np.int32)                          # byte -> +1 opens, -1 closes, 0 else
+_BRACKET = np.zeros(256, np.int8)                           # byte -> +1 opens, -1 closes, 0 else
 _BRACKET[[ord("["), ord("{")]], _BRACKET[[ord("]"), ord("}")]] = 1, -1
 
 
-def structure(text: str) -> tuple[int, int]:
+def structure(text: str | bytes) -> tuple[int, int]:
     """(how deep arrays and objects nest, how many there are) in the JSON ``text``, read
-    before it is parsed: its strings cut out by a regular expression, then the brackets
-    counted, all in C and numpy (a millisecond or two a MB; a walk of the parsed value in
-    Python took 0.1 s on the event loop for a body of 120,000 objects). For text that is not
-    JSON the figures are only what its brackets say; the parse then refuses it."""
-    step = _BRACKET[np.frombuffer(_JSON_STRING.sub("", text).encode(), np.uint8)]
-    return int(np.cumsum(step).max(initial=0)), int((step > 0).sum())
+    before it is parsed, in numpy and linear in its length (4 ms for a 1 MB prompt, 40 ms for
+    a MB of nothing but quotes and brackets): a quote starts or ends a string unless an odd run
+    of backslashes comes right before it; a bracket counts when an even number of those quotes
+    comes before it. (A regular expression cutting the strings out was retried at every quote:
+    a body of many ``\\"`` pairs and no closing quote took quadratic time on the event loop,
+    10 s for 40 KB, issue 38. A walk of the parsed value in Python took 0.1 s for a body of
+    120,000 objects.) Bytes 0x22 and 0x5c never occur inside a UTF-8 character, so the bytes
+    are read as they are. For text that is not JSON the figures are only what its brackets
+    say; the parse then refuses it."""
+    raw = np.frombuffer(text.encode() if isinstance(text, str) else text, np.uint8)
+    quotes, slashes = np.flatnonzero(raw == ord('"')), np.flatnonzero(raw == ord("\\"))
+    if quotes.size and slashes.size:   # drop the quotes escaped by an odd run of backslashes
+        starts = np.ones(slashes.size, bool)
+        starts[1:] = slashes[1:] != slashes[:-1] + 1
+        run_start = np.maximum.accumulate(np.where(starts, slashes, 0))   # of each backslash's run
+        last = np.maximum(np.searchsorted(slashes, quotes) - 1, 0)        # the backslash before it
+        escaped = (slashes[last] == quotes - 1) & ((quotes - run_start[last]) % 2 == 1)
+        quotes = quotes[~escaped]
+    kinds = _BRACKET[raw]
+    brackets = np.flatnonzero(kinds)
+    step = kinds[brackets[np.searchsorted(quotes, brackets) % 2 == 0]]   # an even count of quotes before
+    return int(np.cumsum(step, dtype=np.int64).max(initial=0)), int((step > 0).sum())
 
 
 def nesting_depth(text: str) -> int:
@@ -121,7 +135,7 @@ def json_object(body: bytes) -> dict:
     except UnicodeDecodeError as exc:
         raise APIError(400, f"request body is not valid UTF-8: byte 0x{body[exc.start]:02x} at position "
                             f"{exc.start}") from None
-    depth, containers = structure(text)
+    depth, containers = structure(body)
     if depth > MAX_DEPTH:
         raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels")
     if containers > MAX_CONTAINERS:

@@ -138,8 +138,24 @@ async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(APIError(exc.status_code, str(exc.detail)))
 
 
+def request_id_of(request: Request) -> str:
+    """The id a 500 names: the client's ``X-Request-Id`` if it is one ``request_id`` would take,
+    else the id the endpoint made, else a new one (kept on the request for the header)."""
+    given = request.headers.get("x-request-id")
+    if given is not None and 0 < len(given) <= 256 and given.isprintable():
+        return given
+    made = getattr(request.state, "request_id", None) or uuid.uuid4().hex
+    request.state.request_id = made
+    return made
+
+
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(internal_error(f"{request.method} {request.url.path} raised", exc=exc))
+    """Any exception an endpoint raised: a 500 naming the request id, which the response's
+    ``X-Request-Id`` carries too (this handler answers outside the middleware that sets it)."""
+    rid = request_id_of(request)
+    response = error_response(internal_error(f"{request.method} {request.url.path} raised", rid, exc))
+    response.headers.setdefault("x-request-id", request.headers.get("x-request-id") or rid)
+    return response
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -5,10 +5,17 @@ A generation sent with the header answers with the id it names (``cmpl-<id>``,
 the id the server made for a generation (``request_ids``), or a new one. The engine's id of
 a request given one gets a short suffix of its own, so two requests sent with the same id
 stay apart; the server's log names that id.
+
+A response of the Responses API is kept under its id and found again by it (``GET``,
+``previous_response_id``), so its id is the server's own, random (``server_made``): taken from
+the header, a second request sent with it replaced the first's stored response, and anyone
+who knew a client's header could read it back (issue 38). The header still names the request
+and comes back on the answer.
 """
 
 from __future__ import annotations
 
+import secrets
 import uuid
 
 from fastapi import Request
@@ -19,16 +26,16 @@ HEADER = "X-Request-Id"
 MAX_LENGTH = 256  # characters of a client's id: it goes into every log line of the request
 
 
-def request_ids(request: Request, prefix: str, sep: str = "-") -> tuple[str, str]:
-    """(the response's id, the engine's id) of a generation: ``<prefix><sep><id>`` (the
-    Responses API's ``resp_<id>``); 400 for an id that is empty, over ``MAX_LENGTH`` or not
-    printable."""
+def request_ids(request: Request, prefix: str, sep: str = "-", server_made: bool = False) -> tuple[str, str]:
+    """(the response's id, the engine's id) of a generation: ``<prefix><sep><id>``, the id the
+    header gives, else (or with ``server_made``, always) 48 random hex digits of the server's;
+    400 for a header that is empty, over ``MAX_LENGTH`` or not printable."""
     given = request.headers.get(HEADER)
-    if given is None:
-        response_id = engine_id = f"{prefix}{sep}{uuid.uuid4().hex}"
+    if given is not None and not (0 < len(given) <= MAX_LENGTH and given.isprintable()):
+        raise APIError(400, f"the {HEADER} header must be 1 to {MAX_LENGTH} printable characters", HEADER)
+    if given is None or server_made:
+        response_id = engine_id = f"{prefix}{sep}{secrets.token_hex(24)}"
     else:
-        if not (0 < len(given) <= MAX_LENGTH and given.isprintable()):
-            raise APIError(400, f"the {HEADER} header must be 1 to {MAX_LENGTH} printable characters", HEADER)
         response_id = f"{prefix}{sep}{given}"
         engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
     request.state.request_id = response_id

@@ -78,3 +78,31 @@ def runner_greedy_lora(runner, prompts, adapters, n_new, block_size=16, first_se
     for i in ids:
         runner.forget(i)
     return generated
+
+
+def write_numpy_adapter(out_dir, config, *, r: int = 4, alpha: float = 8.0, targets=("q_proj", "v_proj"),
+                        seed: int = 0, std: float = 0.2) -> Path:
+    """A PEFT-format adapter of the GraniteConfig ``config`` written with numpy and safetensors
+    (no torch, no peft): for tests of the files and the registry, not of the numbers."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from spyre_serve.models.lora.layout import MODULES, module_dims
+
+    parents = {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    c, rng, out = config, np.random.default_rng(seed), Path(out_dir)
+    dims = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+            c.intermediate_size)
+    tensors = {}
+    for layer in range(c.num_hidden_layers):
+        for module in targets:
+            k, n = module_dims(MODULES.index(module), *dims)
+            key = f"base_model.model.model.layers.{layer}.{parents.get(module, 'self_attn')}.{module}"
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, std, (r, k)).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, std, (n, r)).astype(np.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none"}))
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out

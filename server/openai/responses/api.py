@@ -7,7 +7,8 @@ sampling parameters and engine as ``/v1/chat/completions``; the errors name the 
 API's fields (``input``, ``max_output_tokens``, ``text.format``). The answer is one response
 object or a stream of its events (``responses_output``). A response made with ``store: true``
 (the default) is kept (``responses_store``): ``GET`` returns it, and a later request's
-``previous_response_id`` goes on from its conversation (404 for an id not kept).
+``previous_response_id`` goes on from its conversation (404 for an id not kept). Its id is the
+server's own, ``resp_`` and 48 random hex digits, whatever ``X-Request-Id`` says.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ RETRIEVE = {"responses": {200: {"description": "the stored response", "content":
 @router.post("/v1/responses", **CREATE)
 async def create_response(request: Request):
     serving = serving_of(request)
-    response_id, engine_id = request_ids(request, "resp", "_")
+    response_id, engine_id = request_ids(request, "resp", "_", server_made=True)   # the store's key: never a header
     serving.check_admission(1)          # before the body is read: a full queue costs nothing
     req = await serving.read(request, ResponsesRequest)
     history = [] if req.previous_response_id is None else \

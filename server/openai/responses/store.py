@@ -6,8 +6,8 @@ conversation it ends as chat messages (the previous response's, its input's, its
 not its ``instructions``, which OpenAI does not carry over), so that the next request's
 prompt starts with them. At most ``--max-stored-responses`` are kept, in this API process's
 memory: a new one past that drops the oldest (with ``--api-server-count`` above 1 each
-process keeps its own). A response stored under an id already kept (two requests sent with
-the same ``X-Request-Id``) replaces it. Everything here runs on the event loop.
+process keeps its own). Ids are the server's own and random (``request_id.request_ids``): two
+requests are never kept under one id. Everything here runs on the event loop.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 of different ``model`` names against transformers + peft on the same base (fp32, greedy), with
 more adapters than --max-loras slots; /v1/models; the 404 of an unknown name; runtime load and
 unload (400 for a rank over --max-lora-rank or broken files, disabled without
---allow-runtime-lora); prefix-cache blocks never shared across adapters; no KV block left."""
+--allow-runtime-lora; the --lora-modules' directory the allowed root); host copies of the
+adapters capped by --max-cpu-loras (2, as --max-loras: the third is read again when used);
+prefix-cache blocks never shared across adapters; no KV block left."""
 
 from __future__ import annotations
 
@@ -159,19 +161,20 @@ def test_an_unknown_model_is_a_404_and_changes_nothing(client, server, lora):
     assert server.built.engine.blocks.num_used == used
 
 
-def test_runtime_load_and_unload(client, server, lora, tmp_path):
-    # a rank over --max-lora-rank: 400, nothing loaded
-    big = tmp_path / "big"
+def test_runtime_load_and_unload(client, server, lora):
+    # a rank over --max-lora-rank: 400, nothing loaded (under the --lora-modules' directory: allowed)
+    big = lora.paths["runtime"].parent / "big"
     shutil.copytree(lora.paths["runtime"], big)
     cfg = json.loads((big / "adapter_config.json").read_text())
     (big / "adapter_config.json").write_text(json.dumps({**cfg, "r": 32}))
     r = client.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)})
     assert r.status_code == 400 and "rank 32 is greater than max_lora_rank 16" in r.json()["error"]["message"]
     # broken files: 400 naming the problem
-    broken = tmp_path / "broken"
+    broken = lora.paths["runtime"].parent / "broken"
     broken.mkdir()
     r = client.post("/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(broken)})
     assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+    shutil.copy(lora.paths["runtime"] / "adapter_model.safetensors", broken)
     (broken / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     r = client.post("/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(broken)})
     assert r.status_code == 400 and "DoRA" in r.json()["error"]["message"]

@@ -145,3 +145,52 @@ def test_nesting_depth_of_the_text_is_the_parsed_values_depth():
     for _ in range(500):
         value = {"v": make(0)}
         assert nesting_depth(json.dumps(value)) == _depth(value), value
+
+
+def test_a_body_of_escaped_quotes_without_an_end_is_answered_at_once_beside_health():
+    """Issue 38, finding 1: the strings of a body were cut out by a regular expression retried
+    at every quote, so a body of many ``\\"`` pairs with no closing quote took time quadratic in
+    its length on the event loop (40 KB: 10 s, /health held as long). 200 KB here would take
+    minutes that way; a linear scan answers its 400 in milliseconds. The bounds are loose (a
+    noisy 2-core machine), the failure they catch is a hundredfold."""
+    import threading
+    import time
+
+    import httpx
+
+    from spyre_serve.server.launch.settings import Settings
+    from spyre_serve.server.openai.app import create_app
+    from tests.server.openai.fakes import ScriptedEngine, fake_model
+    from tests.server.servers import ServerThread
+
+    body = b'{"prompt": "' + b'\\"' * 100_000
+    answer: dict = {}
+    with ServerThread(create_app(ScriptedEngine(), fake_model(), Settings())) as server, \
+            httpx.Client(base_url=server.url, timeout=10) as client:
+        def send():
+            start = time.monotonic()
+            try:
+                answer["response"] = httpx.post(f"{server.url}/v1/completions", content=body, timeout=20,
+                                                 headers={"content-type": "application/json"})
+            except httpx.TimeoutException:
+                pass
+            answer["seconds"] = time.monotonic() - start
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        health = []
+        while sender.is_alive():
+            start = time.monotonic()
+            try:
+                status = client.get("/health").status_code
+            except httpx.TimeoutException:
+                status = None
+            health.append((status, time.monotonic() - start))
+            time.sleep(0.05)
+        sender.join()
+    assert "response" in answer, f"no answer in {answer['seconds']:.1f} s"
+    r = answer["response"]
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "request body is not valid JSON: Unterminated string"), r.text
+    assert answer["seconds"] < 10, answer
+    assert all(status == 200 and seconds < 5 for status, seconds in health), health
