@@ -100,10 +100,12 @@ def build_runner(s: RunnerSettings, adapters: dict[str, str] | None = None, draf
 
 
 def refuse_for_hybrid(s: RunnerSettings, config) -> None:
-    """What a hybrid model (Granite 4.0's Mamba-2 layers) is not served with yet: ValueError saying why."""
-    if not getattr(config, "mamba_layers", None):
+    """What a hybrid model (Granite 4.0's Mamba-2 layers) or a mixture of experts is not served with yet:
+    ValueError saying why."""
+    mamba = bool(getattr(config, "mamba_layers", None))
+    if not mamba and not getattr(config, "num_experts", 0):
         return
-    why = {"--speculative-config": (s.speculative_config is not None,
+    why = {"--speculative-config": (mamba and s.speculative_config is not None,
                                     "a rejected proposal would need each sequence's Mamba state rolled back"),
            "--quantization": (bool(s.quantization), "its Mamba and expert weights are served in float widths"),
            "--enable-lora": (s.enable_lora, "its adapters' targets are attention and MLP projections"),
@@ -244,9 +246,10 @@ def _load_sharded(s: RunnerSettings, tp: int) -> Built:
                          f"--quantization {s.quantization}, --runner {s.runner})")
     from spyre_serve.models.config import GraniteConfig
 
-    if GraniteConfig.from_file(path).mamba_layers:
-        raise ValueError(f"--tensor-parallel-size {tp}: a hybrid model's Mamba-2 layers are not sharded yet; "
-                         "serve it on one card")
+    full = GraniteConfig.from_file(path)
+    if full.mamba_layers or full.num_experts:
+        raise ValueError(f"--tensor-parallel-size {tp}: a model's Mamba-2 layers and experts are not sharded "
+                         "yet; serve it on one card")
     name = s.model if s.model in model_names() else path.name
     cards = [new_card(s) for _ in range(tp)]
     try:

@@ -1,8 +1,11 @@
 """GraniteConfig: the model shape and multipliers, read from a Hugging Face config.json.
 
-Three architectures are accepted: ``GraniteForCausalLM``, ``LlamaForCausalLM`` and Granite 4.0's
-hybrid ``GraniteMoeHybridForCausalLM``. A Llama model is a Granite model with the four
-multipliers neutral: embedding 1, attention 1/sqrt(head_dim), residual 1, logits scaling 1.
+Five architectures are accepted: ``GraniteForCausalLM``, ``LlamaForCausalLM``, Granite 4.0's
+hybrid ``GraniteMoeHybridForCausalLM`` and Granite 3.x's mixtures of experts
+``GraniteMoeForCausalLM`` (experts only) and ``GraniteMoeSharedForCausalLM`` (experts beside a
+shared MLP), which are the hybrid's layers with attention (RoPE) everywhere. A Llama model is a
+Granite model with the four multipliers neutral: embedding 1, attention 1/sqrt(head_dim),
+residual 1, logits scaling 1.
 A hybrid model (transformers' GraniteMoeHybridConfig) has Granite's multipliers and, layer by
 layer, a Mamba-2 mixer (``layer_kinds[i] == "mamba"``: its shape in ``mamba``) or attention
 (with RoPE, or none: ``rope`` False for ``position_embedding_type: "nope"``), then a dense
@@ -19,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ARCHITECTURES = {"GraniteForCausalLM": "granite", "LlamaForCausalLM": "llama",
-                 "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
+                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "GraniteMoeForCausalLM": "granitemoe",
+                 "GraniteMoeSharedForCausalLM": "granitemoeshared"}
 HYBRID = "GraniteMoeHybridForCausalLM"
+MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")      # Granite 3.x's mixtures of experts
 # a layer's mixer as published configs name it (layers_block_type) and as transformers 5 does
 # (layer_types)
 LAYER_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
@@ -90,10 +95,19 @@ class GraniteConfig:
     num_experts: int = 0                 # E experts beside the dense MLP (0: none)
     num_experts_per_tok: int = 0         # k of them per token
     expert_intermediate_size: int = 0    # each expert's SwiGLU width
+    dense_mlp: bool = True               # the dense MLP (GraniteMoeForCausalLM has experts only)
 
     @property
     def is_hybrid(self) -> bool:
         return self.architecture == HYBRID
+
+    @property
+    def mlp_names(self) -> str:
+        """How the checkpoint names the dense MLP: "mlp" (gate_proj, up_proj, down_proj),
+        "shared_mlp" (input_linear gate and up fused, output_linear) or "" (none)."""
+        if not self.dense_mlp:
+            return ""
+        return "shared_mlp" if self.architecture in (HYBRID, *MOE) else "mlp"
 
     def kind_of(self, layer: int) -> str:
         return self.layer_kinds[layer] if self.layer_kinds else "attention"
@@ -175,6 +189,14 @@ class GraniteConfig:
                     f"GraniteForCausalLM has no head_dim field: head_dim {self.head_dim} "
                     f"x num_attention_heads {self.num_attention_heads} must equal "
                     f"hidden_size {self.hidden_size}")
+        elif arch in MOE:
+            d.update({
+                "embedding_multiplier": self.embedding_multiplier,
+                "attention_multiplier": self.attention_multiplier,
+                "residual_multiplier": self.residual_multiplier, "logits_scaling": self.logits_scaling,
+                "intermediate_size": self.expert_intermediate_size, "num_local_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                **({"shared_intermediate_size": self.intermediate_size} if self.dense_mlp else {})})
         elif arch == HYBRID:
             m = self.mamba
             kinds = [self.kind_of(i) for i in range(self.num_hidden_layers)]
@@ -325,7 +347,7 @@ def _parse(d: dict) -> GraniteConfig:
         raise ConfigError(f"config field 'rms_norm_eps' must be > 0, got {d.get('rms_norm_eps')!r}")
     theta = _rope_theta(d)
 
-    if arch in ("GraniteForCausalLM", HYBRID):
+    if arch in ("GraniteForCausalLM", HYBRID, *MOE):
         mults = {k: float(d.get(k, 1.0)) for k in
                  ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                   "logits_scaling")}
@@ -340,7 +362,8 @@ def _parse(d: dict) -> GraniteConfig:
         mults = {"embedding_multiplier": 1.0, "attention_multiplier": 1.0 / math.sqrt(head_dim),
                  "residual_multiplier": 1.0, "logits_scaling": 1.0}
 
-    hybrid = _hybrid_fields(d, hidden, layers) if arch == HYBRID else {}
+    hybrid = (_hybrid_fields(d, hidden, layers) if arch == HYBRID
+              else _moe_fields(d, arch) if arch in MOE else {})
     if hybrid:
         inter = hybrid.pop("intermediate_size")
 
@@ -383,6 +406,19 @@ def _number(v, key: str) -> float:
     if math.isnan(out):
         raise ConfigError(f"config field {key!r} is NaN")
     return out
+
+
+def _moe_fields(d: dict, arch: str) -> dict:
+    """A Granite 3.x MoE config's experts (and, GraniteMoeShared's, the shared MLP's width)."""
+    experts, top_k = _positive_int(d, "num_local_experts"), _positive_int(d, "num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(f"config field 'num_experts_per_tok' ({top_k}) is over num_local_experts ({experts})")
+    inter = _positive_int(d, "intermediate_size")
+    shared = arch == "GraniteMoeSharedForCausalLM" and bool(d.get("shared_intermediate_size"))
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "expert_intermediate_size": inter,
+            "dense_mlp": shared,
+            # the dense MLP's width (GraniteMoe's has none: the experts' width sizes its unused buffers)
+            "intermediate_size": _positive_int(d, "shared_intermediate_size") if shared else inter}
 
 
 def _hybrid_fields(d: dict, hidden: int, layers: int) -> dict:

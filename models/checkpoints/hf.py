@@ -86,10 +86,10 @@ def expected_shapes(config: GraniteConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, H)
             shapes[p + "self_attn.o_proj.weight"] = (H, c.q_size)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
-        if c.is_hybrid:          # Granite 4.0: the dense MLP is "shared_mlp", gate and up fused
+        if c.mlp_names == "shared_mlp":      # Granite 4.0's and 3.x MoE's: gate and up fused
             shapes[p + "shared_mlp.input_linear.weight"] = (2 * I, H)
             shapes[p + "shared_mlp.output_linear.weight"] = (H, I)
-        else:
+        elif c.mlp_names == "mlp":
             shapes[p + "mlp.gate_proj.weight"] = (I, H)
             shapes[p + "mlp.up_proj.weight"] = (I, H)
             shapes[p + "mlp.down_proj.weight"] = (H, I)

@@ -101,7 +101,7 @@ class ModelRunner:
         context never exceeds one step's tokens. `lora`: (max_loras, max_rank[, max_cpu_loras]), an
         adapter arena of that many slots (`self.lora`, models/lora/arena.py; `SeqWork.lora`)."""
         cfg = model.config
-        if cfg.is_hybrid and (pooling or lora):
+        if (cfg.num_experts or cfg.mamba_layers) and (pooling or lora):
             raise ValueError(f"{cfg.architecture} generates; it is not served with "
                              f"{'--runner pooling' if pooling else '--enable-lora'} yet")
         self.compute_dtype = resolve_compute_dtype(compute_dtype, model.weights)
@@ -163,8 +163,9 @@ class ModelRunner:
         self._timers: DeviceTensor | None = None      # int64[len(TIMERS)] while profiling
         self._timer_bindings: dict = {}
         # each launch's seconds on a real card, the model as placed (one card: tp 1)
-        self.projector = None if cfg.is_hybrid else StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype)
-        if cfg.is_hybrid:
+        priced = not (cfg.num_experts or cfg.mamba_layers)
+        self.projector = StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype) if priced else None
+        if not priced:
             log.info("%s: the real card's clock (usage.spyre, spyre_projected_step_seconds) does not price "
                      "Mamba-2 mixers and experts yet: its steps are projected as 0 s", cfg.architecture)
 

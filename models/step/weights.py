@@ -129,8 +129,8 @@ class LayerWeights:
     qkv: GemmWeight | None     # [H, (Hq + 2 Hkv) D]  columns: q heads, k heads, v heads (None: a Mamba layer)
     o: GemmWeight | None       # [Hq D, H]
     post_norm: DeviceTensor    # float32 [H]
-    gate_up: GemmWeight        # [H, 2I]  columns: gate, up
-    down: GemmWeight           # [I, H]
+    gate_up: GemmWeight | None  # [H, 2I]  columns: gate, up (None: experts only)
+    down: GemmWeight | None     # [I, H]
     mamba: MambaWeights | None = None
     experts: ExpertWeights | None = None
 
@@ -309,8 +309,10 @@ def place_weights(card: Card, config: GraniteConfig,
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             attention = c.kind_of(i) == "attention"
-            if c.is_hybrid:
+            if c.mlp_names == "shared_mlp":
                 gate_up, down = gemm(p + "shared_mlp.input_linear.weight"), gemm(p + "shared_mlp.output_linear.weight")
+            elif not c.mlp_names:
+                gate_up = down = None                                                 # experts only
             else:
                 gate_up = gemm(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")   # [H, 2I]
                 down = gemm(p + "mlp.down_proj.weight")                                # [I, H]
@@ -389,11 +391,12 @@ def build_layer_table(card: Card, weights: ModelWeights, k_caches: list[DeviceTe
     for i, lw in enumerate(weights.layers):
         host[i, COL_IN_NORM] = lw.in_norm.address
         host[i, COL_POST_NORM] = lw.post_norm.address
-        host[i, COL_GATE_UP] = lw.gate_up.address
-        host[i, COL_DOWN] = lw.down.address
-        host[i, COL_GATE_UP_FMT] = lw.gate_up.fmt
-        host[i, COL_DOWN_FMT] = lw.down.fmt
-        host[i, COL_DENSE] = 1
+        if lw.gate_up is not None:
+            host[i, COL_GATE_UP] = lw.gate_up.address
+            host[i, COL_DOWN] = lw.down.address
+            host[i, COL_GATE_UP_FMT] = lw.gate_up.fmt
+            host[i, COL_DOWN_FMT] = lw.down.fmt
+            host[i, COL_DENSE] = 1
         if i in kv_of:
             host[i, COL_QKV] = lw.qkv.address
             host[i, COL_O] = lw.o.address

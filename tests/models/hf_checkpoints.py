@@ -133,6 +133,36 @@ def write_hybrid_checkpoint(directory, *, seed: int = 0, vocab: int = 256, with_
     return directory, model
 
 
+def write_moe_checkpoint(directory, *, shared: bool, seed: int = 0):
+    """A seeded random Granite 3.x mixture of experts saved by transformers: GraniteMoeShared
+    (4 experts of 64 beside a shared MLP of 96) or GraniteMoe (experts only); 128 wide, 2 layers,
+    Granite's multipliers away from 1. Returns (directory, the transformers model)."""
+    import torch
+    from transformers import (
+        GraniteMoeConfig,
+        GraniteMoeForCausalLM,
+        GraniteMoeSharedConfig,
+        GraniteMoeSharedForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
+              embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.1,
+              tie_word_embeddings=False)
+    if shared:
+        model = GraniteMoeSharedForCausalLM(GraniteMoeSharedConfig(shared_intermediate_size=96, **kw))
+    else:
+        model = GraniteMoeForCausalLM(GraniteMoeConfig(**kw))
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.2)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    return directory, model
+
+
 def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

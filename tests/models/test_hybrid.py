@@ -1,7 +1,8 @@
 """Granite 4.0's hybrid models (GraniteMoeHybridForCausalLM: Mamba-2 mixers and attention, experts
-beside a shared MLP) on the card against transformers on the same checkpoint, written by
-transformers itself, in float32: greedy tokens exact over prompts that cross the step's chunks and
-transformers' SSD chunk, sequences batched together, a recompute from position 0."""
+beside a shared MLP) and Granite 3.x's mixtures of experts (GraniteMoe, GraniteMoeShared) on the
+card against transformers on the same checkpoint, written by transformers itself, in float32:
+greedy tokens exact over prompts that cross the step's chunks and transformers' SSD chunk,
+sequences batched together, a recompute from position 0."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from spyre_serve.device import Card
 from spyre_serve.models import ConfigError, GraniteConfig, ModelRunner, SamplingParams, SeqWork, load_model
-from tests.models.hf_checkpoints import write_hybrid_checkpoint
+from tests.models.hf_checkpoints import write_hybrid_checkpoint, write_moe_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16
@@ -26,9 +27,15 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+@pytest.fixture(scope="module", params=[*VARIANTS, "granitemoe", "granitemoeshared"])
 def hybrid(request, tmp_path_factory):
-    path, ref = write_hybrid_checkpoint(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+    """Each variant's runner and transformers model; Granite 3.x's MoE models are the hybrid's
+    layers with attention everywhere."""
+    where = tmp_path_factory.mktemp(request.param)
+    if request.param.startswith("granitemoe"):
+        path, ref = write_moe_checkpoint(where, shared=request.param == "granitemoeshared")
+    else:
+        path, ref = write_hybrid_checkpoint(where, **VARIANTS[request.param])
     card = Card(256 << 20)
     model = load_model(path, card, tokenizer=False)
     runner = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=64, block_size=BLOCK,
