@@ -10,6 +10,10 @@ between cards at tensor-parallel degree `tp`, the host link's bytes and the laun
                O GEMM (+ all-reduce [T, H]), residual, rmsnorm, gate/up GEMM, swiglu,
                down GEMM (+ all-reduce [T, H]), residual;
                each LoRA adapter's rows through the modules it targets (shrink, expand)
+               (a hybrid's Mamba-2 layer instead of attention: in_proj GEMM, conv, scan with each
+               sequence's states read and written, gated norm, out_proj GEMM; experts beside or
+               instead of the MLP: the router GEMM, each chosen expert's matrices read once,
+               each row's k experts computed)
     final rmsnorm and LM head on the logit rows (+ all-gather of the logits), sampling
 
 Weights are split as the vLLM Spyre plugin shards them: QKV, gate and up by columns (heads),
@@ -57,10 +61,12 @@ SAMPLING_PASSES = 2        # a softmax reads each logit row twice: its max and s
 # parameters and eight int32 fields (56 + 32); per KV block of its table an int32; per logit row
 # back its sampled id and logprob
 INPUT_BYTES_PER_ROW, INPUT_BYTES_PER_SEQ, INPUT_BYTES_PER_BLOCK, OUTPUT_BYTES_PER_ROW = 20, 88, 4, 8
-MATRICES = ("embed", "qkv", "o", "gate_up", "down", "lm_head")
+MATRICES = ("embed", "qkv", "o", "gate_up", "down", "lm_head", "mamba_in", "mamba_out", "router", "experts")
 KERNELS = ("embedding", "rmsnorm", "qkv", "rope", "write_kv", "attention", "o_proj", "residual",
-           "gate_up", "swiglu", "down", "lora", "all_reduce", "lm_head", "logits_gather", "sampling",
+           "gate_up", "swiglu", "down", "lora", "mamba_in", "mamba_conv", "ssm_scan", "mamba_norm",
+           "mamba_out", "router", "experts", "all_reduce", "lm_head", "logits_gather", "sampling",
            "pcie", "launch")
+STATE_BYTES = 4            # a Mamba-2 layer's conv and SSM states are float32
 # the modules a LoRA adapter may target: models/lora/layout.py's MODULES (kept here by name, so
 # pricing a step imports no kernel; a test checks they agree)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -219,6 +225,8 @@ class StepProjector:
         if kv_bytes not in (0.5, 1, 2, 4):
             raise ValueError(f"kv_bytes must be one of 0.5, 1, 2, 4 (a format's width), got {kv_bytes}")
         h, d, L = config.hidden_size, config.head_dim, config.num_hidden_layers
+        la, lm = len(config.attention_layers), len(config.mamba_layers)   # a hybrid's layer kinds
+        dense = L if config.dense_mlp else 0
         self.config, self.tp, self.spec, self.formats, self.kv_bytes = config, tp, spec, f, kv_bytes
         self.vocab = config.vocab_size
 
@@ -230,16 +238,30 @@ class StepProjector:
             # the embedding's rows live on one card each: 1/tp of them per card
             LinearKernel("embedding", 1, 0.0, rb(h, w["embed"]) / tp, rb(h), 0.0),
             LinearKernel("rmsnorm", 2 * L, rb(h), rb(h), rb(h), 0.0),
-            LinearKernel("qkv", L, h * rb(qkv, w["qkv"]), rb(h), rb(qkv), 2.0 * h * qkv, f["qkv"]),
-            LinearKernel("rope", L, 0.0, rb(hq * d) + rb(hkv * d), rb(hq * d) + rb(hkv * d), 0.0),
-            LinearKernel("write_kv", L, 0.0, 2 * rb(hkv * d), 2 * rb(hkv * d, kv_bytes), 0.0),
-            LinearKernel("o_proj", L, hq * d * rb(h, w["o"]), rb(hq * d), rb(h), 2.0 * hq * d * h, f["o"]),
+            LinearKernel("qkv", la, h * rb(qkv, w["qkv"]), rb(h), rb(qkv), 2.0 * h * qkv, f["qkv"]),
+            LinearKernel("rope", la, 0.0, rb(hq * d) + rb(hkv * d), rb(hq * d) + rb(hkv * d), 0.0),
+            LinearKernel("write_kv", la, 0.0, 2 * rb(hkv * d), 2 * rb(hkv * d, kv_bytes), 0.0),
+            LinearKernel("o_proj", la, hq * d * rb(h, w["o"]), rb(hq * d), rb(h), 2.0 * hq * d * h, f["o"]),
             LinearKernel("residual", 2 * L, 0.0, 2 * rb(h), rb(h), 0.0),
-            LinearKernel("gate_up", L, h * rb(2 * inter, w["gate_up"]), rb(h), rb(2 * inter),
+            LinearKernel("gate_up", dense, h * rb(2 * inter, w["gate_up"]), rb(h), rb(2 * inter),
                     4.0 * h * inter, f["gate_up"]),
-            LinearKernel("swiglu", L, 0.0, rb(2 * inter), rb(inter), 0.0),
-            LinearKernel("down", L, inter * rb(h, w["down"]), rb(inter), rb(h), 2.0 * inter * h, f["down"]),
+            LinearKernel("swiglu", dense, 0.0, rb(2 * inter), rb(inter), 0.0),
+            LinearKernel("down", dense, inter * rb(h, w["down"]), rb(inter), rb(h), 2.0 * inter * h, f["down"]),
+            *self._mamba_kernels(config, lm, rb, w, f),
         ]
+        e, k_e, ie = config.num_experts, config.num_experts_per_tok, config.expert_intermediate_size
+        if e:
+            per_layer.append(LinearKernel("router", L, h * rb(e, w["router"]), rb(h), rb(e), 2.0 * h * e, f["router"]))
+        # the experts: per layer, each expert a step's rows choose has its two matrices read once
+        # (the expected number of distinct experts T rows choose: E (1 - (1 - k/E)^T)), then each
+        # row's k experts: x in, gate/up, SwiGLU, down out, 6 h IE operations
+        self._experts = (L, e, k_e, h * rb(2 * ie, w["experts"]) + ie * rb(h, w["experts"]),
+                         k_e * (2 * rb(h) + rb(2 * ie) + 2 * rb(ie)), k_e * rb(h), 6.0 * k_e * h * ie,
+                         f["experts"]) if e else None
+        m = config.mamba
+        # a Mamba layer's states, read and written once a step by each of its sequences
+        self._state_bytes = lm * 2 * STATE_BYTES * (
+            (m.d_conv - 1) * m.conv_dim + m.n_heads * m.head_dim * m.d_state) if m and lm else 0
         per_logit_row = [   # kernels on the logit rows
             LinearKernel("rmsnorm", 1, rb(h), rb(h), rb(h), 0.0),
             LinearKernel("lm_head", 1, h * rb(vocab, w["lm_head"]), rb(h), rb(vocab), 2.0 * h * vocab,
@@ -247,7 +269,7 @@ class StepProjector:
             LinearKernel("sampling", 1, 0.0, SAMPLING_PASSES * rb(self.vocab), OUTPUT_BYTES_PER_ROW, 0.0),
         ]
         self._token_kernels, self._row_kernels = per_layer, per_logit_row
-        self._layers = L
+        self._layers = la
         self._kv_per_token = 2 * hkv * d * kv_bytes     # K and V of one token, one layer
         self._attn_rows = rb(hq * d)                     # q read, out written, per row
         self._attn_flops = 4.0 * hq * d                  # QK^T and PV per (query, key) pair
@@ -259,6 +281,25 @@ class StepProjector:
         self._lora_dims = {"q_proj": (h, hq * d), "k_proj": (h, hkv * d), "v_proj": (h, hkv * d),
                            "o_proj": (hq * d, h), "gate_proj": (h, inter), "up_proj": (h, inter),
                            "down_proj": (inter, h)}
+
+    @staticmethod
+    def _mamba_kernels(config: GraniteConfig, lm: int, rb, w, f) -> list[LinearKernel]:
+        """A Mamba-2 layer's kernels on the token rows (`lm` such layers): in_proj, the conv (K
+        multiply-adds a channel), the scan (per row its x, B, C and dt read, y written, about
+        5 DI N operations: the state's decay, update and the output's dot products; the states'
+        own bytes are priced per sequence in `project`), the gated norm, out_proj."""
+        m = config.mamba
+        if not m or not lm:
+            return []
+        h, di, c, gn = config.hidden_size, m.d_inner, m.conv_dim, m.n_groups * m.d_state
+        return [
+            LinearKernel("mamba_in", lm, h * rb(m.proj, w["mamba_in"]), rb(h), rb(m.proj), 2.0 * h * m.proj,
+                         f["mamba_in"]),
+            LinearKernel("mamba_conv", lm, 0.0, rb(c), rb(c), 2.0 * m.d_conv * c),
+            LinearKernel("ssm_scan", lm, 0.0, rb(di + 2 * gn + m.n_heads), rb(di), 5.0 * di * m.d_state),
+            LinearKernel("mamba_norm", lm, rb(di), 2 * rb(di), rb(di), 0.0),
+            LinearKernel("mamba_out", lm, di * rb(h, w["mamba_out"]), rb(di), rb(h), 2.0 * di * h, f["mamba_out"]),
+        ]
 
     def _linear(self, k: LinearKernel, rows: int) -> float:
         return linear_seconds(k, rows, self.spec)
@@ -283,6 +324,13 @@ class StepProjector:
             written)
         if step.adapters:
             out["lora"] = self._layers * self._adapters(step.adapters)
+        if self._state_bytes:
+            out["ssm_scan"] += kernel_seconds(step.seqs * self._state_bytes, 0.0, "fp16", spec)
+        if self._experts:
+            layers, e, k_e, weight, read, written, flops, fmt = self._experts
+            hit = e * (1.0 - (1.0 - k_e / e) ** t)
+            out["experts"] = layers * kernel_seconds(hit * weight + t * (read + written), t * flops, fmt, spec,
+                                                     t * written)
         out["all_reduce"] = self._allreduces * allreduce_seconds(t * self._row_h, self.tp, spec)
         if r:
             out["logits_gather"] = allgather_seconds(r * self._row_vocab * self.tp, self.tp, spec)
@@ -316,9 +364,16 @@ class StepProjector:
         """The projector of a model as placed (models.step.weights.ModelWeights: each matrix's
         format as the card holds it; its first layer's stand for every layer) with its KV
         cache's format."""
-        layer = weights.layers[0]
-        names = {"embed": weights.embed, "qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up,
-                 "down": layer.down, "lm_head": weights.lm_head}
+        def first(attr: str):
+            return next((getattr(lw, attr) for lw in weights.layers if getattr(lw, attr) is not None), None)
+
+        attention, mamba = first("qkv") and first("o"), first("mamba")
+        dense, experts = first("gate_up"), first("experts")
+        names = {"embed": weights.embed, "lm_head": weights.lm_head,
+                 **({"qkv": first("qkv"), "o": first("o")} if attention else {}),
+                 **({"gate_up": dense, "down": first("down")} if dense else {}),
+                 **({"mamba_in": mamba.in_proj, "mamba_out": mamba.out_proj} if mamba else {}),
+                 **({"router": experts.router, "experts": experts.gate_up[0]} if experts else {})}
         return cls(config, tp, spec, {m: gw.format_name for m, gw in names.items()},
                    format_bytes(kv_cache_dtype))
 

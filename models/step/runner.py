@@ -19,7 +19,6 @@ card from step N's samples.
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass
 
@@ -43,8 +42,6 @@ from spyre_serve.models.step.program import TIMERS
 from spyre_serve.models.step.prompt_logprobs import PromptLogprobs
 from spyre_serve.models.step.threads import use_every_core
 from spyre_serve.models.step.weights import compute_code, resolve_compute_dtype
-
-log = logging.getLogger(__name__)
 
 
 class StepHandle:
@@ -163,11 +160,7 @@ class ModelRunner:
         self._timers: DeviceTensor | None = None      # int64[len(TIMERS)] while profiling
         self._timer_bindings: dict = {}
         # each launch's seconds on a real card, the model as placed (one card: tp 1)
-        priced = not (cfg.num_experts or cfg.mamba_layers)
-        self.projector = StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype) if priced else None
-        if not priced:
-            log.info("%s: the real card's clock (usage.spyre, spyre_projected_step_seconds) does not price "
-                     "Mamba-2 mixers and experts yet: its steps are projected as 0 s", cfg.architecture)
+        self.projector = StepProjector.of_weights(cfg, self.weights, self.kv_cache_dtype)
 
     @property
     def numerics(self) -> str:
@@ -248,8 +241,7 @@ class ModelRunner:
         s = bucket(self.s_buckets, len(work))
         return self._launch(t, s, work, return_rows=return_logits, return_logits=return_logits,
                             pen_slots=pen_slots, projected=self.projector.seconds(
-                                step_of_work(work, self.lora and self.lora.targets_of(lora_slots)))
-                            if self.projector is not None else 0.0,
+                                step_of_work(work, self.lora and self.lora.targets_of(lora_slots))),
                             lora_slots=lora_slots, state_slots=state_slots)
 
     def _lora_slots(self, work: list[SeqWork]) -> dict[int, int]:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from spyre_serve.models.checkpoints.profiles import PROFILES
-from spyre_serve.models.config import GraniteConfig
+from spyre_serve.models.config import GraniteConfig, MambaShape
 from spyre_serve.models.sizing.projection import (
     KERNELS,
     LORA_MODULES,
@@ -70,6 +70,9 @@ def test_a_decode_step_of_a_tiny_model_by_hand():
         "sampling": mem(2 * 2048, 8),                     # two passes over the logits, id + logprob back
         "all_reduce": 0.0, "logits_gather": 0.0,          # one card
         "lora": 0.0,                                      # no adapter
+        # a dense model: no Mamba-2 layer, no experts
+        "mamba_in": 0.0, "mamba_conv": 0.0, "ssm_scan": 0.0, "mamba_norm": 0.0, "mamba_out": 0.0,
+        "router": 0.0, "experts": 0.0,
         # token, position, slot, source, LoRA slot (20) + the sequence's fields (88) + 2 blocks (8)
         # + 8 back
         "pcie": 124 / (64 * GB),
@@ -235,3 +238,43 @@ def test_an_encoder_step_by_hand():
     assert two.by_kernel["qkv"] == pytest.approx(2 * expected["qkv"])
     with pytest.raises(ValueError, match="unknown matrices \\['gate_up'\\]"):
         EncoderProjector(tiny_encoder(), {"gate_up": "fp16"})
+
+
+def hybrid(kinds=("mamba", "attention"), experts: int = 0) -> GraniteConfig:
+    """tiny() with Granite 4.0's layers: Mamba-2 mixers of 2 heads of 64 (state 16, one group,
+    conv 4: 160 channels, in_proj 290 wide) and `experts` experts of 64, 2 a token."""
+    m = MambaShape(n_heads=2, head_dim=64, d_state=16, n_groups=1, d_conv=4, conv_bias=True, dt_min=0.0,
+                   dt_max=float("inf"), chunk_size=256)
+    return tiny(layers=len(kinds), architecture="GraniteMoeHybridForCausalLM", layer_kinds=tuple(kinds),
+                rope=False, mamba=m, num_experts=experts, num_experts_per_tok=2 if experts else 0,
+                expert_intermediate_size=64 if experts else 0)
+
+
+def test_a_hybrids_attention_is_its_attention_layers_and_its_mamba_layers_are_priced_by_hand():
+    step = decode_step(3, 100)
+    dense, mixed = project_step(tiny(layers=2), step), project_step(hybrid(), step)
+    for name in ("qkv", "rope", "write_kv", "attention", "o_proj"):           # one layer of two
+        assert mixed.by_kernel[name] == pytest.approx(dense.by_kernel[name] / 2), name
+    for name in ("rmsnorm", "residual", "gate_up", "swiglu", "down", "lm_head"):  # every layer's
+        assert mixed.by_kernel[name] == pytest.approx(dense.by_kernel[name]), name
+    # three rows through one Mamba layer: fp16 rows in whole 64-value sticks (in_proj 290 -> 320
+    # values, 640 bytes; the conv's 160 -> 192, 384; x B C dt 162 -> 192; y [128] 256)
+    rows = 3
+    assert mixed.by_kernel["mamba_in"] == pytest.approx(mem(128 * 640 + rows * 256, rows * 640))
+    assert mixed.by_kernel["mamba_conv"] == pytest.approx(mem(rows * 384, rows * 384))
+    assert mixed.by_kernel["mamba_out"] == pytest.approx(mem(128 * 256 + rows * 256, rows * 256))
+    # the scan: its rows, then each sequence's float32 states read and written once
+    states = 3 * 2 * 4 * (3 * 160 + 2 * 64 * 16)
+    assert mixed.by_kernel["ssm_scan"] == pytest.approx(mem(rows * 384, rows * 256) + states / (150 * GB))
+
+
+def test_experts_read_the_matrices_of_the_experts_the_rows_choose():
+    one = project_step(hybrid(("attention",), experts=8), decode_step(1, 10)).by_kernel["experts"]
+    # one row, 2 experts: their gate/up [128, 128] and down [64, 128] in fp16 (256 bytes a row), and
+    # the row through them: x in twice, [2I] and [I] out and back in, y out twice
+    weight = 128 * 256 + 64 * 256
+    row_in, row_out = 2 * (2 * 256 + 256 + 2 * 128), 2 * 256
+    assert one == pytest.approx(mem(2 * weight + row_in, row_out))
+    # a wide prefill chooses nearly every expert: the weights read approach all eight once
+    wide = project_step(hybrid(("attention",), experts=8), StepShape((512,), (512,), 1)).by_kernel["experts"]
+    assert 7.9 * weight / (150 * GB) < wide < 8 * weight / (150 * GB) + 512 * 2 * (row_in + row_out) / (105 * GB)

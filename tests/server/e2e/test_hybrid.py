@@ -146,3 +146,9 @@ def test_the_plan_refuses_what_it_cannot_size(hybrid):
     out = io.StringIO()
     assert plan(real_settings(model=str(hybrid[0])), out=out) == 1
     assert "Mamba-2 states and experts are not sized yet" in out.getvalue()
+
+
+def test_answers_carry_the_real_cards_clock_of_the_mamba_layers_and_experts(client):
+    r = client.post("/v1/completions", json={"prompt": prompts(5, (20,))[0], "max_tokens": 3, "temperature": 0})
+    spyre = r.json()["usage"]["spyre"]
+    assert spyre["projected_seconds"] > 0 and spyre["projected_ttft_seconds"] > 0
