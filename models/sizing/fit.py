@@ -116,14 +116,26 @@ def card_config(config: GraniteConfig, tp: int) -> GraniteConfig:
 def weight_bytes(config: GraniteConfig, dtype: str, tp: int = 1) -> int:
     """Bytes of the weights one of ``tp`` cards holds, placed in width ``dtype`` (float32,
     bfloat16, float16, dlfloat16); at tp 1 this is ``ModelWeights.nbytes``."""
+    if tp > 1 and (config.mamba_layers or config.num_experts):
+        raise ValueError(f"--tensor-parallel-size {tp}: a model's Mamba-2 layers and experts are not sharded yet")
     c = card_config(config, tp)
     h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
     vocab = -(-c.vocab_size // tp)                   # vocabulary-parallel: the last shard padded
-    layer = (gemm_bytes(h, q + 2 * kv, dtype) + gemm_bytes(q, h, dtype) + gemm_bytes(h, 2 * inter, dtype)
-             + gemm_bytes(inter, h, dtype) + 2 * 4 * h)          # QKV, O, gate/up, down, two norms
+    attention = gemm_bytes(h, q + 2 * kv, dtype) + gemm_bytes(q, h, dtype)           # QKV, O
+    dense = gemm_bytes(h, 2 * inter, dtype) + gemm_bytes(inter, h, dtype) if c.dense_mlp else 0
+    layers = c.num_hidden_layers * (dense + 2 * 4 * h) + len(c.attention_layers) * attention   # and two norms
+    m = c.mamba
+    if m and c.mamba_layers:    # in_proj, out_proj; the conv's weight and bias, dt_bias, A, D, the gated norm
+        mixer = (gemm_bytes(h, m.proj, dtype) + gemm_bytes(m.d_inner, h, dtype)
+                 + 4 * (m.conv_dim * (m.d_conv + 1) + 3 * m.n_heads + m.d_inner))
+        layers += len(c.mamba_layers) * mixer
+    if c.num_experts:           # the router, each expert's gate/up and down, the experts' address table
+        e, ie = c.num_experts, c.expert_intermediate_size
+        layers += c.num_hidden_layers * (gemm_bytes(h, e, dtype) + 16 * e
+                                         + e * (gemm_bytes(h, 2 * ie, dtype) + gemm_bytes(ie, h, dtype)))
     embed = gemm_bytes(h, vocab, dtype)
     lm_head = 0 if c.tie_word_embeddings else gemm_bytes(h, vocab, dtype)
-    return embed + lm_head + c.num_hidden_layers * layer + 4 * h
+    return embed + lm_head + layers + 4 * h
 
 
 def capacity(config: GraniteConfig, max_num_seqs: int, max_num_batched_tokens: int,
@@ -150,7 +162,17 @@ def scratch_bytes(config: GraniteConfig, cap: Capacity) -> int:
     """Workspace, inputs, both outputs and the layer table: what the runner places beside the
     weights and the KV cache (``ModelRunner.scratch_bytes``)."""
     b = buffer_bytes(config, cap)
-    return b["workspace"] + b["inputs"] + 2 * b["output"] + b["layer_table"]
+    return b["workspace"] + b["inputs"] + 2 * b["output"] + b["layer_table"] + state_bytes(config, cap)
+
+
+def state_bytes(config: GraniteConfig, cap: Capacity) -> int:
+    """A hybrid model's Mamba-2 states: per Mamba layer, each of the 2 SMAX state slots' conv
+    state [K - 1, C] and SSM state [NH, P, N] in float32 (models/step/memory_plan.py)."""
+    m = config.mamba
+    if not m or not config.mamba_layers:
+        return 0
+    return 2 * cap.smax * len(config.mamba_layers) * 4 * ((m.d_conv - 1) * m.conv_dim
+                                                          + m.n_heads * m.head_dim * m.d_state)
 
 
 @dataclass(frozen=True, slots=True)

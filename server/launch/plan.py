@@ -124,9 +124,6 @@ def check_sizes(s: Settings, cfg: GraniteConfig) -> int:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if s.max_model_len is not None and s.max_model_len < 1:
         raise ValueError(f"--max-model-len must be at least 1, got {s.max_model_len}")
-    if getattr(cfg, "mamba_layers", None) or getattr(cfg, "num_experts", 0):
-        raise ValueError(f"the plan sizes attention models; {cfg.architecture}'s Mamba-2 states and experts "
-                         "are not sized yet")
     if s.quantization or names_gguf(s.model):
         raise ValueError("the plan sizes float weights (--dtype); a GGUF file's quantized blocks and --quantization "
                          "are not sized yet")

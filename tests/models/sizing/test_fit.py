@@ -48,6 +48,32 @@ def test_weights_and_buffers_are_what_the_runner_places(small_granite_dir, untie
         card.close()
 
 
+@pytest.mark.parametrize("kind", ["hybrid", "granitemoe"])
+def test_a_hybrids_and_an_moes_weights_and_states_are_what_the_runner_places(tmp_path, kind):
+    """Granite 4.0's layers (Mamba-2 mixers, experts beside the shared MLP) and Granite MoE's
+    experts alone: the plan's bytes are the runner's, its states counted with its buffers."""
+    from tests.models.hf_checkpoints import write_hybrid_checkpoint, write_moe_checkpoint
+
+    if kind == "hybrid":
+        path, _ = write_hybrid_checkpoint(tmp_path, layer_types=["mamba", "attention", "mamba"],
+                                          num_local_experts=4, num_experts_per_tok=2)
+    else:
+        path, _ = write_moe_checkpoint(tmp_path, shared=False)
+    card = Card(256 << 20)
+    model = load_model(path, card, tokenizer=False, dtype="bfloat16")
+    runner = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=48, block_size=16,
+                         num_kv_blocks=20, max_model_len=200)
+    try:
+        cfg = model.config
+        assert weight_bytes(cfg, "bfloat16") == model.weights.nbytes
+        assert scratch_bytes(cfg, capacity(cfg, 4, 48, 200, 16)) == runner.scratch_bytes
+        assert runner.kv.nbytes == (20 + 1) * block_bytes(cfg, 16, runner.kv_cache_dtype)
+        assert len(runner.kv.k) == len(cfg.attention_layers)
+    finally:
+        runner.close()
+        card.close()
+
+
 def test_tensor_parallel_shards_by_heads_columns_rows_and_vocabulary():
     cfg = granite_config(vocab=301, hidden=128, layers=3, heads=8, kv_heads=2, intermediate=96, tie=True)
     d = 16

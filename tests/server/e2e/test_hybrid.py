@@ -138,14 +138,17 @@ def test_what_it_is_not_served_with_is_refused_at_start(hybrid, flags, why):
         served(hybrid[0], **flags)
 
 
-def test_the_plan_refuses_what_it_cannot_size(hybrid):
+def test_the_plan_sizes_a_hybrid_on_one_card_and_refuses_to_shard_it(hybrid):
     import io
 
     from spyre_serve.server.launch.plan import plan
 
     out = io.StringIO()
-    assert plan(real_settings(model=str(hybrid[0])), out=out) == 1
-    assert "Mamba-2 states and experts are not sized yet" in out.getvalue()
+    assert plan(real_settings(model=str(hybrid[0])), out=out) == 0, out.getvalue()
+    assert "weights" in out.getvalue() and "TTFT" in out.getvalue()
+    out = io.StringIO()
+    assert plan(real_settings(model=str(hybrid[0]), tensor_parallel_size=2), out=out) == 1
+    assert "not sharded yet" in out.getvalue()
 
 
 def test_answers_carry_the_real_cards_clock_of_the_mamba_layers_and_experts(client):
