@@ -71,15 +71,23 @@ def mamba_conv(out, x, w, bias, states, seq_start, seq_slot, reset):
         st = states[seq_slot[s]]
         if reset[s]:
             st[:, c0:c1] = 0.0
-        win = np.empty((k_n - 1 + r1 - r0, c1 - c0), np.float32)
+        nc = c1 - c0
+        win = np.empty((k_n - 1 + r1 - r0, nc), np.float32)
         win[:k_n - 1] = st[:, c0:c1]
         win[k_n - 1:] = x[r0:r1, c0:c1]
+        wt = np.empty((k_n, nc), np.float32)      # the block's weights by tap: unit stride over channels
+        for j in range(k_n):
+            for c in range(nc):
+                wt[j, c] = w[c0 + c, j]
+        acc = np.empty(nc, np.float32)
         for t in range(r1 - r0):
-            for c in range(c1 - c0):
-                acc = bias[c0 + c]
-                for j in range(k_n):
-                    acc += w[c0 + c, j] * win[t + j, c]
-                out[r0 + t, c0 + c] = _silu(acc)
+            for c in range(nc):
+                acc[c] = bias[c0 + c]
+            for j in range(k_n):
+                for c in range(nc):
+                    acc[c] += wt[j, c] * win[t + j, c]
+            for c in range(nc):
+                out[r0 + t, c0 + c] = _silu(acc[c])
         st[:, c0:c1] = win[r1 - r0:]
 
 
@@ -109,17 +117,25 @@ def ssm_scan(y, x, dt, b, c, a, d, dt_bias, dt_min, dt_max, states, seq_start, s
         if reset[s]:
             st[:, :] = 0.0
         g0 = (h // per_group) * n_n
+        # the row's B and C copied to unit-stride vectors: b and c are column slices of the conv's
+        # output, whose stride the compiler cannot assume, so the state loop would not vectorize
+        bt = np.empty(n_n, np.float32)
+        ct = np.empty(n_n, np.float32)
         for t in range(seq_start[s], seq_start[s + 1]):
             delta = min(max(_softplus(dt[t, h] + dt_bias[h]), dt_min), dt_max)
             decay = np.float32(np.exp(delta * a[h]))
+            for n in range(n_n):
+                bt[n] = b[t, g0 + n]
+                ct[n] = c[t, g0 + n]
             for p in range(p_n):
                 xv = x[t, h * p_n + p]
                 dx = delta * xv
+                row = st[p]
                 acc = np.float32(0.0)
                 for n in range(n_n):
-                    v = st[p, n] * decay + dx * b[t, g0 + n]
-                    st[p, n] = v
-                    acc += v * c[t, g0 + n]
+                    v = row[n] * decay + dx * bt[n]
+                    row[n] = v
+                    acc += v * ct[n]
                 y[t, h * p_n + p] = acc + d[h] * xv
 
 
