@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 ARCHITECTURES = {"GraniteForCausalLM": "granite", "LlamaForCausalLM": "llama",
                  "GraniteMoeHybridForCausalLM": "granitemoehybrid", "GraniteMoeForCausalLM": "granitemoe",
                  "GraniteMoeSharedForCausalLM": "granitemoeshared"}
@@ -64,6 +66,21 @@ class MambaShape:
     def proj(self) -> int:
         """in_proj's outputs: gate z, x B C, dt."""
         return self.d_inner + self.conv_dim + self.n_heads
+
+    @property
+    def conv_state(self) -> tuple[int, int]:
+        """A sequence's conv state: its last K - 1 inputs of every channel."""
+        return self.d_conv - 1, self.conv_dim
+
+    @property
+    def ssm_state(self) -> tuple[int, int, int]:
+        """A sequence's SSM state: [heads, head dim, state size]."""
+        return self.n_heads, self.head_dim, self.d_state
+
+    @property
+    def state_values(self) -> int:
+        """float32 values of one sequence's two states in one layer."""
+        return int(np.prod(self.conv_state)) + int(np.prod(self.ssm_state))
 
 
 @dataclass(slots=True)
@@ -179,11 +196,11 @@ class GraniteConfig:
             "torch_dtype": self.torch_dtype,
             "dtype": self.torch_dtype,
         }
+        if arch != "LlamaForCausalLM":            # Granite's four multipliers
+            d.update({"embedding_multiplier": self.embedding_multiplier,
+                      "attention_multiplier": self.attention_multiplier,
+                      "residual_multiplier": self.residual_multiplier, "logits_scaling": self.logits_scaling})
         if arch == "GraniteForCausalLM":
-            d["embedding_multiplier"] = self.embedding_multiplier
-            d["attention_multiplier"] = self.attention_multiplier
-            d["residual_multiplier"] = self.residual_multiplier
-            d["logits_scaling"] = self.logits_scaling
             if self.head_dim * self.num_attention_heads != self.hidden_size:
                 raise ConfigError(
                     f"GraniteForCausalLM has no head_dim field: head_dim {self.head_dim} "
@@ -191,9 +208,6 @@ class GraniteConfig:
                     f"hidden_size {self.hidden_size}")
         elif arch in MOE:
             d.update({
-                "embedding_multiplier": self.embedding_multiplier,
-                "attention_multiplier": self.attention_multiplier,
-                "residual_multiplier": self.residual_multiplier, "logits_scaling": self.logits_scaling,
                 "intermediate_size": self.expert_intermediate_size, "num_local_experts": self.num_experts,
                 "num_experts_per_tok": self.num_experts_per_tok,
                 **({"shared_intermediate_size": self.intermediate_size} if self.dense_mlp else {})})
@@ -201,9 +215,6 @@ class GraniteConfig:
             m = self.mamba
             kinds = [self.kind_of(i) for i in range(self.num_hidden_layers)]
             d.update({
-                "embedding_multiplier": self.embedding_multiplier,
-                "attention_multiplier": self.attention_multiplier,
-                "residual_multiplier": self.residual_multiplier, "logits_scaling": self.logits_scaling,
                 "layer_types": ["linear_attention" if k == "mamba" else "full_attention" for k in kinds],
                 "position_embedding_type": "rope" if self.rope else "nope",
                 "shared_intermediate_size": self.intermediate_size,
@@ -408,11 +419,20 @@ def _number(v, key: str) -> float:
     return out
 
 
-def _moe_fields(d: dict, arch: str) -> dict:
-    """A Granite 3.x MoE config's experts (and, GraniteMoeShared's, the shared MLP's width)."""
-    experts, top_k = _positive_int(d, "num_local_experts"), _positive_int(d, "num_experts_per_tok")
+def _experts(d: dict, required: bool) -> tuple[int, int]:
+    """(num_local_experts, num_experts_per_tok), checked; (0, 0) for none where none is allowed."""
+    experts = _positive_int(d, "num_local_experts") if required else int(d.get("num_local_experts") or 0)
+    if experts < 0:
+        raise ConfigError(f"config field 'num_local_experts' must be >= 0, got {experts}")
+    top_k = _positive_int(d, "num_experts_per_tok") if experts else 0
     if top_k > experts:
         raise ConfigError(f"config field 'num_experts_per_tok' ({top_k}) is over num_local_experts ({experts})")
+    return experts, top_k
+
+
+def _moe_fields(d: dict, arch: str) -> dict:
+    """A Granite 3.x MoE config's experts (and, GraniteMoeShared's, the shared MLP's width)."""
+    experts, top_k = _experts(d, required=True)
     inter = _positive_int(d, "intermediate_size")
     shared = arch == "GraniteMoeSharedForCausalLM" and bool(d.get("shared_intermediate_size"))
     return {"num_experts": experts, "num_experts_per_tok": top_k, "expert_intermediate_size": inter,
@@ -436,12 +456,7 @@ def _hybrid_fields(d: dict, hidden: int, layers: int) -> dict:
         raise ConfigError(f"config field 'position_embedding_type' is {pe!r}; supported: 'rope', 'nope'")
     if d.get("mamba_proj_bias"):
         raise ConfigError("config field 'mamba_proj_bias' is True; supported: False")
-    experts = int(d.get("num_local_experts") or 0)
-    if experts < 0:
-        raise ConfigError(f"config field 'num_local_experts' must be >= 0, got {experts}")
-    top_k = _positive_int(d, "num_experts_per_tok") if experts else 0
-    if top_k > experts:
-        raise ConfigError(f"config field 'num_experts_per_tok' ({top_k}) is over num_local_experts ({experts})")
+    experts, top_k = _experts(d, required=False)
     out: dict = {"layer_kinds": kinds, "rope": pe == "rope", "num_experts": experts, "num_experts_per_tok": top_k,
                  "expert_intermediate_size": _positive_int(d, "intermediate_size") if experts else 0,
                  "intermediate_size": _positive_int(d, "shared_intermediate_size")}

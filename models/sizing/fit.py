@@ -171,8 +171,7 @@ def state_bytes(config: GraniteConfig, cap: Capacity) -> int:
     m = config.mamba
     if not m or not config.mamba_layers:
         return 0
-    return 2 * cap.smax * len(config.mamba_layers) * 4 * ((m.d_conv - 1) * m.conv_dim
-                                                          + m.n_heads * m.head_dim * m.d_state)
+    return 2 * cap.smax * len(config.mamba_layers) * 4 * m.state_values
 
 
 @dataclass(frozen=True, slots=True)

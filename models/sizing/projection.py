@@ -260,8 +260,7 @@ class StepProjector:
                          f["experts"]) if e else None
         m = config.mamba
         # a Mamba layer's states, read and written once a step by each of its sequences
-        self._state_bytes = lm * 2 * STATE_BYTES * (
-            (m.d_conv - 1) * m.conv_dim + m.n_heads * m.head_dim * m.d_state) if m and lm else 0
+        self._state_bytes = lm * 2 * STATE_BYTES * m.state_values if m and lm else 0
         per_logit_row = [   # kernels on the logit rows
             LinearKernel("rmsnorm", 1, rb(h), rb(h), rb(h), 0.0),
             LinearKernel("lm_head", 1, h * rb(vocab, w["lm_head"]), rb(h), rb(vocab), 2.0 * h * vocab,

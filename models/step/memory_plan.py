@@ -47,9 +47,9 @@ class StepMemory:
             self.workspace = self._alloc(sizes["workspace"], zero=True)
             self.inputs = self._alloc(sizes["inputs"])
             self.outputs = [self._alloc(sizes["output"], zero=True) for _ in range(2)]
-            self.states = [(self._alloc_f32(state_slots, m.d_conv - 1, m.conv_dim),
-                            self._alloc_f32(state_slots, m.n_heads, m.head_dim, m.d_state))
-                           for m in [cfg.mamba] * len(cfg.mamba_layers)]
+            m = cfg.mamba
+            self.states = [(self._alloc_f32(state_slots, *m.conv_state), self._alloc_f32(state_slots, *m.ssm_state))
+                           for _ in cfg.mamba_layers]
             self.kv = KVCache(card, cfg, block_size, num_kv_blocks, kv_cache_fraction,
                               kv_cache_dtype)
             self.layer_table = build_layer_table(card, weights, self.kv.k, self.kv.v, lora_columns,

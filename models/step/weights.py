@@ -260,11 +260,15 @@ class _Placer:
         """A float32 array; `rounded`: its values rounded to the weights' width first."""
         host = np.asarray(host, np.float32)
         if rounded:
-            host = decode(encode(host, self.fmt), self.fmt)
+            host = self.round(host)
         t = self.card.empty(host.shape, np.float32)
         t.numpy()[...] = host
         self.placed.append(t)
         return t
+
+    def round(self, host: np.ndarray) -> np.ndarray:
+        """float32 values rounded to the weights' width (as the card holds them)."""
+        return decode(encode(np.asarray(host, np.float32), self.fmt), self.fmt)
 
     def gemm(self, name: str, *rows: np.ndarray | QuantizedWeight) -> GemmWeight:
         """The GEMM weight W[K, N] of Hugging Face linears [n_i, K] (out, in), their outputs
@@ -343,13 +347,12 @@ def _place_mamba(put: _Placer, c: GraniteConfig, tensors, p: str) -> MambaWeight
     """A Mamba-2 mixer's tensors (HF names under `p`) on the card; A as the scan reads it."""
     m = c.mamba
     conv_b = tensors[p + "conv1d.bias"] if m.conv_bias else np.zeros(m.conv_dim, np.float32)
-    a_log = np.asarray(tensors[p + "A_log"], np.float32)
     return MambaWeights(
         in_proj=put.gemm(p + "in_proj.weight", tensors[p + "in_proj.weight"]),
         conv_w=put.vector(np.asarray(tensors[p + "conv1d.weight"], np.float32).reshape(m.conv_dim, m.d_conv)),
         conv_b=put.vector(conv_b), dt_bias=put.vector(tensors[p + "dt_bias"]),
         # transformers: A = -exp(A_log.float()), from the stored (rounded) A_log
-        a=put.vector(-np.exp(decode(encode(a_log, put.fmt), put.fmt)), rounded=False),
+        a=put.vector(-np.exp(put.round(tensors[p + "A_log"])), rounded=False),
         d=put.vector(tensors[p + "D"]), norm=put.vector(tensors[p + "norm.weight"]),
         out_proj=put.gemm(p + "out_proj.weight", tensors[p + "out_proj.weight"]))
 
