@@ -14,7 +14,8 @@ heads of 64 with a state of 128, attention 16 heads of 64 (4 KV heads), MLP 2816
     attention layers' do;
   - batch-8 and batch-32 decode (tokens/s) after 128-token prompts.
 
-Ours runs the step program (device-fed decode tokens, step N+1 launched before step N is read);
+Ours runs the step program, timed as benchmarks/model.py times it (device-fed decode tokens,
+step N+1 launched before step N is read);
 transformers runs its own model eagerly (its chunked SSD scan for prompts, its state update
 for decode tokens; greedy `generate`, decode time = (N tokens - 1 token) / (N - 1)). Threads: 2
 for Numba, BLAS and torch alike. Results: benchmarks/results/hybrid.json, with the ISA level.
@@ -22,35 +23,24 @@ for Numba, BLAS and torch alike. Results: benchmarks/results/hybrid.json, with t
 
 from __future__ import annotations
 
-import os
-
-THREADS = "2"
-for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(var, THREADS)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spyre_serve.device.process import configure  # noqa: E402
-
-configure()   # threads, ISA level, compile cache: before any kernel is imported
-
+# the model benchmark's process set-up (threads, offline hub, configure()) and its program-path timers
 import numpy as np  # noqa: E402
 
+from benchmarks.model import BLOCK, THREADS, runtime_decode, runtime_prefill  # noqa: E402
 from spyre_serve.device import Card  # noqa: E402
 from spyre_serve.device.isa import current  # noqa: E402
-from spyre_serve.models import ModelRunner, SamplingParams, SeqWork, load_model  # noqa: E402
+from spyre_serve.models import ModelRunner, load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hybrid.json"
 CHECKPOINT = Path.home() / ".cache" / "spyre-serve" / "bench-hybrid"
-GREEDY = SamplingParams(temperature=0.0)
-BLOCK = 64
 SHAPE = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, shared_intermediate_size=2816,
              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
              layer_types=["mamba", "mamba", "mamba", "attention"] * 2, mamba_n_heads=32, mamba_d_head=64,
@@ -76,41 +66,13 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [rng.integers(3, SHAPE["vocab_size"], length).tolist() for _ in range(n)]
 
 
-# ---- ours ---------------------------------------------------------------------------------
+# ---- ours: benchmarks/model.py's timers ---------------------------------------------------
 
 def ours_prefill(runner, prompt) -> float:
-    blocks = list(range(-(-len(prompt) // BLOCK)))
+    run = runtime_prefill(runner, prompt)
     t0 = time.perf_counter()
-    runner.launch([SeqWork(0, prompt, 0, blocks, True, GREEDY)]).result()
-    seconds = time.perf_counter() - t0
-    runner.forget(0)
-    return seconds
-
-
-def ours_decode(runner, batch: list[list[int]], steps: int) -> float:
-    """Prefill every prompt (in chunks of the step budget), then `steps` decode steps of all of
-    them with device-fed tokens; seconds of the decode part."""
-    n, length = len(batch), len(batch[0])
-    per_seq = -(-(length + steps + 2) // BLOCK)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
-    chunk = runner.max_num_batched_tokens
-    for i, p in enumerate(batch):
-        for a in range(0, length, chunk):
-            runner.launch([SeqWork(i, p[a:a + chunk], a, tables[i], a + chunk >= length, GREEDY)]).result()
-    runner.launch([SeqWork(i, [1], length, tables[i], True, GREEDY) for i in range(n)]).result()
-    t0 = time.perf_counter()
-    pending = None
-    for k in range(steps):
-        h = runner.launch([SeqWork(i, [-1], length + 1 + k, tables[i], True, GREEDY, num_generated=k + 1,
-                                   from_device=True) for i in range(n)])
-        if pending is not None:
-            pending.result()
-        pending = h
-    pending.result()
-    seconds = time.perf_counter() - t0
-    for i in range(n):
-        runner.forget(i)
-    return seconds
+    run()
+    return time.perf_counter() - t0
 
 
 # ---- transformers -------------------------------------------------------------------------
@@ -173,7 +135,7 @@ def main() -> None:
                 ours, theirs = ours_prefill(runner, work), hf_prefill(ref, work)
                 figures = {"ours_tok_s": len(work) / ours, "transformers_tok_s": len(work) / theirs}
             else:
-                ours, theirs = ours_decode(runner, work, steps), hf_decode(ref, work, steps)
+                ours, theirs = runtime_decode(runner, work, steps), hf_decode(ref, work, steps)
                 n = len(work) * steps
                 figures = {"ours_ms_per_step": 1e3 * ours / steps, "transformers_ms_per_step": 1e3 * theirs / steps,
                            "ours_tok_s": n / ours, "transformers_tok_s": n / theirs}

@@ -74,15 +74,23 @@ def runtime_prefill(runner, prompt):
 
 
 def runtime_decode(runner, prompts, steps):
-    """Prefill every prompt, then `steps` decode steps of all of them with device-fed tokens,
-    step N+1 launched before step N's result is read. Returns seconds of the decode part."""
-    n = len(prompts)
-    per_seq = -(-(len(prompts[0]) + steps + 1) // BLOCK)
+    """Prefill every prompt (as many whole prompts a launch as the step budget holds; a prompt
+    longer than the budget alone, in chunks), then `steps` decode steps of all of them with
+    device-fed tokens, step N+1 launched before step N's result is read. Returns seconds of the
+    decode part."""
+    n, length = len(prompts), len(prompts[0])
+    per_seq = -(-(length + steps + 1) // BLOCK)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
-    budget = runner.max_num_batched_tokens // len(prompts[0])
-    for a in range(0, n, budget):
-        runner.launch([SeqWork(i, prompts[i], 0, tables[i], True, GREEDY)
-                       for i in range(a, min(n, a + budget))]).result()
+    chunk = runner.max_num_batched_tokens
+    budget = chunk // length
+    if budget:
+        for a in range(0, n, budget):
+            runner.launch([SeqWork(i, prompts[i], 0, tables[i], True, GREEDY)
+                           for i in range(a, min(n, a + budget))]).result()
+    else:
+        for i, p in enumerate(prompts):
+            for a in range(0, length, chunk):
+                runner.launch([SeqWork(i, p[a:a + chunk], a, tables[i], a + chunk >= length, GREEDY)]).result()
     # the last prefill launch sampled only its own group: one host-fed step for everyone
     start = len(prompts[0])
     runner.launch([SeqWork(i, [1], start, tables[i], True, GREEDY) for i in range(n)]).result()
