@@ -232,6 +232,10 @@ class Settings:
     guard_metrics_and_docs: bool = _flag(False, "with --api-key, require the key on /metrics, /docs, "
                                          "/redoc and /openapi.json too (/health, /ping and /version stay "
                                          "open for load balancers)", parse_bool)
+    strict_request_fields: bool = _flag(False, "refuse (400, naming it) a request field this server does not "
+                                        "know; by default such a field is ignored and named in a warning "
+                                        "line, as vLLM does (routers add fields of their own to every body)",
+                                        parse_bool)
     max_waiting: int = _flag(1024, "most sequences (every choice of every prompt) waiting for "
                              "admission; a request that would go over gets 503 + Retry-After, one "
                              "that alone is over gets 400", int)

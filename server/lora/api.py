@@ -25,19 +25,19 @@ from pydantic import Field
 from spyre_serve.server.lora.adapters import lora_roots, refused_path, runtime_path
 from spyre_serve.server.openai.body import read_request
 from spyre_serve.server.openai.errors import APIError, internal_error, request_id_of
-from spyre_serve.server.openai.generation.protocol import StrictModel
+from spyre_serve.server.openai.generation.protocol import RequestModel
 from spyre_serve.server.openai.openapi import route
 from spyre_serve.server.openai.serving import serving_of
 
 router = APIRouter()
 
 
-class LoadLoRAAdapterRequest(StrictModel):
+class LoadLoRAAdapterRequest(RequestModel):
     lora_name: str | None = Field(None, description="the name requests give as `model` (required)")
     lora_path: str | None = Field(None, description="a PEFT adapter's directory on the server (required)")
 
 
-class UnloadLoRAAdapterRequest(StrictModel):
+class UnloadLoRAAdapterRequest(RequestModel):
     lora_name: str | None = Field(None, description="the loaded adapter's name (required)")
     lora_int_id: int | None = Field(None, description="vLLM's; accepted and not used")
 
@@ -63,7 +63,8 @@ async def update(request: Request, engine, op: str, name: str, path: str | None,
 @router.post("/v1/load_lora_adapter", **route(LoadLoRAAdapterRequest, (400, 401, 413, 500)))
 async def load_lora_adapter(request: Request):
     serving = serving_of(request)
-    req = await read_request(request, LoadLoRAAdapterRequest, serving.settings.max_body_bytes)
+    req = await read_request(request, LoadLoRAAdapterRequest, serving.settings.max_body_bytes,
+                             serving.settings.strict_request_fields)
     if not req.lora_name or not req.lora_path:
         raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
     if req.lora_name in serving.loras.adapters or req.lora_name == serving.model_name:
@@ -79,7 +80,8 @@ async def load_lora_adapter(request: Request):
 @router.post("/v1/unload_lora_adapter", **route(UnloadLoRAAdapterRequest, (400, 401, 404, 413, 500)))
 async def unload_lora_adapter(request: Request):
     serving = serving_of(request)
-    req = await read_request(request, UnloadLoRAAdapterRequest, serving.settings.max_body_bytes)
+    req = await read_request(request, UnloadLoRAAdapterRequest, serving.settings.max_body_bytes,
+                             serving.settings.strict_request_fields)
     if not req.lora_name:
         raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
     if req.lora_name not in serving.loras.adapters:

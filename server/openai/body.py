@@ -6,13 +6,15 @@ over ``--max-body-bytes`` (by its Content-Length before reading, or while readin
 without), 400 for a body that is not JSON (a Content-Type that is not JSON, bytes that are
 not UTF-8, text that is not JSON, NaN or Infinity, a number no float or int holds, nesting
 deeper than ``MAX_DEPTH``) or not an object, 400 naming the field for a value the endpoint's
-pydantic model refuses. Every message is in the user's words: no exception's name or text
-reaches the client.
+pydantic model refuses (and for a field it does not declare, with ``--strict-request-fields``;
+without it such a field is ignored and named in a warning, as vLLM does). Every message is in
+the user's words: no exception's name or text reaches the client.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 from typing import TypeVar
@@ -24,6 +26,10 @@ from pydantic import BaseModel, ValidationError
 from spyre_serve.server.openai.errors import APIError, validation_error
 
 Body = TypeVar("Body", bound=BaseModel)
+log = logging.getLogger("spyre_serve.api")
+
+# Most ignored field names one warning line names (a body may hold thousands of made-up keys).
+MAX_IGNORED_SHOWN = 10
 
 # Deepest nesting of arrays and objects a body may have. The deepest field any endpoint reads
 # is 4 levels down (messages[i].content[j].text); chat_template_kwargs may carry a little
@@ -147,11 +153,25 @@ def json_object(body: bytes) -> dict:
     return data
 
 
-async def read_request(request: Request, model: type[Body], limit: int) -> Body:
-    """The body read, parsed and validated as ``model``."""
+async def read_request(request: Request, model: type[Body], limit: int, strict: bool = False) -> Body:
+    """The body read, parsed and validated as ``model``. A field no model declares is ignored
+    and named in one warning line (vLLM's behaviour), or refused by name when ``strict``."""
     check_content_type(request.headers.get("content-type"))
     data = json_object(await read_body(request, limit))
+    context: dict = {"strict": strict, "ignored": []}
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data, context=context)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    if context["ignored"]:
+        log.warning("%s %s: ignored fields this server does not know: %s", request.method, request.url.path,
+                    ignored_names(context["ignored"]))
+    return body
+
+
+def ignored_names(names: list[str], shown: int = MAX_IGNORED_SHOWN) -> str:
+    """The ignored fields for a log line: each once, at most ``shown`` of them and 40 characters
+    of each (a body may hold thousands of made-up keys), then how many more there were."""
+    unique = list(dict.fromkeys(names))
+    text = ", ".join(json.dumps(name[:40]) for name in unique[:shown])
+    return text + (f" and {len(unique) - shown} more" if len(unique) > shown else "")

@@ -31,6 +31,10 @@ FLOORS = {"n": (1, "at least 1"), "min_tokens": (0, ">= 0")}
 # field, then delete its row here (structured output, tool calls and logit_bias went so).
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "suffix": ((None, ""), "suffix (insertion)"),
+    "continue_final_message": ((None, False), "continue_final_message (continuing the last assistant message)"),
+    # SGLang's, which vllm-router adds to every body it forwards, at these neutral values
+    "no_stop_trim": ((None, False), "no_stop_trim (SGLang's; include_stop_str_in_output keeps the stop string)"),
+    "return_hidden_states": ((None, False), "return_hidden_states (SGLang's)"),
 }
 
 # the rows above that are not the request's own fields but a chat message's or stream_options'

@@ -98,7 +98,7 @@ class Serving:
         """The request's body as ``model``, within ``--max-body-bytes``, for the model this
         server serves (every body may name it) and an endpoint of its kind: a body whose
         ``task`` is "generate" or "pooling" is a 400 on a model that does the other."""
-        body = await read_request(request, model, self.settings.max_body_bytes)
+        body = await read_request(request, model, self.settings.max_body_bytes, self.settings.strict_request_fields)
         self.check_model(body.model)
         task = getattr(model, "task", None)
         pools = self.engine.pooling is not None

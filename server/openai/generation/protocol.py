@@ -2,7 +2,8 @@
 
 Each check says what was asked and what is allowed; ``body.py`` turns a
 validation failure into a 400 with ``param`` naming the field. Nothing a client sends is
-dropped: a field no model here declares is refused by name (``extra="forbid"``), and a
+dropped unseen: a field no model here declares is ignored and named in a warning, as vLLM
+does, or refused by name with ``--strict-request-fields`` (``RequestModel``), and a
 field the server knows but does not act on yet is accepted only at its neutral value
 (``UNSUPPORTED``). The ranges are also written into the JSON schema (``/openapi.json``),
 so that ``/docs`` and API tools show them.
@@ -60,13 +61,42 @@ def not_empty(v, info):
     return v
 
 
-class StrictModel(BaseModel):
-    """A request body or part of one: a field it does not declare is refused, not ignored."""
+class RequestModel(BaseModel):
+    """A request body or part of one. A field it does not declare is dropped and named in the
+    validation context's ``ignored`` list (``body.read_request`` logs them, as vLLM does: routers
+    such as vllm-router add fields of their own to every body), unless the context says
+    ``strict`` (``--strict-request-fields``) or there is no context: then it is refused by name
+    (``extra="forbid"``). A field declared here with a value it does not take is refused either way."""
 
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unknown_fields(cls, data, handler, info):
+        context = info.context
+        if not isinstance(data, dict) or context is None or context.get("strict", True):
+            return handler(data)
+        known = cls._known_names()
+        unknown = [name for name in data if name not in known]
+        if not unknown:
+            return handler(data)
+        result = handler({name: value for name, value in data.items() if name in known})
+        context.setdefault("ignored", []).extend(unknown)   # once this model took the rest (a union tries several)
+        return result
 
-class StreamOptions(StrictModel):
+    @classmethod
+    def _known_names(cls) -> frozenset[str]:
+        names = _KNOWN_NAMES.get(cls)
+        if names is None:
+            names = frozenset(n for name, f in cls.model_fields.items() for n in (name, f.alias) if n is not None)
+            _KNOWN_NAMES[cls] = names
+        return names
+
+
+_KNOWN_NAMES: dict[type, frozenset[str]] = {}   # a request model -> its fields' names and aliases
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries its choice's usage so far
     continuous_usage_stats: bool = False
@@ -75,7 +105,7 @@ class StreamOptions(StrictModel):
 MAX_CACHE_SALT = 1024  # characters of a cache_salt
 
 
-class SamplingRequest(StrictModel):
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions."""
 
     task: ClassVar[str] = "generate"    # served by a generating runner only (Serving.read)
@@ -95,6 +125,8 @@ class SamplingRequest(StrictModel):
     n: Annotated[Integer, schema(minimum=1, **served(maximum="max_n"))] = 1
     best_of: Annotated[Integer | None, schema(minimum=1)] = None
     ignore_eos: bool = False
+    no_stop_trim: Annotated[bool | None, neutral("no_stop_trim")] = None
+    return_hidden_states: Annotated[bool | None, neutral("return_hidden_states")] = None
     min_tokens: Annotated[Integer, schema(minimum=0)] = 0
     presence_penalty: Annotated[float, range_schema("presence_penalty")] = 0.0
     frequency_penalty: Annotated[float, range_schema("frequency_penalty")] = 0.0
@@ -264,12 +296,12 @@ class CompletionRequest(SamplingRequest):
         return v
 
 
-class TextPart(StrictModel):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(StrictModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | Annotated[list[TextPart], FAIL_FAST] | None = None
     name: str | None = None  # handed to the chat template with the message, as vLLM does
@@ -321,6 +353,12 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: TemplateKwargs = None
     echo: bool = False  # vLLM's: the last message's content before the reply, when it has the reply's role
     parallel_tool_calls: bool = True  # OpenAI's: false allows one tool call at most
+    continue_final_message: Annotated[bool | None, neutral("continue_final_message")] = None
+    # SGLang's, which vllm-router adds to every chat it forwards: this server parses no reasoning out
+    # of the text, so there is none to separate, stream apart or leave out, whatever they say
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
@@ -343,7 +381,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_tokens
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [{"required": ["prompt"]},
                                                                            {"required": ["messages"]}]})
 
@@ -371,6 +409,6 @@ class TokenizeRequest(StrictModel):
         return self.prompt is not None
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: Annotated[list[TokenId], FAIL_FAST]

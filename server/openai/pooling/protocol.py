@@ -11,7 +11,7 @@ from pydantic import field_validator, model_validator
 from spyre_serve.server.openai.fields import Integer, TokenId, integer_at_least, schema, served
 from spyre_serve.server.openai.generation.protocol import (
     FAIL_FAST,
-    StrictModel,
+    RequestModel,
     not_empty,
     truncate_prompt_tokens,
 )
@@ -19,7 +19,7 @@ from spyre_serve.server.openai.generation.protocol import (
 Texts = str | Annotated[list[str], schema(minItems=1, **served(maxItems="max_prompts")), FAIL_FAST]
 
 
-class PoolingRequest(StrictModel):
+class PoolingRequest(RequestModel):
     """What both endpoints share (vLLM's fields beside OpenAI's)."""
 
     task: ClassVar[str] = "pooling"      # served by a pooling runner only (Serving.read)

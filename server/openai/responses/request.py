@@ -35,7 +35,7 @@ from spyre_serve.server.openai.fields import (
 from spyre_serve.server.openai.generation.protocol import (
     FAIL_FAST,
     ChatCompletionRequest,
-    StrictModel,
+    RequestModel,
 )
 from spyre_serve.server.openai.limits import check_schema_size
 from spyre_serve.server.structured_output.grammars import GrammarSpec, json_spec
@@ -60,7 +60,7 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 MAX_METADATA = (16, 64, 512)  # OpenAI's: pairs, characters of a key, characters of a value
 
 
-class ContentPart(StrictModel):
+class ContentPart(RequestModel):
     """A message's text: ``input_text``, or ``output_text`` of an earlier answer sent back
     (its annotations and logprobs come with it and change nothing)."""
 
@@ -73,7 +73,7 @@ class ContentPart(StrictModel):
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
-class MessageItem(StrictModel):
+class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | Annotated[list[ContentPart], FAIL_FAST]
@@ -84,7 +84,7 @@ class MessageItem(StrictModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(StrictModel):
+class FunctionCallItem(RequestModel):
     """A call the model made (an earlier response's ``function_call`` output item)."""
 
     type: Literal["function_call"]
@@ -95,7 +95,7 @@ class FunctionCallItem(StrictModel):
     status: Status | None = None
 
 
-class FunctionCallOutputItem(StrictModel):
+class FunctionCallOutputItem(RequestModel):
     """What the client's function returned for the call ``call_id``."""
 
     type: Literal["function_call_output"]
@@ -125,7 +125,7 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
 ITEMS = TypeAdapter(list[InputItem])
 
 
-class FunctionTool(StrictModel):
+class FunctionTool(RequestModel):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
@@ -133,20 +133,20 @@ class FunctionTool(StrictModel):
     strict: bool | None = None
 
 
-class NamedFunction(StrictModel):
+class NamedFunction(RequestModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(StrictModel):
+class TextFormat(RequestModel):
     type: Literal["text"]
 
 
-class JSONObjectFormat(StrictModel):
+class JSONObjectFormat(RequestModel):
     type: Literal["json_object"]
 
 
-class JSONSchemaFormat(StrictModel):
+class JSONSchemaFormat(RequestModel):
     type: Literal["json_schema"]
     name: Annotated[str, Field(min_length=1, max_length=64)]
     schema_: dict[str, Any] = Field(alias="schema")
@@ -154,7 +154,7 @@ class JSONSchemaFormat(StrictModel):
     strict: bool | None = None
 
 
-class TextConfig(StrictModel):
+class TextConfig(RequestModel):
     format: Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")] | None = None
     verbosity: Annotated[str | None, neutral("verbosity", UNSUPPORTED)] = None
 
@@ -164,7 +164,7 @@ class TextConfig(StrictModel):
         return refuse_unless_neutral(v, info, UNSUPPORTED)
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(RequestModel):
     task: ClassVar[str] = "generate"    # served by a generating runner only, as a chat is
     model: str | None = None
     input: Annotated[Annotated[str, Tag("str")]

@@ -350,3 +350,16 @@ def test_a_text_too_long_for_the_context_whatever_its_tokens_is_refused_before_t
     assert time.monotonic() - t0 < 2
     ok = c.post("/v1/completions", json={"prompt": "c " * 3000, "max_tokens": 1, "truncate_prompt_tokens": 8})
     assert ok.status_code == 200, ok.text
+
+
+def test_with_strict_request_fields_an_unknown_field_is_a_400_naming_it(side_app):
+    c = side_app(strict_request_fields=True)
+    err = error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "no_such_field": 1}), 400)
+    assert err["param"] == "no_such_field" and "does not know the field `no_such_field`" in err["message"]
+    err = error_of(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x", "extra": 1}],
+                                                         "max_tokens": 1}), 400)
+    assert "does not know the field `extra`" in err["message"]
+    # a field it knows at its neutral value passes either way
+    ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                                               "no_stop_trim": False, "include_reasoning": True})
+    assert ok.status_code == 200, ok.text

@@ -141,7 +141,7 @@ def test_bad_input_is_a_400_and_leaves_nothing(http, pooling_server):
     assert err["param"] == "input" and f"maximum context length is {CONTEXT} tokens" in err["message"]
     hidden = pooling_server.built.model.config.hidden_size
     for body, param in [({"input": []}, "input"), ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
-                        ({"input": "x", "dimensions": 3}, "dimensions"), ({"input": "x", "n": 2}, "n"),
+                        ({"input": "x", "dimensions": 3}, "dimensions"),
                         ({"input": "x", "dimensions": hidden}, "dimensions"),
                         ({"input": "x", "dimensions": 0}, "dimensions"),
                         ({"input": "x", "truncate_prompt_tokens": CONTEXT + 1}, "truncate_prompt_tokens"),

@@ -182,7 +182,6 @@ def test_an_unknown_or_unstored_response_is_a_404_naming_it(oai, model):
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"background": True}, "background"),
-    ({"extra_body": {"max_tokens": 4}}, "max_tokens"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format.schema"),
     ({"temperature": 3}, "temperature"),
