@@ -8,6 +8,8 @@ can live in one process (tests).
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -224,6 +226,10 @@ class _LiveCollector:
             yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                         engine.num_waiting_requests)
             yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.blocks.usage)
+            yield cache_config_info(engine)
+            lora = getattr(engine.runner, "lora", None)
+            if lora is not None:
+                yield lora_requests_info(lora.max_loras, *engine.lora_adapters)
             yield gauge("spyre_kv_blocks_total", "KV cache blocks on the card.", engine.blocks.num_blocks)
             yield gauge("spyre_kv_blocks_free", "KV cache blocks free right now.", engine.blocks.num_free)
             yield counter("spyre_preemptions", "Sequences preempted (blocks freed, recomputed later).",
@@ -267,6 +273,29 @@ class _LiveCollector:
         yield isa
         if card is not None:
             yield from card_families(m.model_name, m.cards or [card], m.compiles_at_ready)
+
+
+def cache_config_info(engine: Engine) -> GaugeMetricFamily:
+    """vLLM's ``vllm:cache_config_info``: the KV cache's configuration as labels, value 1 (the
+    Inference Extension's model-server protocol reads ``block_size`` and ``num_gpu_blocks``)."""
+    runner = engine.runner
+    config = {"block_size": engine.block_size, "num_gpu_blocks": engine.num_kv_blocks, "num_cpu_blocks": None,
+              "cache_dtype": getattr(runner, "kv_cache_dtype", "auto"),
+              "enable_prefix_caching": engine.blocks.enable_caching, "engine": 0}
+    family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                               labels=list(config))
+    family.add_metric([str(v) for v in config.values()], 1.0)
+    return family
+
+
+def lora_requests_info(max_loras: int, running: list[str], waiting: list[str]) -> GaugeMetricFamily:
+    """vLLM's ``vllm:lora_requests_info``: the adapters of running and waiting requests
+    (comma-separated) and how many fit on the card at once, as labels; its value the time of
+    the reading (vLLM's: the last update)."""
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                               labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    family.add_metric([str(max_loras), ",".join(running), ",".join(waiting)], time.time())
+    return family
 
 
 def card_families(model_name: str, cards: list, compiles_at_ready):

@@ -131,6 +131,7 @@ class Engine:
         self._fault = fault  # a test's injected fault (server/engine/watchdog.py), None when serving
         # published by the engine thread: (running, waiting) requests, waiting sequences
         self._counts, self._waiting_seqs = (0, 0), 0
+        self._loras: tuple[list[str], list[str]] = ([], [])   # and the LoRA adapters of the running, the waiting
 
     # ---- public, any thread ---------------------------------------------------
 
@@ -171,6 +172,12 @@ class Engine:
     def num_running_requests(self) -> int:
         return self._counts[0]
 
+    @property
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The LoRA adapters that running sequences use, and those that waiting ones do (names,
+        sorted, each once): vLLM's ``vllm:lora_requests_info``."""
+        return self._loras
+
     def _silenced(self) -> bool:
         """The engine died meanwhile and this is its loop: every request was answered."""
         return self._life.dead and threading.current_thread() is self._thread
@@ -180,6 +187,7 @@ class Engine:
         running = {s.request_id for s in self.scheduler.running}
         waiting = {s.request_id for s in self.scheduler.waiting} - running
         self._counts = (len(running), len(waiting))
+        self._loras = (adapters_of(self.scheduler.running), adapters_of(self.scheduler.waiting))
         self._waiting_seqs = len(self.scheduler.waiting)
         self._flush()
 
@@ -274,6 +282,7 @@ class Engine:
         except BaseException as exc:  # the loop must never die silently
             self._life.die(exc)
         self._counts, self._waiting_seqs = (0, 0), 0
+        self._loras: tuple[list[str], list[str]] = ([], [])   # and the LoRA adapters of the running, the waiting
 
     def _drain_inbox(self) -> None:
         self._open.take(self._inbox.take(), self._outputs.start)
@@ -404,3 +413,8 @@ class Engine:
         queued = [item for kind, item in self._inbox.close() if kind == "add"]
         self._open.fail_all(message, queued)
         self._flush()
+
+
+def adapters_of(seqs) -> list[str]:
+    """The LoRA adapters ``seqs`` run with, each once, sorted."""
+    return sorted({s.params.lora for s in seqs if s.params.lora is not None})

@@ -1,6 +1,7 @@
 """The OpenAI API over the engine (vLLM's field set).
 
-The endpoint families each have a package: ``generation/`` (/v1/completions, /v1/chat/completions),
+The endpoint families each have a package: ``generation/`` (/v1/completions, /v1/chat/completions,
+and their prompts' token ids for routers: /v1/completions/render, /v1/chat/completions/render),
 ``responses/`` (/v1/responses), ``pooling/`` (/v1/embeddings, /score); LoRA's runtime routes are
 ``server.lora.api``. What every endpoint shares is here, one job per module:
 
@@ -14,7 +15,7 @@ The endpoint families each have a package: ``generation/`` (/v1/completions, /v1
 - ``offload``: blocking work (templates, tokenizing) off the event loop, within a time bound;
 - ``bridge``: engine thread -> event loop (``Submission``, ``collect``);
 - ``tokenization`` (/tokenize, /detokenize), ``status`` (/v1/models, /health, /ping, /version,
-  /metrics).
+  /metrics), ``fleet`` (what a router reads of a replica: model and server information, load).
 
 Imports ``server.engine`` (the seams, its errors), ``server.sched.sequence``,
 ``server.structured_output``, ``server.lora`` and ``spyre_serve.models``' public names.

@@ -1,10 +1,10 @@
 """``create_app``: the FastAPI app of the OpenAI API over one engine.
 
 It builds what the endpoints share (``Serving``), puts the error handlers on, includes
-each endpoint module's router, behind the API key except /health, /ping, /version and
-/metrics, puts ``X-Request-Id`` on every response (``request_id``), and puts the request
-bodies' schemas into /openapi.json (``openapi``). Everything
-else lives in the modules named in ``server/openai/__init__.py``.
+each endpoint module's router, behind the API key except /health, /ping, /version,
+/metrics and the load a router reads (/load, /get_load), puts ``X-Request-Id`` on every
+response (``request_id``), and puts the request bodies' schemas into /openapi.json
+(``openapi``). Everything else lives in the modules named in ``server/openai/__init__.py``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from fastapi import Depends, FastAPI
 from spyre_serve.server.engine.seams import EngineClient
 from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.lora import api as lora_api
-from spyre_serve.server.openai import status, tokenization
+from spyre_serve.server.openai import fleet, status, tokenization
 from spyre_serve.server.openai.auth import GuardPaths, api_key_guard
 from spyre_serve.server.openai.errors import install_error_handlers
-from spyre_serve.server.openai.generation import chat, completions
+from spyre_serve.server.openai.generation import chat, completions, render
 from spyre_serve.server.openai.generation.prompts import free_variables
 from spyre_serve.server.openai.generation.protocol import (
     ChatCompletionRequest,
@@ -51,11 +51,12 @@ def create_app(engine: EngineClient, model, settings: Settings, metrics=None) ->
         app.add_middleware(GuardPaths, api_key=settings.api_key)
     install_error_handlers(app)
     guarded = [Depends(api_key_guard(settings.api_key))]
-    for module in (completions, chat, responses_api, embeddings, tokenization, status):
+    for module in (completions, chat, render, responses_api, embeddings, tokenization, status, fleet):
         app.include_router(module.router, dependencies=guarded)
     if settings.allow_runtime_lora:      # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: else no such routes
         app.include_router(lora_api.router, dependencies=guarded)
     app.include_router(status.open_router)
+    app.include_router(fleet.open_router)
     serving = app.state.serving
     values = served_values(serving.model_name, serving.vocab_size, settings, free_variables(serving.tokenizer))
     answers = [m for pair in GENERATION_RESPONSES.values() for m in pair]

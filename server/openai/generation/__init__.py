@@ -2,6 +2,7 @@
 
     completions.py    POST /v1/completions
     chat.py           POST /v1/chat/completions
+    render.py         POST /v1/completions/render, /v1/chat/completions/render: the prompts' token ids
     protocol.py       the request bodies (pydantic; vLLM's field set)
     response_bodies.py  the response bodies, as pydantic models (for /openapi.json and tests)
     prompts.py        a request's prompt or messages as token ids (BOS as vLLM, chat templates)

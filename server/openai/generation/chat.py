@@ -72,15 +72,10 @@ async def start_chat(serving: Serving, req: ChatCompletionRequest, engine_id: st
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     serving.check_limits(req)
-    serving.check_text_fits(["".join(message_texts(req.messages))], input_param, req.truncate_prompt_tokens)
     tools = ToolRequest.of(req)
     if tools is not None:
         await serving.blocking("checking the tools' JSON schemas", "tools", tools.check_schemas)
-    [ids] = await serving.prompt_ids("rendering the chat template for these messages", input_param,
-                                     chat_prompts, serving.tokenizer, req.messages, req.add_generation_prompt,
-                                     req.chat_template_kwargs, req.add_special_tokens,
-                                     tools.template_tools if tools is not None else None,
-                                     truncate=req.truncate_prompt_tokens)
+    ids = await prompt_ids(serving, req, tools, input_param)
     max_tokens = serving.max_tokens(req.output_limit, [ids])
     params = generation_params(req, max_tokens, top_logprobs(req), prompt_logprobs=False,
                                vocab_size=serving.vocab_size, defaults=serving.defaults)
@@ -89,6 +84,20 @@ async def start_chat(serving: Serving, req: ChatCompletionRequest, engine_id: st
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     return serving.start(engine_id, [ids], params, {"prompt": input_param, "max_tokens": limit_param},
                          model=req.model), tools
+
+
+async def prompt_ids(serving: Serving, req: ChatCompletionRequest, tools: ToolRequest | None,
+                     input_param: str = "messages") -> list[int]:
+    """The chat's prompt as token ids, rendered by the chat template with its tools (a request
+    within the caps: ``Serving.check_limits``; also /v1/chat/completions/render's); errors name
+    ``input_param``."""
+    serving.check_text_fits(["".join(message_texts(req.messages))], input_param, req.truncate_prompt_tokens)
+    [ids] = await serving.prompt_ids("rendering the chat template for these messages", input_param,
+                                     chat_prompts, serving.tokenizer, req.messages, req.add_generation_prompt,
+                                     req.chat_template_kwargs, req.add_special_tokens,
+                                     tools.template_tools if tools is not None else None,
+                                     truncate=req.truncate_prompt_tokens)
+    return ids
 
 
 def top_logprobs(req: ChatCompletionRequest) -> int | None:

@@ -36,7 +36,7 @@ from spyre_serve.server.openai.generation.response_bodies import GENERATION_RESP
 from spyre_serve.server.openai.generation.sampling import generation_params
 from spyre_serve.server.openai.openapi import GENERATION_ERRORS, route
 from spyre_serve.server.openai.request_id import request_ids
-from spyre_serve.server.openai.serving import serving_of
+from spyre_serve.server.openai.serving import Serving, serving_of
 from spyre_serve.server.sched.sequence import TokenLogprob
 from spyre_serve.server.structured_output import request as structured
 
@@ -51,10 +51,7 @@ async def create_completion(request: Request):
     serving.check_admission(1)          # before the body is read: a full queue costs nothing
     req = await serving.read(request, CompletionRequest)
     serving.check_limits(req)
-    texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
-    serving.check_text_fits(texts, "prompt", req.truncate_prompt_tokens)
-    prompts = await serving.prompt_ids("tokenizing the prompt", "prompt", completion_prompts, serving.tokenizer,
-                                       req.prompt, req.add_special_tokens, truncate=req.truncate_prompt_tokens)
+    prompts = await prompt_ids(serving, req)
     max_tokens = serving.max_tokens(req.max_tokens, prompts)
     echo_scored = req.echo and req.logprobs is not None
     # vLLM's prompt_logprobs, which echo with logprobs asks for too; a stream has none (0 passes, > 0 is a 400)
@@ -75,6 +72,15 @@ async def create_completion(request: Request):
         return stream_response(sub, head, req.stream_usage, choice_of)
     return encoded(await full_response(sub, request.is_disconnected, head,
                                        partial(finished_choice, serving.texts, echo, req.logprobs, shown)))
+
+
+async def prompt_ids(serving: Serving, req: CompletionRequest) -> list[list[int]]:
+    """The request's prompts as token ids (a request within the caps: ``Serving.check_limits``;
+    also /v1/completions/render's)."""
+    texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
+    serving.check_text_fits(texts, "prompt", req.truncate_prompt_tokens)
+    return await serving.prompt_ids("tokenizing the prompt", "prompt", completion_prompts, serving.tokenizer,
+                                    req.prompt, req.add_special_tokens, truncate=req.truncate_prompt_tokens)
 
 
 def echoed_texts(tokenizer, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:

@@ -297,12 +297,20 @@ def test_a_request_waiting_for_an_adapter_slot_lets_the_ones_behind_it_pass(serv
             third = asyncio.create_task(c.post("/v1/completions", json=completion(names[2], lora.prompts[1])))
             while engine.num_waiting_requests < 1:
                 await asyncio.sleep(0.005)
+            deadline = time.monotonic() + 30       # the engine takes it from its inbox, then publishes
+            while f'waiting_lora_adapters="{names[2]}"' not in (metrics := (await c.get("/metrics")).text):
+                assert time.monotonic() < deadline and not third.done(), metrics[-2000:]
+                await asyncio.sleep(0.01)
             base = await c.post("/v1/completions", json=completion("base", lora.prompts[1]))
             passed = not third.done() and not any(t.done() for t in long)
-            return base, passed, await third, await asyncio.gather(*long)
+            return base, passed, metrics, await third, await asyncio.gather(*long)
 
-    base, passed, third, long = asyncio.run(run())
+    base, passed, metrics, third, long = asyncio.run(run())
     assert passed, "the base request should have answered while the third adapter's waited"
+    # vLLM's vllm:lora_requests_info, which the Inference Extension reads for adapter affinity
+    [info] = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert ('max_lora="2"' in info and f'running_lora_adapters="{",".join(sorted(names[:2]))}"' in info
+            and f'waiting_lora_adapters="{names[2]}"' in info), info
     assert answered(server, base.json(), lora.expected[None][1][0])
     assert answered(server, third.json(), lora.expected[names[2]][1][0])
     assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200 for r in long)

@@ -88,10 +88,13 @@ def test_a_generating_route_declares_the_x_request_id_header(doc, path):
 
 def test_the_document_loads_as_openapi_with_every_operation_and_docs_is_served(doc):
     labels = [result.ok().label for result in schemathesis.openapi.from_dict(doc).get_all_operations()]
-    assert labels == ["POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
+    assert labels == ["POST /v1/completions", "POST /v1/chat/completions", "POST /v1/completions/render",
+                      "POST /v1/chat/completions/render", "POST /v1/responses",
                       "GET /v1/responses/{response_id}", "POST /v1/embeddings", "POST /v1/score", "POST /score",
-                      "POST /tokenize", "POST /detokenize",
-                      "GET /v1/models", "GET /version", "GET /health", "GET /ping", "POST /ping", "GET /metrics"]
+                      "POST /tokenize", "POST /detokenize", "GET /v1/models",
+                      "GET /model_info", "GET /get_model_info", "GET /server_info", "GET /get_server_info",
+                      "GET /version", "GET /health", "GET /ping", "POST /ping", "GET /metrics",
+                      "GET /get_load", "GET /load"]
     r = client_for().get("/docs")
     assert r.status_code == 200 and "/openapi.json" in r.text
 
