@@ -17,7 +17,7 @@ COPY pyproject.toml setup.py README.md ./
 COPY device/ device/
 COPY models/ models/
 COPY server/ server/
-COPY deploy/__init__.py deploy/
+COPY deploy/__init__.py deploy/fleet.py deploy/
 COPY deploy/loadtest/ deploy/loadtest/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from spyre_serve.deploy import fleet
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 NGINX_CONF = REPO / "deploy" / "nginx" / "nginx.conf"
@@ -30,18 +32,7 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = START_TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n"
-                               f"{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy after {timeout:g} s:\n{log.read_text()[-3000:]}")
+    fleet.wait_healthy(url, proc, timeout, log)
 
 
 def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int:

@@ -14,6 +14,7 @@ import subprocess
 import pytest
 import yaml
 
+from spyre_serve.deploy.fleet import ROUTER_FLAGS
 from spyre_serve.server.launch.cli import Settings
 from tests.deploy.dockerfile import parse
 from tests.deploy.procs import REPO, VENV_BIN
@@ -21,8 +22,9 @@ from tests.deploy.procs import REPO, VENV_BIN
 K8S = REPO / "deploy" / "k8s"
 COMPOSE = REPO / "deploy" / "compose.yaml"
 PROMETHEUS = REPO / "deploy" / "prometheus" / "prometheus.yml"
-NGINX_DIR = REPO / "deploy" / "nginx"
 K8S_FILES = sorted(K8S.glob("*.yaml"))
+ROUTER_FILES = sorted((K8S / "router").glob("*.yaml"))
+POOL = K8S / "inference-extension" / "inferencepool.yaml"
 IMAGE_PORT = int(parse(REPO / "Dockerfile")[-1].args("EXPOSE")[0])
 
 
@@ -52,7 +54,7 @@ def _drain_timeout() -> float:
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
-@pytest.mark.parametrize("path", K8S_FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", K8S_FILES + ROUTER_FILES, ids=lambda p: p.name)
 def test_k8s_manifest_is_valid(path, version):
     r = _k8s_validate(path, version)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -132,24 +134,35 @@ def _services() -> dict:
     return yaml.safe_load(COMPOSE.read_text())["services"]
 
 
-def test_compose_nginx_mounts_the_tested_config_and_every_file_it_includes():
-    mounts = {}
-    for v in _services()["nginx"]["volumes"]:
-        src, dst = v.split(":")[:2]
-        mounts[dst] = (COMPOSE.parent / src).resolve()
-    assert mounts["/etc/nginx/nginx.conf"] == (NGINX_DIR / "nginx.conf").resolve()
-    includes = re.findall(r"^\s*include\s+([^;]+);", (NGINX_DIR / "nginx.conf").read_text(), re.M)
-    assert includes
-    for name in includes:
-        assert mounts[f"/etc/nginx/{name}"].is_file(), name
+def test_compose_router_is_the_front_on_loopback_with_the_fleets_flags():
+    router = _services()["router"]
+    assert router["ports"] == [f"127.0.0.1:{IMAGE_PORT}:8000"] and "nginx" not in _services()
+    (command,) = router["command"]
+    assert " ".join(ROUTER_FLAGS) in command
+    # one worker URL per replica of the service, by the container names compose gives them
+    assert f"http://spyre-serve-spyre-$$i:{IMAGE_PORT}" in command and "${SPYRE_REPLICAS:-2}" in command
+    assert yaml.safe_load(COMPOSE.read_text())["name"] == "spyre-serve"
+    assert router["read_only"] is True and router["cap_drop"] == ["ALL"]
+    assert router["security_opt"] == ["no-new-privileges:true"]
 
 
-def test_compose_nginx_upstream_is_the_replicated_service():
-    services = _services()
-    upstreams = re.findall(r"^\s*server\s+([^\s;]+)", (NGINX_DIR / "upstreams.conf").read_text(),
-                           re.M)
-    assert upstreams == [f"spyre:{IMAGE_PORT}"]
-    assert "spyre" in services and "replicas" in services["spyre"]["deploy"]
+def test_compose_publishes_only_on_loopback_and_drops_privileges():
+    for name, service in _services().items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)
+        assert service["cap_drop"] == ["ALL"] and service["security_opt"] == ["no-new-privileges:true"], name
+
+
+def test_the_router_image_installs_the_pinned_router():
+    docker = (REPO / "deploy" / "router" / "Dockerfile").read_text()
+    assert "requirements.txt" in docker and "USER 10002" in docker
+    pins = [line for line in (REPO / "deploy" / "router" / "requirements.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    (pin,) = pins
+    version = pin.split("==")[1]
+    assert _services()["router"]["image"] == f"spyre-router:{version}"
+    (router,) = [d for d in _router_docs() if d["kind"] == "Deployment"]
+    assert router["spec"]["template"]["spec"]["containers"][0]["image"] == f"spyre-router:{version}"
 
 
 def test_compose_stop_grace_period_covers_the_drain():
@@ -181,6 +194,50 @@ def test_the_pod_is_hardened_and_its_network_policy_covers_it():
     assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"] and policy["egress"] == []
     (rule,) = policy["ingress"]
     assert [p["port"] for p in rule["ports"]] == [c["ports"][0]["name"]]
+    # only the router's pods and Prometheus's namespace come in: never the whole cluster
+    router_labels = _router_pod()["metadata"]["labels"]
+    sources = rule["from"]
+    assert [s["podSelector"]["matchLabels"] for s in sources if "podSelector" in s] == [router_labels]
+    assert all(set(s) <= {"podSelector", "namespaceSelector"} and s for s in sources)
+
+
+def _router_docs() -> list[dict]:
+    return [d for f in ROUTER_FILES for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def _router_pod() -> dict:
+    (deployment,) = [d for d in _router_docs() if d["kind"] == "Deployment"]
+    return deployment["spec"]["template"]
+
+
+def test_the_k8s_router_finds_the_replicas_with_a_namespaced_role_and_the_fleets_flags():
+    docs = {d["kind"]: d for d in _router_docs()}
+    assert set(docs) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "NetworkPolicy"}
+    (rule,) = docs["Role"]["rules"]
+    assert (rule["resources"], sorted(rule["verbs"])) == (["pods"], ["get", "list", "watch"])
+    pod = _router_pod()
+    assert pod["spec"]["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
+    (c,) = pod["spec"]["containers"]
+    args = c["args"]
+    replica_labels = _k8s("Deployment")["spec"]["template"]["metadata"]["labels"]
+    selector = args[args.index("--selector") + 1]
+    key, _, value = selector.partition("=")
+    assert replica_labels[key] == value
+    assert f"--service-discovery-port={_container()['ports'][0]['containerPort']}" in args
+    pairs = [f"{flag}={value}" for flag, value in zip(ROUTER_FLAGS[::2], ROUTER_FLAGS[1::2], strict=True)]
+    assert [a for a in args if a.split("=")[0] in ROUTER_FLAGS[::2]] == pairs
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    egress = docs["NetworkPolicy"]["spec"]["egress"]
+    assert {"podSelector": {"matchLabels": replica_labels}} in egress[0]["to"]
+
+
+def test_the_inference_pool_selects_the_replicas_on_the_served_port():
+    pool = yaml.safe_load(POOL.read_text())
+    assert (pool["apiVersion"], pool["kind"]) == ("inference.networking.k8s.io/v1", "InferencePool")
+    labels = _k8s("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pool["spec"]["targetPorts"] == [{"number": IMAGE_PORT}]
+    assert pool["spec"]["endpointPickerRef"]["name"]
 
 
 def test_nginx_buffers_little_more_than_the_server_takes_and_limits_each_client():
