@@ -299,6 +299,10 @@ def spawn_engine(settings, api_processes: int = 1) -> tuple[list, object]:
     return [p for p, _ in pairs], process
 
 
+class StartRefused(RuntimeError):
+    """The engine process refused what it was given (``process.is_refusal``): the message alone."""
+
+
 def wait_ready(conn, process=None, timeout: float = 3600.0) -> EngineProcessClient:
     """Wait until the engine process is ready (loaded, warmed up): its client. ``RuntimeError``
     with the engine process's reason when it could not start."""
@@ -315,6 +319,8 @@ def wait_ready(conn, process=None, timeout: float = 3600.0) -> EngineProcessClie
     except EOFError:
         raise RuntimeError("the engine process exited while starting") from None
     if message[0] != "ready":
+        if message[2]:
+            raise StartRefused(message[1])
         raise RuntimeError(f"the engine process could not start: {message[1]}")
     return EngineProcessClient(conn, process, message[1])
 

@@ -39,6 +39,15 @@ log = logging.getLogger("spyre_serve.engine")
 # ---- what crosses the pipe ------------------------------------------------------------------
 
 
+def is_refusal(exc: BaseException) -> bool:
+    """Whether a start failed on what it was given (a model, checkpoint or flag it cannot serve,
+    a file it cannot read, a card too small for the model): said in one line, exit code 2, as a
+    bad flag is. Anything else is a fault, shown with its traceback."""
+    from spyre_serve.device.memory import DeviceError
+
+    return isinstance(exc, ValueError | DeviceError | FileNotFoundError | NotADirectoryError | PermissionError)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """What the API process needs of the engine and its model, sent once when it is ready."""
@@ -290,11 +299,14 @@ def main(settings, conns: list[Connection]) -> None:
 
         loaded = load_engine(settings, progress=True)
     except BaseException as exc:  # noqa: BLE001 - told to the API process, which exits with it
-        text = f"{type(exc).__name__}: {exc}"
-        log.error("the engine process could not start: %s\n%s", text, traceback.format_exc())
+        refused = is_refusal(exc)
+        text = str(exc) if refused else f"{type(exc).__name__}: {exc}"
+        # a refusal is the API process's one line to say; a fault is logged here with its traceback
+        (log.debug if refused else log.error)("the engine process could not start: %s\n%s", text,
+                                              traceback.format_exc())
         for conn in conns:
             try:
-                conn.send(("failed", text))
+                conn.send(("failed", text, refused))
             except OSError:
                 pass
         _exit(1)

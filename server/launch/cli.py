@@ -312,9 +312,28 @@ def serve(s: Settings) -> int:
         from spyre_serve.server.launch.api_servers import serve_many
 
         return serve_many(s)
-    built = build(s, progress=True)
+    try:
+        built = build(s, progress=True)
+    except Exception as exc:
+        if not refused_at_start(exc):
+            raise
+        return 2
     log.info("serving %s on http://%s:%d/v1", built.metrics.model_name, s.host, s.port)
     return run(built.app, built.engine, s)
+
+
+def refused_at_start(exc: Exception) -> bool:
+    """A model, checkpoint or flag the server cannot serve (``is_refusal``, or the engine
+    process's ``StartRefused``): one line on stderr, as argparse refuses a bad flag, and True
+    (exit code 2); the traceback only at --log-level debug. False for anything else."""
+    from spyre_serve.server.engine.client import StartRefused
+    from spyre_serve.server.engine.process import is_refusal
+
+    if not (isinstance(exc, StartRefused) or is_refusal(exc)):
+        return False
+    log.debug("start refused", exc_info=exc)
+    print(f"spyre-serve serve: error: {exc}", file=sys.stderr)
+    return True
 
 
 def run(app, engine, s: Settings, sockets=None) -> int:

@@ -55,6 +55,22 @@ def test_a_bad_size_is_refused_with_the_value(capsys):
     assert "not a size: 'lots'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    (["--model", "/no/such/model"], "model '/no/such/model' is neither a model name"),
+    # refused in the engine process, after it started: the API process says it, once
+    (["--model", "granite-tiny", "--block-size", "7"], "block size and head dim in multiples of 16, got 7"),
+    (["--model", "granite-tiny", "--block-size", "7", "--no-engine-process"], "multiples of 16, got 7"),
+    (["--model", "granite-tiny", "--device-memory", "1M"], "device out of memory"),
+])
+def test_a_model_or_flag_that_cannot_be_served_is_one_line_and_exit_code_2(args, said):
+    r = subprocess.run([BIN, "serve", "--port", str(free_port()), *args], capture_output=True, text=True,
+                       env=ENV, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "spyre-serve serve: error:" in line]
+    assert len(lines) == 1 and said in lines[0], r.stderr[-3000:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
