@@ -201,6 +201,12 @@ def test_the_pod_is_hardened_and_its_network_policy_covers_it():
     assert all(set(s) <= {"podSelector", "namespaceSelector"} and s for s in sources)
 
 
+def test_the_api_key_comes_from_an_optional_secret():
+    env = {e["name"]: e for e in _container()["env"]}
+    ref = env["SPYRE_SERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"], ref["optional"]) == ("spyre-serve", "api-key", True)
+
+
 def _router_docs() -> list[dict]:
     return [d for f in ROUTER_FILES for d in yaml.safe_load_all(f.read_text()) if d]
 
