@@ -65,3 +65,43 @@ def test_a_malformed_header_is_a_checkpoint_error_naming_the_problem(tmp_path, h
 def test_a_header_json_cannot_read_is_a_checkpoint_error(tmp_path, raw, words):
     with pytest.raises(CheckpointError, match=words):
         _map_file(_write(tmp_path / "bad.safetensors", None, raw=raw))
+
+
+# ---- fuzzed (issue 38): damaged files load or are a CheckpointError, nothing else -------------
+
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.models.gguf.test_fuzz import damaged  # noqa: E402
+
+
+def _seed(path):
+    tensors = {"a": np.arange(12, dtype="<f4").reshape(3, 4), "b": np.ones(5, dtype="<f2")}
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, value in tensors.items():
+        raw = value.tobytes()
+        header[name] = {"dtype": {"<f4": "F32", "<f2": "F16"}[value.dtype.str], "shape": list(value.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    return _write(path, header, b"".join(blobs)).read_bytes()
+
+
+@settings(max_examples=300, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=4),
+       cut=st.none() | st.floats(0, 1), grow=st.binary(max_size=32))
+def test_a_damaged_file_maps_or_is_a_checkpoint_error(tmp_path, flips, cut, grow):
+    path = tmp_path / "fuzzed.safetensors"
+    seed = _seed(tmp_path / "seed.safetensors")
+    # the flips land in the 8-byte length and the JSON header, where a byte means most
+    header_end = 8 + struct.unpack("<Q", seed[:8])[0]
+    flips = [(where * header_end / len(seed), value) for where, value in flips]
+    path.write_bytes(damaged(seed, flips, cut, grow, keep=0))
+    try:
+        out = _map_file(path)
+        event("mapped")
+        for _, array in out.values():
+            assert array.nbytes <= path.stat().st_size
+    except CheckpointError as exc:
+        event(f"refused: {str(exc).partition(': ')[2][:24]}")
