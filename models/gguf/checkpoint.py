@@ -2,11 +2,12 @@
 
 ``load_gguf_checkpoint(path)`` gives the same ``Checkpoint`` as a safetensors directory:
 a ``GraniteConfig`` built from the file's metadata and every tensor with its Hugging Face
-name and shape. Two architectures are served, ``llama``
-and ``granite`` (llama.cpp's names); tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q4_K and Q6_K. Q8_0, Q4_0 and Q4_1 matrices stay at their width (the card's GEMM reads
-them as they are); the others are dequantized to float32. Anything else is refused naming the
-tensor and its type, or the architecture, before any tensor is read.
+name and shape. Four architectures are served, ``llama``, ``granite``, and ``granitehybrid``
+and ``granitemoe`` (llama.cpp's names; those two by ``hybrid.py``, in float32); tensor types
+F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K. Q8_0, Q4_0 and Q4_1 matrices stay
+at their width (the card's GEMM reads them as they are); the others are dequantized to float32.
+Anything else is refused naming the tensor and its type, or the architecture, before any tensor
+is read.
 
 Three things differ from a Hugging Face checkpoint:
 
@@ -37,6 +38,7 @@ from gguf import GGMLQuantizationType, Keys
 
 from spyre_serve.models.checkpoints.hf import Checkpoint, check_shapes, expected_shapes
 from spyre_serve.models.config import ConfigError, GraniteConfig
+from spyre_serve.models.gguf import hybrid
 from spyre_serve.models.gguf.file import (  # noqa: F401  (GGUFError, is_gguf_file: this module's interface)
     QUANTIZED_TYPES,
     GGUFError,
@@ -107,6 +109,8 @@ def gguf_name(name: str) -> str:
 def check_architecture(f: GGUFFile) -> str:
     """Our architecture class for the file's, or the refusal naming it."""
     arch = f.architecture
+    if isinstance(arch, str) and arch in hybrid.ARCHITECTURES:
+        return hybrid.architecture(f)
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise GGUFError(f"{f.path}: GGUF architecture {arch!r} is not supported; supported: "
                         f"{', '.join(sorted(ARCHITECTURES))}")
@@ -115,7 +119,10 @@ def check_architecture(f: GGUFFile) -> str:
 
 def check_tensors(f: GGUFFile) -> None:
     """Every tensor is one we run, in a type we dequantize: else refuse naming the first."""
-    unknown = [t for t in f.tensors.values() if hf_name(t.name) is None]
+    if f.architecture in hybrid.ARCHITECTURES:
+        unknown = [f.tensors[n] for n in hybrid.unknown_tensors(f)]
+    else:
+        unknown = [t for t in f.tensors.values() if hf_name(t.name) is None]
     if unknown:
         t = unknown[0]
         raise GGUFError(f"{f.path}: tensor {t.name!r} ({t.type_name}{list(t.shape)}) is not part of "
@@ -169,9 +176,10 @@ def gguf_config(f: GGUFFile) -> GraniteConfig:
         require(f, key(k))
     hidden = _count(f, key(Keys.LLM.EMBEDDING_LENGTH))
     heads = _count(f, key(Keys.Attention.HEAD_COUNT))
-    kv_heads = _count(f, key(Keys.Attention.HEAD_COUNT_KV)) \
-        if key(Keys.Attention.HEAD_COUNT_KV) in f.metadata else heads
     blocks = _count(f, key(Keys.LLM.BLOCK_COUNT))
+    extra = hybrid.config_fields(f, hidden, blocks) if f.architecture in hybrid.ARCHITECTURES else {}
+    kv_heads = extra.pop("num_key_value_heads", None) or (
+        _count(f, key(Keys.Attention.HEAD_COUNT_KV)) if key(Keys.Attention.HEAD_COUNT_KV) in f.metadata else heads)
     if blocks * len(_LAYER_TENSORS) > len(f.tensors):
         raise GGUFError(f"{f.path}: metadata {key(Keys.LLM.BLOCK_COUNT)!r} is {blocks}: the file holds "
                         f"{len(f.tensors)} tensors, and each block has {len(_LAYER_TENSORS)}")
@@ -200,10 +208,11 @@ def gguf_config(f: GGUFFile) -> GraniteConfig:
         "torch_dtype": _dominant_dtype(f),
         **_special_ids(f, vocab),
     }
-    if arch == "GraniteForCausalLM":
-        d.update(_granite_multipliers(f, head_dim))
-    else:
+    if arch == "LlamaForCausalLM":
         d["head_dim"] = head_dim
+    else:
+        d.update(_granite_multipliers(f, head_dim))
+    d.update(extra)
     try:
         return GraniteConfig.from_dict(d)
     except ConfigError as e:
@@ -292,6 +301,8 @@ def load_gguf_checkpoint(path: str | Path, quantized: bool = True) -> Checkpoint
     f = read_gguf(path)
     config = gguf_config(f)
     check_tensors(f)
+    if f.architecture in hybrid.ARCHITECTURES:
+        return _load_hybrid(f, config)
     expected = {gguf_name(n): s for n, s in expected_shapes(config).items()}
     check_shapes(f.path, expected, {n: t.shape for n, t in f.tensors.items()})
     rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
@@ -312,4 +323,17 @@ def load_gguf_checkpoint(path: str | Path, quantized: bool = True) -> Checkpoint
     if widened:
         log.info("%s: its %s tensors are dequantized to float32 (the card serves Q8_0, Q4_0 and "
                  "Q4_1 at their width)", f.path.name, ", ".join(widened))
+    return Checkpoint(config=config, tensors=tensors, path=f.path, stored_dtypes=stored)
+
+
+def _load_hybrid(f: GGUFFile, config: GraniteConfig) -> Checkpoint:
+    """A granitehybrid or granitemoe file (``hybrid``): every tensor in float32, under its
+    Hugging Face name and layout, checked against the config's shapes."""
+    tensors, stored = hybrid.hf_tensors(f, config.num_attention_heads, config.num_key_value_heads,
+                                        unpermute_rope_rows)
+    check_shapes(f.path, expected_shapes(config), {n: w.shape for n, w in tensors.items()})
+    widened = sorted({t.type_name for t in f.tensors.values() if t.ggml_type not in _FLOAT_DTYPES})
+    if widened:
+        log.info("%s: its %s tensors are dequantized to float32 (%s is served at float widths)", f.path.name,
+                 ", ".join(widened), config.architecture)
     return Checkpoint(config=config, tensors=tensors, path=f.path, stored_dtypes=stored)

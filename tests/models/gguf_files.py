@@ -184,7 +184,7 @@ def _model_metadata(c: GraniteConfig, arch: str, qtype: Q) -> dict:
         f"{arch}.feed_forward_length": c.intermediate_size,
         f"{arch}.attention.head_count": c.num_attention_heads,
         f"{arch}.attention.head_count_kv": c.num_key_value_heads,
-        f"{arch}.rope.freq_base": float(c.rope_theta),
+        f"{arch}.rope.freq_base": float(_rope_theta(c)),
         f"{arch}.attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
         f"{arch}.vocab_size": c.vocab_size,
         f"{arch}.rope.dimension_count": c.head_dim,
@@ -260,3 +260,107 @@ def write_numpy_checkpoint(directory, config: GraniteConfig, tensors: dict[str, 
         save_file({n: np.ascontiguousarray(a, dtype=dtype) for n, a in tensors.items()},
                   str(directory / "model.safetensors"))
     return directory
+
+
+# ------------------------------------------------------------------ Granite 4.0 hybrids, Granite 3.x MoE
+
+
+def write_hybrid_gguf(path, model, checkpoint_dir) -> str:
+    """A transformers GraniteMoeHybrid / GraniteMoe(Shared) model written as llama.cpp's converter
+    writes it (convert_hf_to_gguf.py's GraniteHybridModel, GraniteMoeModel, Mamba2Model), all
+    tensors F32: the fused gate/up halves split, A as -exp(A_log), D and A as [NH, 1], the conv
+    squeezed, the gated norm as [G, DI / G], q/k rows permuted, KV heads per layer (0: Mamba),
+    RoPE off for a hybrid. The tensors are read from the safetensors ``checkpoint_dir`` holds (the
+    names a checkpoint has on disk, as the converter reads them). Returns the architecture written."""
+    from safetensors.numpy import load_file
+
+    c = model.config
+    sd = {}
+    for f in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        sd.update({k: v.astype(np.float32) for k, v in load_file(f).items()})
+    kinds = list(getattr(c, "layer_types", None) or ["attention"] * c.num_hidden_layers)
+    mamba = [i for i, k in enumerate(kinds) if k in ("mamba", "linear_attention")]
+    arch = "granitehybrid" if mamba else "granitemoe"
+    experts = bool(getattr(c, "num_local_experts", 0))
+    w = GGUFWriter(str(path), arch)
+    kv = {
+        "general.name": "test model", "general.file_type": int(LlamaFileType.ALL_F32),
+        f"{arch}.context_length": 2 ** 20 if mamba else c.max_position_embeddings,
+        f"{arch}.embedding_length": c.hidden_size, f"{arch}.block_count": c.num_hidden_layers,
+        f"{arch}.feed_forward_length": c.intermediate_size, f"{arch}.attention.head_count": c.num_attention_heads,
+        f"{arch}.attention.head_count_kv": ([0 if i in mamba else c.num_key_value_heads
+                                             for i in range(c.num_hidden_layers)] if arch == "granitehybrid"
+                                            else c.num_key_value_heads),
+        f"{arch}.rope.freq_base": float(_rope_theta(c)),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
+        f"{arch}.attention.scale": float(c.attention_multiplier),
+        f"{arch}.embedding_scale": float(c.embedding_multiplier),
+        f"{arch}.residual_scale": float(c.residual_multiplier), f"{arch}.logit_scale": float(c.logits_scaling),
+        "tokenizer.ggml.bos_token_id": c.bos_token_id, "tokenizer.ggml.eos_token_id": c.eos_token_id,
+    }
+    if experts:
+        kv[f"{arch}.expert_count"] = c.num_local_experts
+        kv[f"{arch}.expert_used_count"] = c.num_experts_per_tok
+    if getattr(c, "shared_intermediate_size", None):
+        kv[f"{arch}.expert_shared_feed_forward_length"] = c.shared_intermediate_size
+    if arch == "granitehybrid":
+        heads = c.mamba_n_heads
+        kv.update({f"{arch}.ssm.conv_kernel": c.mamba_d_conv, f"{arch}.ssm.state_size": c.mamba_d_state,
+                   f"{arch}.ssm.group_count": c.mamba_n_groups, f"{arch}.ssm.inner_size": heads * c.mamba_d_head,
+                   f"{arch}.ssm.time_step_rank": heads, f"{arch}.rope.scaling.finetuned": False})
+    for key, value in kv.items():
+        if value is not None:
+            _add(w, key, value)
+    for name, t in _hybrid_tensors(sd, c, mamba, experts).items():
+        w.add_tensor(name, np.ascontiguousarray(t, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return arch
+
+
+def _rope_theta(c) -> float:
+    """transformers 4's rope_theta, or 5's rope_parameters["rope_theta"]."""
+    theta = c.__dict__.get("rope_theta")
+    return theta if theta is not None else (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+
+
+def _hybrid_tensors(sd: dict, c, mamba: list[int], experts: bool) -> dict[str, np.ndarray]:
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if "lm_head.weight" in sd and not c.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        out[b + "attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[b + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        if i in mamba:
+            m = p + "mamba."
+            out[b + "ssm_in.weight"] = sd[m + "in_proj.weight"]
+            out[b + "ssm_conv1d.weight"] = sd[m + "conv1d.weight"].squeeze()
+            if m + "conv1d.bias" in sd:
+                out[b + "ssm_conv1d.bias"] = sd[m + "conv1d.bias"]
+            out[b + "ssm_dt.bias"] = sd[m + "dt_bias"]
+            out[b + "ssm_a"] = -np.exp(sd[m + "A_log"]).reshape(-1, 1)
+            out[b + "ssm_d"] = sd[m + "D"].reshape(-1, 1)
+            out[b + "ssm_norm.weight"] = sd[m + "norm.weight"].reshape(c.mamba_n_groups, -1)
+            out[b + "ssm_out.weight"] = sd[m + "out_proj.weight"]
+        else:
+            a = p + "self_attn."
+            out[b + "attn_q.weight"] = llama_cpp_permute(sd[a + "q_proj.weight"], c.num_attention_heads)
+            out[b + "attn_k.weight"] = llama_cpp_permute(sd[a + "k_proj.weight"], c.num_attention_heads,
+                                                         c.num_key_value_heads)
+            out[b + "attn_v.weight"] = sd[a + "v_proj.weight"]
+            out[b + "attn_output.weight"] = sd[a + "o_proj.weight"]
+        if experts:
+            e = p + "block_sparse_moe."
+            out[b + "ffn_gate_inp.weight"] = sd[e + "router.layer.weight"]
+            gate, up = np.split(sd[e + "input_linear.weight"], 2, axis=1)
+            out[b + "ffn_gate_exps.weight"], out[b + "ffn_up_exps.weight"] = gate, up
+            out[b + "ffn_down_exps.weight"] = sd[e + "output_linear.weight"]
+        if p + "shared_mlp.input_linear.weight" in sd:
+            gate, up = np.split(sd[p + "shared_mlp.input_linear.weight"], 2, axis=0)
+            tail = "_shexp" if experts else ""
+            out[b + f"ffn_gate{tail}.weight"], out[b + f"ffn_up{tail}.weight"] = gate, up
+            out[b + f"ffn_down{tail}.weight"] = sd[p + "shared_mlp.output_linear.weight"]
+    return out
