@@ -12,7 +12,9 @@ its text, and ``tool_choice`` enforced with structured output.
 - "auto" (the default when tools are given): the reply is parsed as Granite writes calls,
   ``<|tool_call|>[{"name": ..., "arguments": {...}}]`` (Granite 3.0's token; 3.1 writes the string
   ``<tool_call>``; with ``skip_special_tokens`` the token is gone from the text and the reply
-  starts at ``[``), as vLLM's granite tool parser reads it; text that is no such list is content.
+  starts at ``[``), as vLLM's granite tool parser reads it, or as Granite 4.0 writes them, one
+  object a block: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (vLLM's hermes
+  parser, which vLLM serves Granite 4.0 with); text that is neither is content.
 - "required": the reply is constrained to a JSON list of ``{"name": one of the tools,
   "parameters": that tool's parameter schema}`` (at least one), vLLM's schema.
 - {"type": "function", "function": {"name": N}}: the reply is constrained to N's parameter
@@ -40,7 +42,8 @@ from spyre_serve.server.structured_output.grammars import GrammarSpec, json_spec
 from spyre_serve.server.structured_output.request import check_json_schema
 
 BOT_TOKEN = "<|tool_call|>"    # Granite 3.0
-BOT_STRING = "<tool_call>"     # Granite 3.1
+BOT_STRING = "<tool_call>"     # Granite 3.1, and each of Granite 4.0's calls
+EOT_STRING = "</tool_call>"    # Granite 4.0: the end of one call
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -143,6 +146,8 @@ class ToolRequest:
         if self.choice == "none":
             return [], text
         calls = parse_call_list(text, "parameters" if self.choice == "required" else "arguments")
+        if calls is None and self.choice == "auto":
+            calls = parse_tagged_calls(text)
         if calls is None:
             return [], text
         return [tool_call(name, args) for name, args in calls[:None if self.parallel else 1]], None
@@ -172,12 +177,43 @@ def parse_call_list(text: str, args_key: str) -> list[tuple[str, str]] | None:
         return None
     if not isinstance(raw, list):
         return None
+    out = [_name_and_arguments(call, args_key) for call in raw]
+    return None if None in out else out
+
+
+def _name_and_arguments(call, args_key: str = "arguments") -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one parsed call object, or None when it is none."""
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        return None
+    args = call.get(args_key, call.get("arguments", {}))
+    return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def _tagged_call(body: str) -> tuple[str, str] | None:
+    """One of Granite 4.0's calls: the JSON object between ``<tool_call>`` and ``</tool_call>``."""
+    try:
+        return _name_and_arguments(json.loads(body))
+    except ValueError:
+        return None
+
+
+def parse_tagged_calls(text: str) -> list[tuple[str, str]] | None:
+    """[(name, arguments as JSON text)] of Granite 4.0's calls: the reply a run of ``<tool_call>
+    {object} </tool_call>`` blocks (the last may be unclosed, a reply cut at its end), or None
+    when it is not that (vLLM's hermes parser)."""
+    rest = text.lstrip()
+    if not rest.startswith(BOT_STRING):
+        return None
     out = []
-    for call in raw:
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+    while rest:
+        if not rest.startswith(BOT_STRING):
             return None
-        args = call.get(args_key, call.get("arguments", {}))
-        out.append((call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        body, _, rest = rest[len(BOT_STRING):].partition(EOT_STRING)
+        call = _tagged_call(body)
+        if call is None:
+            return None
+        out.append(call)
+        rest = rest.lstrip()
     return out
 
 
@@ -240,6 +276,7 @@ class ToolStream:
         self.sent = 0             # calls sent so far
         self.sent_text = 0        # characters of text sent as content
         self.scanner: ListScanner | None = None   # the list of calls, once the text is one
+        self.tag_pos = 0          # tagged calls (Granite 4.0's): where the next block is looked for
 
     @property
     def called(self) -> bool:
@@ -255,14 +292,34 @@ class ToolStream:
             undecided = not body or BOT_TOKEN.startswith(stripped) or BOT_STRING.startswith(stripped)
             if undecided and not final:
                 return None, []
-            self.mode = "list" if body.startswith("[") else "text"
+            tagged = stripped.startswith(BOT_STRING) and body.startswith("{") and self.tools.choice == "auto"
+            self.mode = "list" if body.startswith("[") else "tagged" if tagged else "text"
             if self.mode == "list":
                 self.scanner = ListScanner(len(self.text) - len(body))
         if self.mode == "text":
             out = self.text[self.sent_text:]
             self.sent_text = len(self.text)
             return (out or None), []
-        return None, self._list(final)
+        return None, self._tagged(final) if self.mode == "tagged" else self._list(final)
+
+    def _tagged(self, final: bool) -> list[dict]:
+        """Granite 4.0's calls completed by the text so far, each sent once its ``</tool_call>``
+        arrives (at the end, an unclosed last one too)."""
+        out = []
+        while True:
+            start = self.text.find(BOT_STRING, self.tag_pos)
+            if start < 0:
+                break
+            end = self.text.find(EOT_STRING, start)
+            if end < 0 and not final:
+                break
+            body = self.text[start + len(BOT_STRING):end if end >= 0 else len(self.text)]
+            self.tag_pos = end + len(EOT_STRING) if end >= 0 else len(self.text)
+            call = _tagged_call(body)
+            if call is not None and (self.tools.parallel or self.sent == 0):
+                out.append(tool_call(*call, index=self.sent))
+                self.sent += 1
+        return out
 
     def _named(self, delta: str) -> tuple[None, list[dict]]:
         if self.sent == 0:
@@ -293,7 +350,7 @@ class ToolStream:
 
     def leftover(self) -> str | None:
         """At the end: text of a list that never parsed as calls, to send as content."""
-        if self.mode == "list" and self.sent == 0:
+        if self.mode in ("list", "tagged") and self.sent == 0:
             return self.text or None
         return None
 

@@ -14,7 +14,9 @@ from spyre_serve.server.launch.settings import Settings
 from spyre_serve.server.openai.app import create_app
 from spyre_serve.server.sched.sequence import TokenLogprob
 
-ALPHABET = " abcdefghijklmnopqrstuvwxyz.,!?é"  # token i (1..) is ALPHABET[i - 1]; 0 is <eos>
+# token i (1..) is ALPHABET[i - 1]; 0 is <eos>. After the letters, what a JSON tool call is written with.
+ALPHABET = " abcdefghijklmnopqrstuvwxyz.,!?é" + '<>/{}":_\nB'
+
 VOCAB = len(ALPHABET) + 1
 
 

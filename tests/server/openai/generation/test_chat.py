@@ -148,3 +148,26 @@ def test_the_chat_template_flag_replaces_the_tokenizers(engine, tmp_path):
         app = create_app(engine, fake_model(), Settings(chat_template=value))
         assert app.state.serving.tokenizer.chat_template == "{{ greeting }}{{ messages }}"
     assert fake_model().tokenizer.chat_template != "{{ greeting }}{{ messages }}"
+
+
+GRANITE_4_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Boston"}}\n</tool_call>\n'
+                   '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time"}}]
+
+
+def test_granite_4_tool_calls_come_back_as_openais_tool_calls_whole_and_streamed():
+    engine = ScriptedEngine(reply=GRANITE_4_CALLS, max_model_len=1024)
+    body = chat(engine, tools=WEATHER_TOOLS, max_tokens=len(GRANITE_4_CALLS) + 1)
+    message = body["choices"][0]["message"]
+    # (the scripted engine ends every reply at its length: a reply cut so keeps "length")
+    assert message["content"] is None and body["choices"][0]["finish_reason"] == "length"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("get_weather", {"city": "Boston"}), ("get_time", {})]
+    r = client_for(engine).post("/v1/chat/completions", json={"messages": HI, "tools": WEATHER_TOOLS, "stream": True,
+                                                              "max_tokens": len(GRANITE_4_CALLS) + 1})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_weather"), (1, "get_time")]
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks)

@@ -17,6 +17,7 @@ from spyre_serve.server.openai.generation.tools import (
     ToolRequest,
     complete_items,
     parse_call_list,
+    parse_tagged_calls,
     tool_choices,
 )
 
@@ -168,3 +169,41 @@ def test_a_streamed_list_of_calls_is_read_once_however_many_deltas_it_comes_in()
     assert time.perf_counter() - t0 < 5
     assert len(got) == len(want) == 500 and [c["function"] for c in got] == [c["function"] for c in want]
     assert json.loads(got[7]["function"]["arguments"])["i"] == 7
+
+
+# Granite 4.0 writes each call in its own block (vLLM serves it with its hermes parser)
+GRANITE_4 = ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+
+
+def test_granite_4_calls_are_parsed_one_block_each():
+    assert parse_tagged_calls(GRANITE_4) == [("f", '{"x": 1}'), ("g", "{}")]
+    calls, content = tools_of(tools=[F, G]).parse(GRANITE_4)
+    assert content is None and [c["function"]["name"] for c in calls] == ["f", "g"]
+    # a reply cut inside its last block's closing tag still gives the calls it holds
+    assert parse_tagged_calls('<tool_call>{"name": "f", "arguments": {"x": 2}}') == [("f", '{"x": 2}')]
+    calls, _ = tools_of(tools=[F, G], parallel_tool_calls=False).parse(GRANITE_4)
+    assert [c["function"]["name"] for c in calls] == ["f"]
+
+
+@pytest.mark.parametrize("text", ['<tool_call>{"name": "f", "arguments": {}</tool_call>',       # bad JSON
+                                  '<tool_call>{"arguments": {}}</tool_call>',                   # no name
+                                  '<tool_call>{"name": "f", "arguments": {}}</tool_call> and then',
+                                  'First <tool_call>{"name": "f", "arguments": {}}</tool_call>'])
+def test_text_that_is_not_only_granite_4_blocks_stays_content(text):
+    assert tools_of(tools=[F]).parse(text) == ([], text)
+
+
+def test_granite_4_calls_stream_one_by_one_as_each_block_closes():
+    chunks = stream(tools_of(tools=[F, G]), [GRANITE_4[i:i + 5] for i in range(0, len(GRANITE_4), 5)])
+    deltas = [(c, d) for c in chunks for d in c["delta"].get("tool_calls", [])]
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for _, d in deltas] == \
+        [(0, "f", '{"x": 1}'), (1, "g", "{}")]
+    first_chunk = next(i for i, c in enumerate(chunks) if c["delta"].get("tool_calls"))
+    assert "</tool_call>" in "".join(GRANITE_4[i:i + 5] for i in range(0, 5 * (first_chunk + 1), 5))
+    assert not any(c["delta"].get("content") for c in chunks) and chunks[-1]["finish_reason"] == "tool_calls"
+    # a block left open at the end is read then; one that never parses is sent as content
+    chunks = stream(tools_of(tools=[F]), ['<tool_call>{"name": "f", ', '"arguments": {"x": 3}}'])
+    assert chunks[-1]["delta"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 3}'}
+    chunks = stream(tools_of(tools=[F]), ["<tool_call>{", "nope"])
+    assert "".join(c["delta"].get("content", "") for c in chunks) == "<tool_call>{nope"
