@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spyre_serve.server.engine.outputs import SeqUpdate, take_update
+from spyre_serve.server.engine.outputs import RequestFault, SeqUpdate, take_update
 from spyre_serve.server.engine.stats import EngineObserver, EngineStats
 from spyre_serve.server.sched.scheduler import Scheduler
 from spyre_serve.server.sched.sequence import Sequence
@@ -68,6 +68,8 @@ class OpenRequests:
                     self.finish(req, "abort", notify=False)
 
     def finish_seq(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        if isinstance(stop_reason, RequestFault):      # an error the request caused: its message
+            seq.error, stop_reason = stop_reason, None
         seq.stop_reason = stop_reason
         self._scheduler.finish(seq, reason)
         req = self.by_id.get(seq.request_id)

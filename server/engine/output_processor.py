@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from spyre_serve.models import IncrementalDetokenizer
 from spyre_serve.server.engine.open_requests import EngineRequest
-from spyre_serve.server.engine.outputs import token_logprob
+from spyre_serve.server.engine.outputs import RequestFault, token_logprob
 from spyre_serve.server.engine.stats import EngineObserver, ProjectedTimes, time_token
 from spyre_serve.server.engine.stopping import check_stop
 from spyre_serve.server.sched.sequence import Sequence
@@ -43,8 +43,11 @@ class OutputProcessor:
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(token_logprob(out, i, token, seq.params.logprobs))
         stop = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
-        if seq.matcher is not None and stop is None:
-            stop = grammar_stop(seq, token)
+        # a matcher whose mask could not be made (llguidance gave up) failed whatever was sampled
+        if seq.matcher is not None and (stop is None or seq.matcher.failed):
+            stop = grammar_stop(seq, token) or stop
+            if stop is not None and stop[0] == "error":      # the grammar gave up: the request's fault
+                stop = "error", RequestFault(stop[1])
         return stop
 
     def on_tokens(self, seq: Sequence, out, rows: range, now: float, keep) -> tuple[tuple | None, int]:

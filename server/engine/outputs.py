@@ -27,6 +27,12 @@ class SeqUpdate:
     projected: ProjectedTimes | None = None  # its steps on a real card so far (None: not projected)
 
 
+class RequestFault(str):
+    """The message of a choice that failed because of what its request asked for (its grammar
+    could not go on): the API answers it as a 400 with the message, not as a 500 naming a
+    request id. A ``str``, so it crosses the engine process's pipe as one."""
+
+
 def error_update(index: int, message: str) -> SeqUpdate:
     """The last update of a choice that ends with an error (``message``: what failed)."""
     return SeqUpdate(index, "", [], [], "error", None, None, message)

@@ -130,6 +130,16 @@ def internal_error(what: str, request_id: str | None = None, exc: BaseException 
     return APIError(500, f"internal error (request id {request_id}): the server's log says what failed")
 
 
+def failure(message: str, request_id: str) -> APIError:
+    """A choice the engine ended with an error: a 400 with its message when the request caused
+    it (``engine.outputs.RequestFault``: its grammar could not go on), else ``internal_error``."""
+    from spyre_serve.server.engine.outputs import RequestFault
+
+    if isinstance(message, RequestFault):
+        return APIError(400, str(message))
+    return internal_error(message, request_id)
+
+
 async def _api_error(_request: Request, err: APIError) -> JSONResponse:
     return error_response(err)
 

@@ -101,7 +101,7 @@ class Matcher:
         """Write the mask of the tokens allowed next into ``out`` (int32[words], C-contiguous)."""
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         if self._m.is_error():
-            self.failed = self._m.get_error()
+            self.failed = _first_line(self._m.get_error())
 
     def mask(self) -> np.ndarray:
         out = np.empty(self.words, np.int32)
@@ -111,14 +111,21 @@ class Matcher:
     def advance(self, token: int) -> bool:
         """Consume the sampled ``token``; True once the grammar is complete and only EOS may
         follow (the sequence is done), or it failed (``failed`` says why)."""
-        if not self._m.consume_token(int(token)):
-            self.failed = self._m.get_error() or f"token {token} is not allowed by the grammar"
+        if not self._m.consume_token(int(token)) or self._m.is_error() or self.failed:
+            # refused, or llguidance gave up (a stop with an error: its lexer past its limits)
+            self.failed = self.failed or _first_line(self._m.get_error()) or \
+                f"token {token} is not allowed by the grammar"
             return True
         return self._m.is_stopped()
 
     @property
     def accepting(self) -> bool:
         return self._m.is_accepting()
+
+
+def _first_line(error: str | None) -> str | None:
+    """llguidance's error without the parser state and grammar it appends."""
+    return error.strip().splitlines()[0] if error and error.strip() else error
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -208,14 +215,18 @@ class Grammars:
         return Grammar(spec, start, self.words)
 
 
-def grammar_stop(seq, token: int) -> tuple[str, None] | None:
+def grammar_stop(seq, token: int) -> tuple[str, str | None] | None:
     """Advance ``seq``'s matcher with the token that just joined it: ("stop", None) once its
     grammar is complete (only EOS may follow: the reply is whole, as vLLM ends it), else None.
-    A matcher that fails (a token its mask did not allow) ends the sequence too, logged."""
+    A matcher that fails (llguidance gave up on the grammar: a lexer past its limits, a token its
+    mask did not allow) ends the sequence with ("error", why), logged: a reply cut there would not
+    hold to the grammar, so none is given (the engine answers it as the request's fault, a 400)."""
     if not seq.matcher.advance(token):
         return None
     if seq.matcher.failed:
         log.warning("seq %s: the grammar cannot go on: %s", seq.seq_id, seq.matcher.failed)
+        return "error", (f"the structured output's grammar could not go on after {seq.num_generated} tokens "
+                         f"({seq.matcher.failed}): simplify the schema, regex or grammar")
     seq.append_text(seq.detok.flush())
     return "stop", None
 

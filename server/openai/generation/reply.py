@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from spyre_serve.server.engine.core import SeqUpdate
 from spyre_serve.server.openai.bridge import Choice, Submission, collect
-from spyre_serve.server.openai.errors import internal_error
+from spyre_serve.server.openai.errors import failure
 from spyre_serve.server.openai.generation.sse import MEDIA_TYPE, sse_stream
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
@@ -40,7 +40,7 @@ async def full_response(sub: Submission, is_disconnected: Callable[[], Awaitable
     if not sub.done:
         return Response(status_code=CLIENT_CLOSED)
     if sub.error:
-        raise internal_error(sub.error, sub.request_id)
+        raise failure(sub.error, sub.request_id)
     choices = [choice_of(idx, c) for idx, c in enumerate(sub.choices)]
     return {**head, "choices": choices, "usage": sub.usage()}
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from spyre_serve.server.engine.core import SeqUpdate
 from spyre_serve.server.openai.bridge import Submission
-from spyre_serve.server.openai.errors import APIError, error_body, internal_error
+from spyre_serve.server.openai.errors import APIError, error_body, failure, internal_error
 
 MEDIA_TYPE = "text/event-stream"
 DONE = "[DONE]"  # OpenAI's last event of a completion's or a chat's stream
@@ -43,7 +43,7 @@ async def event_stream(sub: Submission, opening: Iterable[str], events_of: Calla
             while not sub.done:
                 idx, u = await sub.next()
                 if u.error:
-                    yield failed(internal_error(u.error, sub.request_id))
+                    yield failed(failure(u.error, sub.request_id))
                     break
                 for event in events_of(idx, u):
                     yield event

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -288,3 +289,26 @@ def test_with_structured_output_wait_grammar_sequences_get_a_token_every_step():
     assert all(r.usage.completion_tokens == 48 for r in out)
     assert all(re.fullmatch("[a-z ]+", r.choices[0].text) for r in out[1::2])
     assert steps < 48 + 12          # not every other step: 48 tokens in about 48 steps (+ prefill)
+
+
+@pytest.mark.parametrize("regex", ["a{2000000}", "(a{1000}){1000}"])
+def test_a_grammar_llguidance_gives_up_on_midway_is_a_400_and_leaves_nothing(server, regex):
+    """Regexes whose lexer llguidance builds as tokens come and gives up on ("too many expressions
+    constructed") after the first token or a later one (issue 38: they ended with "stop" and the
+    text so far, which does not match). The request gets a 400 saying why (a stream, an error
+    event); its blocks are freed and the server serves the next one."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "guided_regex": regex}
+    with httpx.Client(base_url=server.url, timeout=600) as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert "grammar could not go on after" in r.json()["error"]["message"], r.text
+        events = [line[6:] for line in c.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
+                  if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "could not go on" in json.loads(events[-2])["error"]["message"]
+        ok = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "guided_regex": "a{4}"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "aaaa", ok.text
+    engine = server.built.engine
+    deadline = time.monotonic() + 30
+    while engine.num_requests or engine.blocks.num_used:
+        assert time.monotonic() < deadline, (engine.num_requests, engine.blocks.num_used)
+        time.sleep(0.02)
