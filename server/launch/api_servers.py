@@ -67,13 +67,14 @@ def serve_many(s: Settings) -> int:
         time.sleep(0.2)
         failed = [p for p in apis if p.exitcode not in (None, 0)]
         if failed and not code:
-            code = 1
-            log.critical("API process %s exited %s: stopping the others", failed[0].name, failed[0].exitcode)
+            code = 2 if failed[0].exitcode == 2 else 1      # 2: the engine refused the model or a flag
+            if code == 1:
+                log.critical("API process %s exited %s: stopping the others", failed[0].name, failed[0].exitcode)
             forward(signal.SIGTERM, None)
     engine.join(30)
     if engine.is_alive():
         engine.kill()
-    if engine.exitcode not in (0, None):
+    if engine.exitcode not in (0, None) and code != 2:
         code = 1
     log.info("stopped (exit code %d)", code)
     return code
@@ -88,9 +89,19 @@ def api_process(s: Settings, conn, sock: socket.socket, k: int) -> None:
     os.setsid()      # a terminal's Ctrl-C reaches the supervisor alone, which passes it on once
     logging.basicConfig(level=s.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api {k}]: %(message)s")
-    from spyre_serve.server.launch.cli import build, run
+    from spyre_serve.server.engine.client import StartRefused
+    from spyre_serve.server.engine.process import is_refusal
+    from spyre_serve.server.launch.cli import build, refused_at_start, run
 
-    built = build(s, conn=conn)
+    try:
+        built = build(s, conn=conn)
+    except Exception as exc:
+        if not (isinstance(exc, StartRefused) or is_refusal(exc)):
+            raise
+        if k == 0:              # every API process is told; the first says it, in one line
+            refused_at_start(exc)
+        logging.shutdown()
+        os._exit(2)
     code = run(built.app, built.engine, s, sockets=[sock])
     logging.shutdown()
     os._exit(code)

@@ -308,11 +308,11 @@ def uvicorn_config(app, s: Settings):
 
 def serve(s: Settings) -> int:
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if s.api_server_count > 1:
-        from spyre_serve.server.launch.api_servers import serve_many
-
-        return serve_many(s)
     try:
+        if s.api_server_count > 1:
+            from spyre_serve.server.launch.api_servers import serve_many
+
+            return serve_many(s)
         built = build(s, progress=True)
     except Exception as exc:
         if not refused_at_start(exc):

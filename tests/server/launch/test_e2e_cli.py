@@ -61,6 +61,9 @@ def test_a_bad_size_is_refused_with_the_value(capsys):
     (["--model", "granite-tiny", "--block-size", "7"], "block size and head dim in multiples of 16, got 7"),
     (["--model", "granite-tiny", "--block-size", "7", "--no-engine-process"], "multiples of 16, got 7"),
     (["--model", "granite-tiny", "--device-memory", "1M"], "device out of memory"),
+    # several API processes: the supervisor, or the first API process, says it once
+    (["--model", "/no/such/model", "--api-server-count", "2"], "is neither a model name"),
+    (["--model", "granite-tiny", "--block-size", "7", "--api-server-count", "2"], "multiples of 16, got 7"),
 ])
 def test_a_model_or_flag_that_cannot_be_served_is_one_line_and_exit_code_2(args, said):
     r = subprocess.run([BIN, "serve", "--port", str(free_port()), *args], capture_output=True, text=True,
