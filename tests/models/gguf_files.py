@@ -184,7 +184,7 @@ def _model_metadata(c: GraniteConfig, arch: str, qtype: Q) -> dict:
         f"{arch}.feed_forward_length": c.intermediate_size,
         f"{arch}.attention.head_count": c.num_attention_heads,
         f"{arch}.attention.head_count_kv": c.num_key_value_heads,
-        f"{arch}.rope.freq_base": float(_rope_theta(c)),
+        f"{arch}.rope.freq_base": float(c.rope_theta),
         f"{arch}.attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
         f"{arch}.vocab_size": c.vocab_size,
         f"{arch}.rope.dimension_count": c.head_dim,
@@ -321,9 +321,11 @@ def write_hybrid_gguf(path, model, checkpoint_dir) -> str:
 
 
 def _rope_theta(c) -> float:
-    """transformers 4's rope_theta, or 5's rope_parameters["rope_theta"]."""
-    theta = c.__dict__.get("rope_theta")
-    return theta if theta is not None else (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    """A transformers config's rope_theta: 4's attribute, or 5's rope_parameters["rope_theta"]."""
+    try:
+        return c.rope_theta
+    except AttributeError:
+        return (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
 
 
 def _hybrid_tensors(sd: dict, c, mamba: list[int], experts: bool) -> dict[str, np.ndarray]:
