@@ -265,13 +265,14 @@ def write_numpy_checkpoint(directory, config: GraniteConfig, tensors: dict[str, 
 # ------------------------------------------------------------------ Granite 4.0 hybrids, Granite 3.x MoE
 
 
-def write_hybrid_gguf(path, model, checkpoint_dir) -> str:
+def write_hybrid_gguf(path, model, checkpoint_dir, tokenizer_dir: Path | None = None) -> str:
     """A transformers GraniteMoeHybrid / GraniteMoe(Shared) model written as llama.cpp's converter
     writes it (convert_hf_to_gguf.py's GraniteHybridModel, GraniteMoeModel, Mamba2Model), all
     tensors F32: the fused gate/up halves split, A as -exp(A_log), D and A as [NH, 1], the conv
     squeezed, the gated norm as [G, DI / G], q/k rows permuted, KV heads per layer (0: Mamba),
     RoPE off for a hybrid. The tensors are read from the safetensors ``checkpoint_dir`` holds (the
-    names a checkpoint has on disk, as the converter reads them). Returns the architecture written."""
+    names a checkpoint has on disk, as the converter reads them); ``tokenizer_dir``: a tokenizer.json
+    (and tokenizer_config.json) written into the file too. Returns the architecture written."""
     from safetensors.numpy import load_file
 
     c = model.config
@@ -303,6 +304,8 @@ def write_hybrid_gguf(path, model, checkpoint_dir) -> str:
         kv[f"{arch}.expert_used_count"] = c.num_experts_per_tok
     if getattr(c, "shared_intermediate_size", None):
         kv[f"{arch}.expert_shared_feed_forward_length"] = c.shared_intermediate_size
+    if tokenizer_dir is not None:
+        kv.update(tokenizer_metadata(Path(tokenizer_dir), "gpt-2"))
     if arch == "granitehybrid":
         heads = c.mamba_n_heads
         kv.update({f"{arch}.ssm.conv_kernel": c.mamba_d_conv, f"{arch}.ssm.state_size": c.mamba_d_state,

@@ -2,7 +2,8 @@
 shared MLP), written by transformers, served through uvicorn: concurrent greedy completions equal
 transformers' token for token, twice on the same server; an abort in the middle of a long
 prefill and preemption under a small KV cache leave the answers and the slots intact; what it is
-not served with is refused at start."""
+not served with is refused at start; the same model converted to GGUF as llama.cpp converts it
+(tokenizer and chat template in the file) answers the same text over HTTP."""
 
 from __future__ import annotations
 
@@ -155,3 +156,32 @@ def test_answers_carry_the_real_cards_clock_of_the_mamba_layers_and_experts(clie
     r = client.post("/v1/completions", json={"prompt": prompts(5, (20,))[0], "max_tokens": 3, "temperature": 0})
     spyre = r.json()["usage"]["spyre"]
     assert spyre["projected_seconds"] > 0 and spyre["projected_ttft_seconds"] > 0
+
+
+@pytest.fixture(scope="module")
+def gguf_client(hybrid, tmp_path_factory):
+    from tests.models.gguf_files import write_hybrid_gguf
+
+    path = tmp_path_factory.mktemp("hybrid-gguf") / "granite-4-hybrid.gguf"
+    write_hybrid_gguf(path, hybrid[1], hybrid[0], tokenizer_dir=hybrid[0])
+    built = served(path)
+    with ServerThread(built.app) as s:
+        yield from http_client(s)
+    built.engine.shutdown()
+
+
+def test_the_gguf_file_serves_the_text_the_checkpoint_serves(client, gguf_client):
+    """issue 35: the GGUF (tokenizer and chat template read from the file) against the checkpoint
+    directory it was converted from, greedy, over HTTP: the same completions and the same chat."""
+    for prompt in ("The river", "Once upon a time in a small village by the sea, there lived"):
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        want = client.post("/v1/completions", json=body).json()
+        got = gguf_client.post("/v1/completions", json=body).json()
+        assert len(set(want["choices"][0]["text"].split())) > 3, want     # varied text, not one token repeated
+        assert got["choices"][0]["text"] == want["choices"][0]["text"], prompt
+        assert got["usage"] == {**want["usage"], "spyre": got["usage"]["spyre"]}
+    chat = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 10, "temperature": 0}
+    want = client.post("/v1/chat/completions", json=chat).json()
+    got = gguf_client.post("/v1/chat/completions", json=chat).json()
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
