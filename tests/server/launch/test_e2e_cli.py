@@ -105,6 +105,30 @@ def started(env: dict) -> tuple[subprocess.Popen, list[str], str]:
                 time.sleep(0.2)
 
 
+def test_the_api_key_and_the_keys_clients_send_never_reach_the_log():
+    """issue 38: with the key from the environment and --log-level debug, requests with a wrong key,
+    the right one, and a 500-free error of the request's own: neither key is in the output."""
+    key, wrong = "sekrit-key-4242-abcd", "wrong-key-9999-wxyz"
+    proc, log, url = started({"SPYRE_SERVE_API_KEY": key, "SPYRE_SERVE_LOG_LEVEL": "debug"})
+    try:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            assert c.get("/v1/models", headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
+            ok = {"Authorization": f"Bearer {key}"}
+            assert c.post("/v1/completions", headers=ok, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+            assert c.post("/v1/completions", headers=ok, json={"prompt": "hi", "max_tokens": 2,
+                                                                 "made_up": 1}).status_code == 200
+            assert c.post("/v1/completions", headers=ok, json={"prompt": "hi", "n": 10 ** 6}).status_code == 400
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(log)
+    assert "made_up" in text and "DEBUG" in text        # the log was written, at debug level
+    assert key not in text and wrong not in text
+
+
 def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
     proc, log, url = started({"SPYRE_SERVE_DRAIN_TIMEOUT": "300"})
     port = int(url.rsplit(":", 1)[1])
