@@ -166,11 +166,16 @@ def write_gguf(path, config: GraniteConfig, tensors: dict[str, np.ndarray], *, q
             w.add_tensor(name, data[0], raw_dtype=data[1])
         else:
             w.add_tensor(name, np.asarray(data, np.float32))
+    _write_out(w)
+    return held
+
+
+def _write_out(w: GGUFWriter) -> None:
+    """The header, the metadata and the tensors, in GGUF's order, then the file closed."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return held
 
 
 def _model_metadata(c: GraniteConfig, arch: str, qtype: Q) -> dict:
@@ -316,10 +321,7 @@ def write_hybrid_gguf(path, model, checkpoint_dir, tokenizer_dir: Path | None = 
             _add(w, key, value)
     for name, t in _hybrid_tensors(sd, c, mamba, experts).items():
         w.add_tensor(name, np.ascontiguousarray(t, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     return arch
 
 
