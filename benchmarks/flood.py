@@ -25,7 +25,9 @@ between a stream's chunks), ``/health``'s answer time (polled every 0.2 s: max),
 resident memory (max; the API process's and the engine's), the cores each process used (the
 API's, the engine's, the flood clients', the streams' client), and what the flood clients got
 (status counts per hole). ``--server-flags --no-engine-process`` measures the engine in the
-API's process. The targets (issue 19): ITL
+API's process. ``--peer vllm`` runs the same phases against vLLM's CPU server on the same
+granite-tiny checkpoint (float32, prefix caching on as ours; ``benchmarks/peers/vllm.sh`` installs
+it): what the same flood does to a peer on the same 2 cores. The targets (issue 19): ITL
 p99 under flood <= 1.5x calm, /health within 1 s throughout, memory within 10% of calm.
 """
 
@@ -257,26 +259,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "flood.json"))
     ap.add_argument("--server-flags", default="", help="more flags for spyre-serve serve, e.g. "
                     "--no-engine-process (the engine in the API's process)")
+    ap.add_argument("--peer", choices=["spyre-serve", "vllm"], default="spyre-serve",
+                    help="the server flooded: ours, or vLLM's CPU server on the same checkpoint")
     args = ap.parse_args(argv)
     holes = list(HOLES) if args.holes == "all" else args.holes.split(",")
-    port = free_port()
-    env = {**os.environ, "SPYRE_SERVE_LOG_LEVEL": "warning"}
-    server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "spyre-serve"), "serve", "--port", str(port),
-                               *args.server_flags.split()],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    if args.peer == "vllm":
+        from peers.launch import start_vllm
+
+        from spyre_serve.models import resolve_model
+
+        peer = start_vllm(resolve_model("granite-tiny"), dtype="float32", prefix_caching=True)
+        server, base, port = peer.proc, peer.base_url, peer.port
+        stopping = peer.stop
+    else:
+        port = free_port()
+        env = {**os.environ, "SPYRE_SERVE_LOG_LEVEL": "warning"}
+        server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "spyre-serve"), "serve", "--port", str(port),
+                                   *args.server_flags.split()],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        stopping = lambda: stop(server)  # noqa: E731
     try:
-        wait_ready(server, base + "/health", 900)
+        if args.peer != "vllm":
+            wait_ready(server, base + "/health", 900)
         prompts = text_prompt_maker(100_000, 64)
         prime(port, holes)
         calm = phase(base, server.pid, args, prompts, None)
         floods = {h: phase(base, server.pid, args, prompts, [h]) for h in holes} if args.each else \
             {"all": phase(base, server.pid, args, prompts, holes)}
     finally:
-        stop(server)
+        stopping()
     from spyre_serve.device.isa import current
 
-    report = {"date": time.strftime("%Y-%m-%d"), "isa": current().level, "holes": holes, "clients": args.clients,
+    report = {"date": time.strftime("%Y-%m-%d"), "isa": current().level, "peer": args.peer, "holes": holes,
+              "clients": args.clients,
               "streams": args.streams, "server_flags": args.server_flags, "calm": calm, "floods": floods,
               "itl_p99_ratio": {h: f["itl_p99_ms"] / calm["itl_p99_ms"] for h, f in floods.items()},
               "rss_ratio": {h: f["rss_max_mb"] / calm["rss_max_mb"] for h, f in floods.items()}}

@@ -98,6 +98,8 @@ class Replica:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        if self._out is not None:
+            self._out.close()          # a restart: the log is opened again, appended to
         if self.log_dir is not None:
             self._out = open(self.log_dir / f"replica-{self.port}.log", "a")
         command = [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", *self.args,
