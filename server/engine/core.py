@@ -281,8 +281,7 @@ class Engine:
                 self._fail_all("the engine was shut down")
         except BaseException as exc:  # the loop must never die silently
             self._life.die(exc)
-        self._counts, self._waiting_seqs = (0, 0), 0
-        self._loras: tuple[list[str], list[str]] = ([], [])   # and the LoRA adapters of the running, the waiting
+        self._counts, self._waiting_seqs, self._loras = (0, 0), 0, ([], [])
 
     def _drain_inbox(self) -> None:
         self._open.take(self._inbox.take(), self._outputs.start)
