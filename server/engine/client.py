@@ -299,8 +299,9 @@ def spawn_engine(settings, api_processes: int = 1) -> tuple[list, object]:
     return [p for p, _ in pairs], process
 
 
-class StartRefused(RuntimeError):
-    """The engine process refused what it was given (``process.is_refusal``): the message alone."""
+class StartRefused(ValueError):
+    """The engine process refused what it was given (``process.is_refusal``): the message alone. A
+    ValueError, as what it refused was, so that ``is_refusal`` says so in the API process too."""
 
 
 def wait_ready(conn, process=None, timeout: float = 3600.0) -> EngineProcessClient:

@@ -89,14 +89,13 @@ def api_process(s: Settings, conn, sock: socket.socket, k: int) -> None:
     os.setsid()      # a terminal's Ctrl-C reaches the supervisor alone, which passes it on once
     logging.basicConfig(level=s.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api {k}]: %(message)s")
-    from spyre_serve.server.engine.client import StartRefused
     from spyre_serve.server.engine.process import is_refusal
     from spyre_serve.server.launch.cli import build, refused_at_start, run
 
     try:
         built = build(s, conn=conn)
     except Exception as exc:
-        if not (isinstance(exc, StartRefused) or is_refusal(exc)):
+        if not is_refusal(exc):           # a refusal: the engine process's StartRefused, or this one's
             raise
         if k == 0:              # every API process is told; the first says it, in one line
             refused_at_start(exc)

@@ -323,13 +323,12 @@ def serve(s: Settings) -> int:
 
 
 def refused_at_start(exc: Exception) -> bool:
-    """A model, checkpoint or flag the server cannot serve (``is_refusal``, or the engine
-    process's ``StartRefused``): one line on stderr, as argparse refuses a bad flag, and True
-    (exit code 2); the traceback only at --log-level debug. False for anything else."""
-    from spyre_serve.server.engine.client import StartRefused
+    """A model, checkpoint or flag the server cannot serve (``is_refusal``: the engine process's
+    ``StartRefused`` too): one line on stderr, as argparse refuses a bad flag, and True (exit code
+    2); the traceback only at --log-level debug. False for anything else."""
     from spyre_serve.server.engine.process import is_refusal
 
-    if not (isinstance(exc, StartRefused) or is_refusal(exc)):
+    if not is_refusal(exc):
         return False
     log.debug("start refused", exc_info=exc)
     print(f"spyre-serve serve: error: {exc}", file=sys.stderr)
