@@ -11,6 +11,7 @@ so that ``/docs`` and API tools show them.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -85,15 +86,10 @@ class RequestModel(BaseModel):
         return result
 
     @classmethod
+    @functools.cache
     def _known_names(cls) -> frozenset[str]:
-        names = _KNOWN_NAMES.get(cls)
-        if names is None:
-            names = frozenset(n for name, f in cls.model_fields.items() for n in (name, f.alias) if n is not None)
-            _KNOWN_NAMES[cls] = names
-        return names
-
-
-_KNOWN_NAMES: dict[type, frozenset[str]] = {}   # a request model -> its fields' names and aliases
+        """Its fields' names and aliases (once per class)."""
+        return frozenset(n for name, f in cls.model_fields.items() for n in (name, f.alias) if n is not None)
 
 
 class StreamOptions(RequestModel):
