@@ -15,9 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from spyre_serve.deploy import fleet
+from spyre_serve.deploy.loadtest.prefix_groups import scrape as metrics  # noqa: F401  (a server's /metrics)
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -141,19 +140,6 @@ def _tries(field: str) -> list[str]:
     """One entry per upstream try: nginx separates them with ", " within one location and
     with " : " across an internal redirect (error_page to @turned_away)."""
     return [a.strip() for group in field.split(" : ") for a in group.split(",")]
-
-
-def metrics(url: str) -> dict[str, float]:
-    """The server's /metrics as {"name{labels}": value} (samples of every family)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def total(m: dict[str, float], name: str) -> float:
