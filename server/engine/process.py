@@ -292,6 +292,9 @@ def main(settings, conns: list[Connection]) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
+    from spyre_serve.server.launch import streams
+
+    streams.install()     # a full disk under the log drops log lines, never the engine
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:

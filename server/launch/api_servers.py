@@ -21,6 +21,7 @@ import signal
 import socket
 import time
 
+from spyre_serve.server.launch import streams
 from spyre_serve.server.launch.settings import Settings
 
 log = logging.getLogger("spyre_serve")
@@ -87,6 +88,7 @@ def api_process(s: Settings, conn, sock: socket.socket, k: int) -> None:
 
     keep_torch_out()
     os.setsid()      # a terminal's Ctrl-C reaches the supervisor alone, which passes it on once
+    streams.install()
     logging.basicConfig(level=s.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api {k}]: %(message)s")
     from spyre_serve.server.engine.process import is_refusal

@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, fields
 
+from spyre_serve.server.launch import streams
 from spyre_serve.server.launch.settings import (
     ENV_PREFIX,
     SIZING,
@@ -307,6 +308,7 @@ def uvicorn_config(app, s: Settings):
 
 
 def serve(s: Settings) -> int:
+    streams.install()     # a full disk under the log drops log lines, never a request
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if s.api_server_count > 1:

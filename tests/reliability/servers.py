@@ -137,17 +137,18 @@ def descendants(pid: int) -> list[int]:
 
 
 @contextmanager
-def server_process(*flags: str, env: dict | None = None, ready_timeout: float = 600):
+def server_process(*flags: str, env: dict | None = None, ready_timeout: float = 600, output: str | None = None):
     """``python -m server.launch.cli serve`` on 127.0.0.1 and a free port, with PROCESS_FLAGS, then
     ``flags`` (later ones win), and ``env`` added to the environment; yields once /health
-    answers 200 (warm-up included), kills it afterwards if it still runs."""
+    answers 200 (warm-up included), kills it afterwards if it still runs. Its stdout and stderr
+    go to a log file read by ``log_tail``, or to ``output`` (``/dev/full``: a full disk)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log_path = Path(tempfile.mkstemp(prefix="spyre-serve-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "spyre_serve.server.launch.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *PROCESS_FLAGS, *flags]
-    with open(log_path, "wb") as log_file:
+    with open(output or log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log_file,
                                 stderr=subprocess.STDOUT)
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
