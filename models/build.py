@@ -107,7 +107,6 @@ def refuse_for_hybrid(s: RunnerSettings, config) -> None:
         return
     why = {"--speculative-config": (mamba and s.speculative_config is not None,
                                     "a rejected proposal would need each sequence's Mamba state rolled back"),
-           "--quantization": (bool(s.quantization), "its Mamba and expert weights are served in float widths"),
            "--enable-lora": (s.enable_lora, "its adapters' targets are attention and MLP projections"),
            "--runner pooling": (s.runner == "pooling", "it generates")}
     for flag, (given, reason) in why.items():

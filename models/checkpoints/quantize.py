@@ -55,11 +55,25 @@ _METHODS = {"int8": quantize_int8_per_channel, "fp8": quantize_fp8_per_channel}
 QUANTIZATIONS = tuple(_METHODS)
 
 
+# a mixture of experts' stacked weights [E, N, K] (Granite MoE's names): one matrix an expert
+EXPERT_STACKS = ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")
+
+
 def quantize_matrices(tensors: dict, method: str) -> dict:
-    """Every 2-D float tensor (the embedding, the projections, an untied LM head) quantized
-    by `method`; the rest as it is."""
+    """Every 2-D float tensor (the embedding, the projections, a Mamba mixer's in_proj and
+    out_proj, a router, an untied LM head) quantized by `method`, and each expert's matrix of
+    an experts' stack (a list, one an expert); the rest (norms, the conv, A, D) as it is."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     quantize = _METHODS[method]
-    return {name: quantize(t) if isinstance(t, np.ndarray) and t.ndim == 2 else t
-            for name, t in tensors.items()}
+
+    def one(name: str, t):
+        if not isinstance(t, np.ndarray):
+            return t
+        if t.ndim == 2:
+            return quantize(t)
+        if t.ndim == 3 and name.endswith(EXPERT_STACKS):
+            return [quantize(t[e]) for e in range(t.shape[0])]
+        return t
+
+    return {name: one(name, t) for name, t in tensors.items()}

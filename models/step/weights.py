@@ -361,8 +361,11 @@ def _place_experts(put: _Placer, c: GraniteConfig, tensors, p: str) -> ExpertWei
     """A layer's router and experts (HF names under `p`: input_linear [E, 2 IE, H], gate rows
     first, output_linear [E, H, IE]), each expert a GEMM weight of its own."""
     gu, dn = tensors[p + "input_linear.weight"], tensors[p + "output_linear.weight"]
-    gate_up = [put.gemm(f"{p}input_linear.weight[{e}]", np.asarray(gu[e])) for e in range(c.num_experts)]
-    down = [put.gemm(f"{p}output_linear.weight[{e}]", np.asarray(dn[e])) for e in range(c.num_experts)]
+    def expert(stack, e: int):           # a float stack's slice, or an expert quantized at load
+        return stack[e] if isinstance(stack, list) else np.asarray(stack[e])
+
+    gate_up = [put.gemm(f"{p}input_linear.weight[{e}]", expert(gu, e)) for e in range(c.num_experts)]
+    down = [put.gemm(f"{p}output_linear.weight[{e}]", expert(dn, e)) for e in range(c.num_experts)]
     host = np.array([[g.address, d.address] for g, d in zip(gate_up, down, strict=True)], np.int64)
     table = put.card.empty(host.shape, np.int64)
     table.numpy()[...] = host

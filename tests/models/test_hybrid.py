@@ -6,6 +6,8 @@ sequences batched together, a recompute from position 0."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -157,6 +159,50 @@ def test_16_bit_weights_are_the_checkpoint_rounded_computed_in_float32(tmp_path,
             want = ref(torch.tensor([prompt])).logits[0].numpy()
         np.testing.assert_allclose(_logits(runner, prompt), want, rtol=1e-3, atol=1e-3)
         assert generate(runner, {0: prompt}, 8)[0] == reference(ref, prompt, 8)
+    finally:
+        runner.close()
+        card.close()
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_weights_are_the_checkpoint_quantized_computed_in_float32(tmp_path, method):
+    """--quantization int8 / fp8 on a hybrid with experts: every matrix (embedding, attention,
+    in_proj and out_proj of the Mamba mixers, the router, each expert's, the shared MLP, the LM
+    head) one scale an output channel; the conv, norms, A, D and dt_bias as stored; transformers
+    in float32 on those dequantized weights is the reference."""
+    from safetensors.numpy import load_file, save_file
+
+    from spyre_serve.device.kernels.formats import FMT_FP8, FMT_Q8_0
+    from spyre_serve.models.checkpoints.quantize import quantize_matrices
+
+    FORMATS = {"int8": FMT_Q8_0, "fp8": FMT_FP8}
+    path, ref = write_hybrid_checkpoint(tmp_path, **VARIANTS["moe-nope"])
+    stored = load_file(str(path / "model.safetensors"))
+    def dequantized(t):
+        if isinstance(t, list):                                  # an experts' stack, one an expert
+            return np.stack([q.dequantize() for q in t])
+        return t.dequantize() if hasattr(t, "dequantize") else t
+
+    held = {n: dequantized(t) for n, t in quantize_matrices(stored, method).items()}
+    in_proj = "model.layers.0.mamba.in_proj.weight"
+    assert not np.array_equal(held[in_proj], stored[in_proj])
+    twin = tmp_path / "twin"                                     # the dequantized weights, as stored
+    twin.mkdir()
+    shutil.copyfile(path / "config.json", twin / "config.json")
+    save_file({n: np.ascontiguousarray(t, np.float32) for n, t in held.items()}, str(twin / "model.safetensors"))
+    ref = type(ref).from_pretrained(twin, dtype=torch.float32).eval()
+    card = Card(256 << 20)
+    model = load_model(path, card, tokenizer=False, quantization=method)
+    runner = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=64, block_size=BLOCK,
+                         num_kv_blocks=96, seed=1, compute_dtype="float32")
+    try:
+        layer = model.weights.layers[0]
+        assert {g.fmt for g in (*layer.mamba.gemms(), *layer.experts.gemms())} == {FORMATS[method]}
+        rng = np.random.default_rng(12)
+        prompts = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate((9, 70))}
+        got = generate(runner, prompts, 8)
+        for i, prompt in prompts.items():
+            assert got[i] == reference(ref, prompt, 8), (method, len(prompt))
     finally:
         runner.close()
         card.close()
