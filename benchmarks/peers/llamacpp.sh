@@ -8,6 +8,7 @@
 # Cache: --cache DIR, else $SPYRE_SERVE_PEERS_CACHE, else ~/.cache/spyre-serve/peers. Produces
 #   <cache>/llama.cpp/src/                  llama.cpp as vendored in llama-cpp-python 0.3.36
 #   <cache>/llama.cpp/build/bin/llama-server  Release, CPU only, native ISA (~12 min on 2 cores)
+#   <cache>/llama.cpp/build/bin/llama-bench, llama-batched-bench  its benchmarks (benchmarks/hybrid.py)
 #   <cache>/llama.cpp/convert-venv/         a venv for convert_hf_to_gguf.py (torch 2.13.0 CPU)
 #   <cache>/smollm2-135m-instruct-f32.gguf  the f32 checkpoint as an F32 GGUF
 #   <cache>/smollm2-135m-instruct-f32.Q8_0.gguf  and as a Q8_0 GGUF
@@ -44,9 +45,9 @@ if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
     rm -rf "$SRC" && mv "$LC/src.tmp" "$SRC"
 fi
 
-# 2. llama-server: Release, CPU backend only with the native ISA, no network code (no CURL,
-#    no OpenSSL, no web UI download), only the server target and what it links.
-if [[ ! -x "$SERVER" ]]; then
+# 2. llama-server and the two benchmark tools: Release, CPU backend only with the native ISA, no
+#    network code (no CURL, no OpenSSL, no web UI download), only those targets and what they link.
+if [[ ! -x "$SERVER" || ! -x "$BUILD/bin/llama-bench" || ! -x "$BUILD/bin/llama-batched-bench" ]]; then
     GEN=()
     command -v ninja >/dev/null && GEN=(-G Ninja)
     log "configuring llama.cpp in $BUILD"
@@ -60,7 +61,7 @@ if [[ ! -x "$SERVER" ]]; then
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF
     log "building llama-server with -j2 (about 12 minutes on 2 cores)"
-    cmake --build "$BUILD" --config Release --target llama-server -j 2
+    cmake --build "$BUILD" --config Release --target llama-server llama-bench llama-batched-bench -j 2
 fi
 
 # 3. The f32 Hugging Face checkpoint (smollm2.py is idempotent: it only prints when done).
