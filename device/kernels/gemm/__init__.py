@@ -6,6 +6,7 @@
     int8_tile.py    8- and 4-bit weights on int8 activations (vpmaddubsw, or vpdpbusd with VNNI)
     dot_tile.py     bf16 x bf16 with AVX512_BF16's dot product (vdpbf16ps)
     amx.py          bf16 x bf16 with AMX tiles
+    dequant.py      8- and 4-bit panels widened to bfloat16 for the AMX tiles (a prompt's rows)
 
 Imports the kernels' shared pieces (``device.kernels.simd``: the vector geometry;
 ``device.kernels.formats``: the weights' number formats). Imported by the step programs

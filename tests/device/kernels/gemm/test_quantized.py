@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from spyre_serve.device import Card, DeviceError
+from spyre_serve.device.isa import current
 from spyre_serve.device.kernels.formats import (
+    FMT_BF16,
     FMT_F32,
     FMT_FP8,
     FMT_Q4_0,
@@ -16,8 +18,8 @@ from spyre_serve.device.kernels.formats import (
     packed_len,
 )
 from spyre_serve.device.kernels.gather import gather_columns, gather_columns_at
-from spyre_serve.device.kernels.gemm.inputs import ACT_F32, ACT_INT8, quantize_rows
-from spyre_serve.device.kernels.gemm.packed import gemm_at, gemm_packed
+from spyre_serve.device.kernels.gemm.inputs import ACT_F32, ACT_INT8, quantize_rows, round_to_format
+from spyre_serve.device.kernels.gemm.packed import AMX_QUANT_MIN_ROWS, gemm_at, gemm_packed
 from spyre_serve.device.kernels.simd import QB
 from spyre_serve.device.layout import (
     QuantizedWeight,
@@ -195,17 +197,25 @@ def test_quantize_rows_is_llama_cpps_q8_0():
 
 
 @pytest.mark.parametrize("fmt", INT_QFMTS)
-@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("m,k,n", [*SHAPES, (AMX_QUANT_MIN_ROWS, 1152, 17 * 32 + 5)])
 def test_int8_activations_give_the_float_gemm_of_the_quantized_values(m, k, n, fmt):
     """Exact integer sums per block, scaled in float32: the float64 product of the int8
-    activations' values and the weights' values, to float32 rounding."""
+    activations' values and the weights' values, to float32 rounding. On a level with AMX a
+    prompt's rows (AMX_QUANT_MIN_ROWS and more) are bfloat16 inputs times the weights' values
+    rounded to bfloat16 (AMX's tiles; finer than int8 inputs): their float64 product."""
     qw = random_weight(fmt, n, k, seed=m)
     a = np.random.default_rng(m + 1).standard_normal((m, k), dtype=np.float32)
     out = np.full((m, n), np.nan, np.float32)
     gemm_packed(out, a, pack_quantized(qw).reshape(-1), k, n, fmt, ACT_INT8)
-    q, d, _ = reference_quantize_rows(a)
-    a_values = (q.reshape(m, k // QB, QB) * d[..., None]).reshape(m, k).astype(np.float64)
-    want = a_values @ reference_values(qw).T.astype(np.float64)
+    if current().level == "amx" and m >= AMX_QUANT_MIN_ROWS:
+        a16, w16 = a.copy(), reference_values(qw).astype(np.float32)
+        round_to_format(a16, FMT_BF16)
+        round_to_format(w16, FMT_BF16)
+        want = a16.astype(np.float64) @ w16.T.astype(np.float64)
+    else:
+        q, d, _ = reference_quantize_rows(a)
+        a_values = (q.reshape(m, k // QB, QB) * d[..., None]).reshape(m, k).astype(np.float64)
+        want = a_values @ reference_values(qw).T.astype(np.float64)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     # and within the activations' rounding of the float-activation GEMM
     exact = a.astype(np.float64) @ reference_values(qw).T.astype(np.float64)

@@ -1,0 +1,143 @@
+"""Two panels of a block-quantized weight widened to bfloat16, in a bfloat16 weight's layout, so
+that AMX's bfloat16 tiles multiply them (device/kernels/gemm/packed.py: a prompt's rows on 8-
+and 4-bit weights, where the level has AMX).
+
+    dequantize_pair_bf16(w, k, fmt, p0, p1, out)
+        out[:K NR] = panel p0, out[K NR:2 K NR] = panel p1 of the packed uint8 weight w, each
+        in pairs of rows as a bfloat16 weight's panel is (K a multiple of QB, so no padding):
+            out[(r // 2) 2 NR + 2 j + r % 2] = bfloat16(W[r, p NR + j])
+
+Each value is GGML's dequantized one (d q for Q8_0, d (q - 8) for Q4_0, d q + m for Q4_1,
+float32 arithmetic as device/layout.py's unpack_quantized), rounded to the nearest bfloat16
+(ties to even). A record is QB rows of one panel: NR float16 scales (Q4_1: then NR float16
+minimums), then the quants in groups of 4 rows, a column's 4 bytes together (a Q4 byte holds
+row r in its low nibble and row r + QB/2 in its high one).
+"""
+
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from spyre_serve.device.kernels.formats import (
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q8_0,
+    GROUP_BYTES,
+    REC_Q4_0,
+    REC_Q4_1,
+    REC_Q8_0,
+    SCALE_BYTES,
+    record_bytes,
+)
+from spyre_serve.device.kernels.simd import (
+    NR,
+    QB,
+    array_ptr,
+    byte_ptr,
+    choose,
+    const,
+    counted,
+    fma_fn,
+    load_at_byte,
+)
+
+_F16 = ir.VectorType(ir.HalfType(), NR)
+_F32 = ir.VectorType(ir.FloatType(), NR)
+_I32 = ir.VectorType(ir.IntType(32), NR)
+
+
+def _v(n):
+    return ir.Constant(_I32, [n] * NR)
+
+
+def _bf16_pair(builder, lo, hi):
+    """Two float32 vectors as bfloat16 pairs in 32-bit lanes (lo's in the low half), each
+    rounded to nearest even: (u + 0x7FFF + (u >> 16 & 1)) >> 16 of its bits."""
+    def rounded(v):
+        u = builder.bitcast(v, _I32)
+        odd = builder.and_(builder.lshr(u, _v(16)), _v(1))
+        return builder.lshr(builder.add(builder.add(u, _v(0x7FFF)), odd), _v(16))
+    return builder.or_(rounded(lo), builder.shl(rounded(hi), _v(16)))
+
+
+def _emit_record(builder, fma, kind, w_ptr, r0, o_ptr, o_at):
+    """One record (QB rows of a panel) at byte r0 of w as QB / 2 pair rows of NR words at byte
+    o_at of out: NR columns a vector."""
+    d = builder.fpext(load_at_byte(builder, w_ptr, r0, _F16), _F32)
+    mn = builder.fpext(load_at_byte(builder, w_ptr, builder.add(r0, const(SCALE_BYTES)), _F16), _F32) \
+        if kind == "q4_1" else None
+    q0 = builder.add(r0, const(2 * SCALE_BYTES if kind == "q4_1" else SCALE_BYTES))
+    neg8d = builder.fmul(d, ir.Constant(_F32, [-8.0] * NR))
+
+    def store(pair_row, word):
+        at = builder.add(o_at, const(pair_row * 4 * NR))
+        builder.store(word, builder.bitcast(byte_ptr(builder, o_ptr, at), _I32.as_pointer()), align=4)
+
+    def value(q):                  # GGML's dequantized value, one rounding (d q is exact)
+        if kind == "q8_0":
+            return builder.fmul(d, q)
+        return builder.call(fma, [d, q, mn if kind == "q4_1" else neg8d])
+
+    if kind == "q8_0":
+        for g in range(QB // 4):
+            x = load_at_byte(builder, w_ptr, builder.add(q0, const(g * GROUP_BYTES)), _I32)
+            # byte t of each lane, sign-extended: (x << 24 - 8 t) >> 24, arithmetic
+            v = [builder.sitofp(builder.ashr(builder.shl(x, _v(24 - 8 * t)), _v(24)), _F32) for t in range(4)]
+            store(2 * g, _bf16_pair(builder, value(v[0]), value(v[1])))
+            store(2 * g + 1, _bf16_pair(builder, value(v[2]), value(v[3])))
+        return
+    for g in range(QB // 8):
+        x = load_at_byte(builder, w_ptr, builder.add(q0, const(g * GROUP_BYTES)), _I32)
+        lo = [builder.uitofp(builder.and_(builder.lshr(x, _v(8 * t)), _v(15)), _F32) for t in range(4)]
+        hi = [builder.uitofp(builder.and_(builder.lshr(x, _v(8 * t + 4)), _v(15)), _F32) for t in range(4)]
+        store(2 * g, _bf16_pair(builder, value(lo[0]), value(lo[1])))
+        store(2 * g + 1, _bf16_pair(builder, value(lo[2]), value(lo[3])))
+        store(QB // 4 + 2 * g, _bf16_pair(builder, value(hi[0]), value(hi[1])))
+        store(QB // 4 + 2 * g + 1, _bf16_pair(builder, value(hi[2]), value(hi[3])))
+
+
+@intrinsic
+def _records(typingctx, w, r0, nrec, fmt, out, o_at):
+    """Records r0, r0 + rec, ... (nrec of them; byte offsets) of w to pair rows at byte o_at
+    of out onwards (QB NR 2 bytes a record)."""
+    if not isinstance(out, types.Array) or out.dtype != types.uint16:
+        return None
+    i64 = types.int64
+
+    def codegen(context, builder, signature, args):
+        w_v, r0_v, n_v, fmt_v, out_v, o_v = args
+        if signature.args[0].dtype != types.uint8:
+            return context.get_dummy_value()       # typed for every weight dtype: only uint8 runs
+        w_ptr = array_ptr(context, builder, signature.args[0], w_v)
+        o_ptr = array_ptr(context, builder, signature.args[4], out_v)
+        fma = fma_fn(builder, _F32)
+
+        def emit(kind):
+            rec = {"q8_0": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1}[kind]
+            with counted(builder, const(0), n_v, 1) as i:
+                _emit_record(builder, fma, kind, w_ptr, builder.add(r0_v, builder.mul(i, const(rec))), o_ptr,
+                             builder.add(o_v, builder.mul(i, const(QB * NR * 2))))
+        choose(builder, fmt_v, [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"), (FMT_Q4_1, "q4_1")], emit)
+        return context.get_dummy_value()
+
+    return types.void(w, i64, i64, i64, out, i64), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _panel(w, k, fmt, p, out, o_off):
+    """Panel p (its K / QB records, one after another) into out[o_off:o_off + K NR]."""
+    nb = k // QB
+    _records(w, p * nb * record_bytes(fmt), nb, fmt, out, 2 * o_off)
+
+
+@njit(nogil=True, cache=True)
+def dequantize_pair_bf16(w, k, fmt, p0, p1, out):
+    """Panels p0 and p1 of the packed weight w (uint8; FMT_Q8_0, FMT_Q4_0 or FMT_Q4_1, K a
+    multiple of QB) as bfloat16 bits in out[:2 K NR] (uint16), in a bfloat16 weight's layout."""
+    if fmt != FMT_Q8_0 and fmt != FMT_Q4_0 and fmt != FMT_Q4_1:
+        raise ValueError("dequantize_pair_bf16: not an integer block-quantized format", fmt)
+    if k % QB or out.shape[0] < 2 * k * NR:
+        raise ValueError("dequantize_pair_bf16: K must be whole blocks and out 2 K NR long (K, len)",
+                         k, out.shape[0])
+    _panel(w, k, fmt, p0, out, 0)
+    _panel(w, k, fmt, p1, out, k * NR)
