@@ -3,7 +3,7 @@
 ``load_gguf_checkpoint(path)`` gives the same ``Checkpoint`` as a safetensors directory:
 a ``GraniteConfig`` built from the file's metadata and every tensor with its Hugging Face
 name and shape. Four architectures are served, ``llama``, ``granite``, and ``granitehybrid``
-and ``granitemoe`` (llama.cpp's names; those two by ``hybrid.py``, in float32); tensor types
+and ``granitemoe`` (llama.cpp's names; those two by ``hybrid.py``); tensor types
 F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K. Q8_0, Q4_0 and Q4_1 matrices stay
 at their width (the card's GEMM reads them as they are); the others are dequantized to float32.
 Anything else is refused naming the tensor and its type, or the architecture, before any tensor
@@ -302,7 +302,7 @@ def load_gguf_checkpoint(path: str | Path, quantized: bool = True) -> Checkpoint
     config = gguf_config(f)
     check_tensors(f)
     if f.architecture in hybrid.ARCHITECTURES:
-        return _load_hybrid(f, config)
+        return _load_hybrid(f, config, quantized)
     expected = {gguf_name(n): s for n, s in expected_shapes(config).items()}
     check_shapes(f.path, expected, {n: t.shape for n, t in f.tensors.items()})
     rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
@@ -326,14 +326,16 @@ def load_gguf_checkpoint(path: str | Path, quantized: bool = True) -> Checkpoint
     return Checkpoint(config=config, tensors=tensors, path=f.path, stored_dtypes=stored)
 
 
-def _load_hybrid(f: GGUFFile, config: GraniteConfig) -> Checkpoint:
-    """A granitehybrid or granitemoe file (``hybrid``): every tensor in float32, under its
-    Hugging Face name and layout, checked against the config's shapes."""
+def _load_hybrid(f: GGUFFile, config: GraniteConfig, quantized: bool) -> Checkpoint:
+    """A granitehybrid or granitemoe file (``hybrid``): every tensor under its Hugging Face name
+    and layout, its matrices at their width where the card serves it (``quantized``), checked
+    against the config's shapes."""
     tensors, stored = hybrid.hf_tensors(f, config.num_attention_heads, config.num_key_value_heads,
-                                        unpermute_rope_rows)
-    check_shapes(f.path, expected_shapes(config), {n: w.shape for n, w in tensors.items()})
-    widened = sorted({t.type_name for t in f.tensors.values() if t.ggml_type not in _FLOAT_DTYPES})
+                                        unpermute_rope_rows, quantized)
+    check_shapes(f.path, expected_shapes(config), {n: hybrid.shape_of(w) for n, w in tensors.items()})
+    widened = sorted({t.type_name for t in f.tensors.values()
+                      if (t.ggml_type not in QUANTIZED_TYPES or not quantized) and t.ggml_type not in _FLOAT_DTYPES})
     if widened:
-        log.info("%s: its %s tensors are dequantized to float32 (%s is served at float widths)", f.path.name,
-                 ", ".join(widened), config.architecture)
+        log.info("%s: its %s tensors are dequantized to float32 (the card serves Q8_0, Q4_0 and Q4_1 at their "
+                 "width)", f.path.name, ", ".join(widened))
     return Checkpoint(config=config, tensors=tensors, path=f.path, stored_dtypes=stored)

@@ -21,17 +21,22 @@ llama.cpp's converter (convert_hf_to_gguf.py: ``GraniteHybridModel``, ``GraniteM
   ``expert_shared_feed_forward_length``. A GraniteMoe file with ``*_shexp`` tensors is
   GraniteMoeShared.
 
-Every tensor is dequantized to float32 (these models are served at float widths).
+A matrix stored as Q8_0, Q4_0 or Q4_1 (the attention and Mamba projections, the router, the
+experts' and the shared MLP's, the embedding and LM head) is kept at its width with
+``quantized`` (a ``device.layout.QuantizedWeight``, an experts' stack a list of them, one an
+expert), as the dense architectures' are; every other tensor is dequantized to float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
 from gguf import Keys
 
-from spyre_serve.models.gguf.file import GGUFError, GGUFFile, dequantize_tensor
+from spyre_serve.device.layout import QuantizedWeight
+from spyre_serve.models.gguf.file import QUANTIZED_TYPES, GGUFError, GGUFFile, dequantize_tensor, quantized_tensor
 
 ARCHITECTURES = {"granitehybrid": "GraniteMoeHybridForCausalLM", "granitemoe": "GraniteMoeForCausalLM"}
 
@@ -65,6 +70,10 @@ _FUSED = {
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _NAME = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
+# the matrices a GEMM multiplies by (kept at their width when quantized)
+_MATRICES = {"attn_q", "attn_k", "attn_v", "attn_output", "ssm_in", "ssm_out", "ffn_gate_inp", "ffn_gate_exps",
+             "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate",
+             "ffn_up", "ffn_down"}
 
 
 def architecture(f: GGUFFile) -> str:
@@ -138,18 +147,60 @@ def unknown_tensors(f: GGUFFile) -> list[str]:
     return out
 
 
-def hf_tensors(f: GGUFFile, n_heads: int, n_kv_heads: int, unpermute) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Every tensor under its Hugging Face name and in its layout, float32; and each one's GGML
-    type name (a fused one's gate's)."""
+def _at_width(f: GGUFFile, t):
+    """A Q8_0 / Q4_0 / Q4_1 matrix as its quants and scales; an experts' stack [E, N, K] as a
+    list of E of them."""
+    if len(t.shape) == 2:
+        return quantized_tensor(f, t)
+    experts, rows, cols = t.shape
+    whole = quantized_tensor(f, dataclasses.replace(t, shape=(experts * rows, cols)))   # the same bytes
+    return [whole.take_rows(np.arange(e * rows, (e + 1) * rows)) for e in range(experts)]
+
+
+def shape_of(w) -> tuple[int, ...]:
+    """The shape of a tensor ``hf_tensors`` gives: an array's, a quantized matrix's, or an
+    experts' list's (experts first)."""
+    if isinstance(w, list):
+        return (len(w), *w[0].shape)
+    return tuple(w.shape)
+
+
+def _stack(gate, up, axis: int):
+    """A fused gate/up tensor from its halves: quantized rows stacked when both are kept at
+    their width (an experts' stack: expert by expert), else float32 concatenated."""
+    if isinstance(gate, list) and isinstance(up, list):
+        return [QuantizedWeight.stack([g, u]) for g, u in zip(gate, up, strict=True)]
+    if isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight):
+        return QuantizedWeight.stack([gate, up])
+    return np.concatenate([_float(gate), _float(up)], axis=axis)
+
+
+def _float(w) -> np.ndarray:
+    if isinstance(w, list):
+        return np.stack([q.dequantize() for q in w])
+    return w.dequantize() if isinstance(w, QuantizedWeight) else w
+
+
+def hf_tensors(f: GGUFFile, n_heads: int, n_kv_heads: int, unpermute,
+               quantized: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every tensor under its Hugging Face name and in its layout: float32, or a quantized
+    matrix at its width (``quantized``: see the module docstring); and each one's GGML type
+    name (a fused one's gate's)."""
     tensors, stored, halves = {}, {}, {}
+
+    def read(t, kind: str):
+        keep = quantized and t.ggml_type in QUANTIZED_TYPES and kind in _MATRICES | {"token_embd", "output"}
+        return _at_width(f, t) if keep else dequantize_tensor(f, t)
+
     for t in f.tensors.values():
         if t.name in _GLOBAL:
-            tensors[_GLOBAL[t.name]], stored[_GLOBAL[t.name]] = dequantize_tensor(f, t), t.type_name
+            name = _GLOBAL[t.name]
+            tensors[name], stored[name] = read(t, t.name.split(".")[0]), t.type_name
             continue
         m = _NAME.fullmatch(t.name)
         layer, kind, suffix = int(m.group(1)), m.group(2), m.group(3) or ""
         prefix = f"model.layers.{layer}."
-        w = dequantize_tensor(f, t)
+        w = read(t, kind if suffix == "weight" else "")
         if kind == "ssm_a" and not (w < 0).all():
             raise GGUFError(f"{f.path}: {t.name} holds A = -exp(A_log), negative, but has values >= 0")
         if (kind, suffix) in _DIRECT:
@@ -162,17 +213,18 @@ def hf_tensors(f: GGUFFile, n_heads: int, n_kv_heads: int, unpermute) -> tuple[d
             if (layer, gate) not in halves or (layer, up) not in halves:
                 raise GGUFError(f"{f.path}: block {layer} has one of {gate}/{up} without the other")
             name = f"model.layers.{layer}.{fused}"
-            tensors[name] = np.concatenate([halves[(layer, gate)][0], halves[(layer, up)][0]], axis=axis)
+            tensors[name] = _stack(halves[(layer, gate)][0], halves[(layer, up)][0], axis)
             stored[name] = halves[(layer, gate)][1]
     return tensors, stored
 
 
 def _to_hf(kind: str, w: np.ndarray, n_heads: int, n_kv_heads: int, unpermute) -> np.ndarray:
     """One tensor from llama.cpp's layout back to Hugging Face's."""
-    if kind == "attn_q":
-        return unpermute(w, n_heads)
-    if kind == "attn_k":
-        return unpermute(w, n_kv_heads)
+    if kind in ("attn_q", "attn_k"):
+        heads = n_heads if kind == "attn_q" else n_kv_heads
+        if isinstance(w, QuantizedWeight):      # its rows (output channels) put back in order
+            return w.take_rows(unpermute(np.arange(w.shape[0]), heads))
+        return unpermute(w, heads)
     if kind == "ssm_a":          # A = -exp(A_log), [NH, 1]
         return np.log(-w.reshape(-1).astype(np.float64)).astype(np.float32)
     if kind == "ssm_d":

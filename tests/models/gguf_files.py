@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -270,14 +271,16 @@ def write_numpy_checkpoint(directory, config: GraniteConfig, tensors: dict[str, 
 # ------------------------------------------------------------------ Granite 4.0 hybrids, Granite 3.x MoE
 
 
-def write_hybrid_gguf(path, model, checkpoint_dir, tokenizer_dir: Path | None = None) -> str:
+def write_hybrid_gguf(path, model, checkpoint_dir, tokenizer_dir: Path | None = None, qtype: Q = Q.F32) -> str:
     """A transformers GraniteMoeHybrid / GraniteMoe(Shared) model written as llama.cpp's converter
     writes it (convert_hf_to_gguf.py's GraniteHybridModel, GraniteMoeModel, Mamba2Model), all
     tensors F32: the fused gate/up halves split, A as -exp(A_log), D and A as [NH, 1], the conv
     squeezed, the gated norm as [G, DI / G], q/k rows permuted, KV heads per layer (0: Mamba),
     RoPE off for a hybrid. The tensors are read from the safetensors ``checkpoint_dir`` holds (the
     names a checkpoint has on disk, as the converter reads them); ``tokenizer_dir``: a tokenizer.json
-    (and tokenizer_config.json) written into the file too. Returns the architecture written."""
+    (and tokenizer_config.json) written into the file too; ``qtype``: the matrices (projections,
+    router, experts, embedding and LM head) quantized to it, as ``--outtype q8_0`` does, the rest
+    F32. Returns the architecture written."""
     from safetensors.numpy import load_file
 
     c = model.config
@@ -290,7 +293,7 @@ def write_hybrid_gguf(path, model, checkpoint_dir, tokenizer_dir: Path | None = 
     experts = bool(getattr(c, "num_local_experts", 0))
     w = GGUFWriter(str(path), arch)
     kv = {
-        "general.name": "test model", "general.file_type": int(LlamaFileType.ALL_F32),
+        "general.name": "test model", "general.file_type": int(_FILE_TYPES[qtype]),
         f"{arch}.context_length": 2 ** 20 if mamba else c.max_position_embeddings,
         f"{arch}.embedding_length": c.hidden_size, f"{arch}.block_count": c.num_hidden_layers,
         f"{arch}.feed_forward_length": c.intermediate_size, f"{arch}.attention.head_count": c.num_attention_heads,
@@ -319,8 +322,13 @@ def write_hybrid_gguf(path, model, checkpoint_dir, tokenizer_dir: Path | None = 
     for key, value in kv.items():
         if value is not None:
             _add(w, key, value)
+    matrices = re.compile(r"(token_embd|output|blk\.\d+\.(attn_(q|k|v|output)|ssm_(in|out)|ffn_\w+))\.weight")
     for name, t in _hybrid_tensors(sd, c, mamba, experts).items():
-        w.add_tensor(name, np.ascontiguousarray(t, np.float32))
+        t = np.ascontiguousarray(t, np.float32)
+        if qtype != Q.F32 and matrices.fullmatch(name) and t.ndim >= 2 and "norm" not in name:
+            w.add_tensor(name, quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
     _write_out(w)
     return arch
 

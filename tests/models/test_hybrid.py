@@ -80,6 +80,20 @@ def generate(runner, prompts: dict[int, list[int]], n: int) -> dict[int, list[in
     return out
 
 
+def greedy_on_card(model, card, lengths, n: int = 8, seed: int = 12) -> list[tuple[list[int], list[int]]]:
+    """(prompt, greedy tokens) of random prompts of `lengths`, batched on a float32 runner of
+    `model` (closed afterwards)."""
+    runner = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=64, block_size=BLOCK,
+                         num_kv_blocks=96, seed=1, compute_dtype="float32")
+    try:
+        rng = np.random.default_rng(seed)
+        prompts = {i: rng.integers(0, 256, k).tolist() for i, k in enumerate(lengths)}
+        got = generate(runner, prompts, n)
+    finally:
+        runner.close()
+    return [(prompts[i], got[i]) for i in prompts]
+
+
 def test_greedy_tokens_match_transformers_for_prompts_over_the_chunks(hybrid):
     runner, ref = hybrid
     rng = np.random.default_rng(7)
@@ -192,19 +206,13 @@ def test_quantized_weights_are_the_checkpoint_quantized_computed_in_float32(tmp_
     save_file({n: np.ascontiguousarray(t, np.float32) for n, t in held.items()}, str(twin / "model.safetensors"))
     ref = type(ref).from_pretrained(twin, dtype=torch.float32).eval()
     card = Card(256 << 20)
-    model = load_model(path, card, tokenizer=False, quantization=method)
-    runner = ModelRunner(model, card, max_num_seqs=4, max_num_batched_tokens=64, block_size=BLOCK,
-                         num_kv_blocks=96, seed=1, compute_dtype="float32")
     try:
+        model = load_model(path, card, tokenizer=False, quantization=method)
         layer = model.weights.layers[0]
         assert {g.fmt for g in (*layer.mamba.gemms(), *layer.experts.gemms())} == {FORMATS[method]}
-        rng = np.random.default_rng(12)
-        prompts = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate((9, 70))}
-        got = generate(runner, prompts, 8)
-        for i, prompt in prompts.items():
-            assert got[i] == reference(ref, prompt, 8), (method, len(prompt))
+        for prompt, got in greedy_on_card(model, card, (9, 70)):
+            assert got == reference(ref, prompt, 8), (method, len(prompt))
     finally:
-        runner.close()
         card.close()
 
 

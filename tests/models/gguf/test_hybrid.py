@@ -14,7 +14,7 @@ from spyre_serve.models.gguf.checkpoint import GGUFError, gguf_config, load_gguf
 from spyre_serve.models.gguf.file import read_gguf
 from tests.models.gguf_files import write_hybrid_gguf
 from tests.models.hf_checkpoints import write_hybrid_checkpoint, write_moe_checkpoint
-from tests.models.test_hybrid import generate
+from tests.models.test_hybrid import generate, greedy_on_card
 
 VARIANTS = {
     # Granite 4.0-H-Tiny's kind: experts beside the shared MLP, attention without positions
@@ -106,3 +106,42 @@ def test_what_the_file_gets_wrong_is_a_gguf_error(tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(GGUFError, match="blk.0.ssm_a holds A = -exp"):
         load_gguf_checkpoint(bad)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_a_quantized_file_is_served_at_its_width_as_its_dequantized_weights(tmp_path, qtype):
+    """A Q8_0 / Q4_1 file (the matrices quantized as `--outtype q8_0` does, experts included):
+    its matrices stay at their width on the card (the experts' stacks one matrix an expert,
+    q/k rows put back in order), and in float32 compute the model is exactly its dequantized
+    weights: transformers on them, written as a checkpoint, gives the same greedy tokens."""
+    import shutil
+
+    import torch
+    from gguf import GGMLQuantizationType
+    from safetensors.numpy import save_file
+
+    from spyre_serve.device.kernels.formats import FORMATS
+    from spyre_serve.device.layout import QuantizedWeight
+
+    hf, ref = write_hybrid_checkpoint(tmp_path / "hf", **VARIANTS["moe"])
+    path = tmp_path / f"m.{qtype}.gguf"
+    write_hybrid_gguf(path, ref, hf, qtype=GGMLQuantizationType[qtype])
+    at_width = load_gguf_checkpoint(path).tensors
+    assert isinstance(at_width["model.layers.0.mamba.in_proj.weight"], QuantizedWeight)
+    assert isinstance(at_width["model.layers.1.self_attn.q_proj.weight"], QuantizedWeight)
+    experts = at_width["model.layers.0.block_sparse_moe.input_linear.weight"]
+    assert isinstance(experts, list) and len(experts) == 4 and experts[0].name == qtype
+    twin = tmp_path / "twin"                                          # what the file holds, in float32
+    twin.mkdir()
+    shutil.copyfile(hf / "config.json", twin / "config.json")
+    held = load_gguf_checkpoint(path, quantized=False).tensors
+    save_file({n: np.ascontiguousarray(t, np.float32) for n, t in held.items()}, str(twin / "model.safetensors"))
+    twin_ref = type(ref).from_pretrained(twin, dtype=torch.float32).eval()
+    card = Card(256 << 20)
+    try:
+        model = load_model(path, card, tokenizer=False)
+        assert model.weights.layers[0].mamba.in_proj.fmt == FORMATS[qtype]
+        for prompt, got in greedy_on_card(model, card, (6, 70)):
+            assert got == reference(twin_ref, prompt, 8), (qtype, len(prompt))
+    finally:
+        card.close()
