@@ -183,43 +183,50 @@ def gemm_packed(out, a, w, k, n, fmt, act):
 
 
 @njit(nogil=True, cache=True)
+def _amx_group(of, ab, r_lo, r_hi, kp, w, w_base, slab, g0, g1, n, n_panels, tmp):
+    """Rows r_lo..r_hi-1 of out against panel pairs g0..g1-1 of a bfloat16 weight whose panel
+    p lies at byte w_base + (p - 2 g0) slab of w, a block of BLOCK_ROWS rows at a time (r_hi
+    - r_lo a multiple of it, or r_hi = M). The pairs whose columns are all in N in one AMX call
+    a k chunk; a pair past N's last whole pair (an odd last panel: its only panel twice)
+    through tmp, copied into out."""
+    direct = max(0, min(g1, n // BLOCK_COLS) - g0)
+    for r0 in range(r_lo, r_hi, BLOCK_ROWS):
+        rows = min(BLOCK_ROWS, r_hi - r0)
+        for k0 in range(0, kp, AMX_KC):               # A's chunk stays in L1 for the group
+            kc = min(AMX_KC, kp - k0)
+            acc = 1 if k0 > 0 else 0
+            a_at, b_at = 2 * (r0 * kp + k0), 32 * k0       # k0 / 2 pair rows of 64 bytes
+            if direct > 0:
+                amx_rows(ab, a_at, 2 * kp, rows, w, w_base + b_at, w_base + slab + b_at, 2 * slab, direct, kc,
+                         of, 4 * (r0 * n + g0 * BLOCK_COLS), 4 * n, acc)
+            for q in range(g0 + direct, g1):
+                p1 = 2 * q + 1 if 2 * q + 1 < n_panels else 2 * q
+                amx_rows(ab, a_at, 2 * kp, rows, w, w_base + (2 * q - 2 * g0) * slab + b_at,
+                         w_base + (p1 - 2 * g0) * slab + b_at, 0, 1, kc,
+                         tmp[(q - g0 - direct) * BLOCK_ROWS * BLOCK_COLS:], 0, 4 * BLOCK_COLS, acc)
+        for q in range(g0 + direct, g1):
+            cols = min(BLOCK_COLS, n - q * BLOCK_COLS)
+            at = (q - g0 - direct) * BLOCK_ROWS * BLOCK_COLS
+            for i in range(rows):
+                for j in range(cols):
+                    of[(r0 + i) * n + q * BLOCK_COLS + j] = tmp[at + i * BLOCK_COLS + j]
+
+
+@njit(nogil=True, cache=True)
 def _amx_panels(of, ab, m, kp, w, k, n, n_panels, q0, q1, tmp, a_bytes, b_bytes, pairs):
     """Panel pairs q0..q1-1 of out, every block of BLOCK_ROWS rows, by AMX. When these pairs'
     B slabs fit in AMX_B_BYTES they stay in L2 and every row block passes all of them; else
     rows go in passes of AMX_A_BYTES of A and pairs in groups of AMX_PAIRS (36 KiB a pair at
-    K 576), both in L2 while each row block of the pass meets every pair of the group. C
-    tiles are stored into out, but for a pair whose columns pass N (through tmp)."""
+    K 576), both in L2 while each row block of the pass meets every pair of the group."""
     slab = 2 * slab_offset(1, 0, k, FMT_BF16)          # bytes of one panel
-    full = min(q1, n // BLOCK_COLS)                     # pairs whose 32 columns are all in N
     mb = max(BLOCK_ROWS, a_bytes // (2 * kp) // BLOCK_ROWS * BLOCK_ROWS)
     group = pairs
     if (q1 - q0) * 2 * slab <= b_bytes:             # this core's B fits in L2: keep it
         mb, group = m, max(1, q1 - q0)                  # there, and stream A past it once
     for m0 in range(0, m, mb):                          # rows whose A stays in L2
         for g0 in range(q0, q1, group):
-            g1 = min(q1, g0 + group)
-            direct = max(0, min(g1, full) - g0)
-            for r0 in range(m0, min(m, m0 + mb), BLOCK_ROWS):
-                rows = min(BLOCK_ROWS, m - r0)
-                for k0 in range(0, kp, AMX_KC):           # A's chunk stays in L1 for the group
-                    kc = min(AMX_KC, kp - k0)
-                    acc = 1 if k0 > 0 else 0
-                    a_at, b_at = 2 * (r0 * kp + k0), 32 * k0   # k0 / 2 pair rows of 64 bytes
-                    if direct > 0:
-                        amx_rows(ab, a_at, 2 * kp, rows, w, 2 * g0 * slab + b_at,
-                                 (2 * g0 + 1) * slab + b_at, 2 * slab, direct, kc, of,
-                                 4 * (r0 * n + g0 * BLOCK_COLS), 4 * n, acc)
-                    for q in range(g0 + direct, g1):       # the pair past N's last whole pair
-                        p1 = 2 * q + 1 if 2 * q + 1 < n_panels else 2 * q  # odd last panel: twice
-                        amx_rows(ab, a_at, 2 * kp, rows, w, 2 * q * slab + b_at, p1 * slab + b_at,
-                                 0, 1, kc, tmp[(q - g0 - direct) * BLOCK_ROWS * BLOCK_COLS:], 0,
-                                 4 * BLOCK_COLS, acc)
-                for q in range(g0 + direct, g1):
-                    cols = min(BLOCK_COLS, n - q * BLOCK_COLS)
-                    at = (q - g0 - direct) * BLOCK_ROWS * BLOCK_COLS
-                    for i in range(rows):
-                        for j in range(cols):
-                            of[(r0 + i) * n + q * BLOCK_COLS + j] = tmp[at + i * BLOCK_COLS + j]
+            _amx_group(of, ab, m0, min(m, m0 + mb), kp, w, 2 * g0 * slab, slab, g0, min(q1, g0 + group), n,
+                       n_panels, tmp)
     amx_release()
 
 
@@ -240,34 +247,13 @@ def _amx_quantized_pairs(of, ab, m, kp, w, k, n, n_panels, q0, q1, fmt, scratch,
     """Panel pairs q0..q1-1 of out = ab @ W for a block-quantized W, AMX_QUANT_PAIRS at a time:
     the group widened to bfloat16 in `scratch` (dequant.py; a pair after another, as a
     bfloat16 weight's pairs lie), then every block of BLOCK_ROWS rows by AMX over the whole
-    group in one call (its tile configuration loaded once), while the group stays in L2 and
-    the rows of ab stream past it. A pair whose columns pass N goes through tmp."""
-    slab = 2 * k * NR                                   # bytes of one widened panel
-    full = n // BLOCK_COLS                              # pairs whose 32 columns are all in N
+    group (_amx_group), while the group stays in L2 and the rows of ab stream past it."""
     for g0 in range(q0, q1, AMX_QUANT_PAIRS):
         g1 = min(q1, g0 + AMX_QUANT_PAIRS)
         for q in range(g0, g1):
             p1 = 2 * q + 1 if 2 * q + 1 < n_panels else 2 * q      # an odd last panel: twice
             dequantize_pair_bf16(w, k, fmt, 2 * q, p1, scratch[(q - g0) * 2 * k * NR:])
-        direct = max(0, min(g1, full) - g0)
-        for r0 in range(0, m, BLOCK_ROWS):
-            rows = min(BLOCK_ROWS, m - r0)
-            for k0 in range(0, kp, AMX_KC):             # A's chunk stays in L1 for the group
-                kc = min(AMX_KC, kp - k0)
-                acc = 1 if k0 > 0 else 0
-                a_at, b_at = 2 * (r0 * kp + k0), 32 * k0
-                if direct > 0:
-                    amx_rows(ab, a_at, 2 * kp, rows, scratch, b_at, slab + b_at, 2 * slab, direct, kc,
-                             of, 4 * (r0 * n + g0 * BLOCK_COLS), 4 * n, acc)
-                for q in range(g0 + direct, g1):         # the pair past N's last whole pair
-                    at = (q - g0) * 2 * slab
-                    amx_rows(ab, a_at, 2 * kp, rows, scratch, at + b_at, at + slab + b_at, 0, 1, kc,
-                             tmp, 0, 4 * BLOCK_COLS, acc)
-            for q in range(g0 + direct, g1):
-                cols = n - q * BLOCK_COLS
-                for i in range(rows):
-                    for j in range(cols):
-                        of[(r0 + i) * n + q * BLOCK_COLS + j] = tmp[i * BLOCK_COLS + j]
+        _amx_group(of, ab, 0, m, kp, scratch, 0, 2 * k * NR, g0, g1, n, n_panels, tmp)
     amx_release()
 
 
@@ -279,7 +265,7 @@ def _gemm_amx_quantized(of, ab, m, kp, w, k, n, n_panels, fmt):
     chunks = min(pairs, CHUNKS_PER_THREAD * get_kernel_threads())
     for c in prange(chunks):
         scratch = np.empty(AMX_QUANT_PAIRS * 2 * k * NR, np.uint16)
-        tmp = np.empty(BLOCK_ROWS * BLOCK_COLS, np.float32)
+        tmp = np.empty(2 * BLOCK_ROWS * BLOCK_COLS, np.float32)    # the partial pairs' C
         _amx_quantized_pairs(of, ab, m, kp, w, k, n, n_panels, c * pairs // chunks, (c + 1) * pairs // chunks,
                              fmt, scratch, tmp)
 
