@@ -134,13 +134,18 @@ def narrow(typingctx, x, store, fmt):
         i16 = ir.IntType(16)
         half = builder.bitcast(builder.fptrunc(v, ir.HalfType()), i16)
         u = builder.bitcast(v, I32)
-        rounded = builder.add(builder.add(u, ir.Constant(I32, 0x7FFF)),
-                              builder.and_(builder.lshr(u, ir.Constant(I32, 16)), ir.Constant(I32, 1)))
-        brain = builder.trunc(builder.lshr(rounded, ir.Constant(I32, 16)), i16)
+        brain = builder.trunc(bf16_narrow_ir(builder, u, I32), i16)
         dl = builder.trunc(dlf16_narrow_ir(builder, u), i16)
         out = builder.select(builder.icmp_signed("==", fmt_v, const(FMT_F16)), half, brain)
         return builder.select(builder.icmp_signed("==", fmt_v, const(FMT_DLF16)), dl, out)
     return store.dtype(x, store, types.int64), codegen
+
+
+def bf16_narrow_ir(builder, u, ity):
+    """float32 bits `u` (int32 `ity`, a scalar or vector type) -> the nearest bfloat16's bits,
+    ties to even, in the low 16 bits: (u + 0x7FFF + (u >> 16 & 1)) >> 16."""
+    odd = builder.and_(builder.lshr(u, _k(ity, 16)), _k(ity, 1))
+    return builder.lshr(builder.add(builder.add(u, _k(ity, 0x7FFF)), odd), _k(ity, 16))
 
 
 def _k(ty, value):

@@ -27,6 +27,7 @@ from spyre_serve.device.kernels.formats import (
     REC_Q4_1,
     REC_Q8_0,
     SCALE_BYTES,
+    bf16_narrow_ir,
     record_bytes,
 )
 from spyre_serve.device.kernels.simd import (
@@ -52,11 +53,9 @@ def _v(n):
 
 def _bf16_pair(builder, lo, hi):
     """Two float32 vectors as bfloat16 pairs in 32-bit lanes (lo's in the low half), each
-    rounded to nearest even: (u + 0x7FFF + (u >> 16 & 1)) >> 16 of its bits."""
+    rounded to nearest even (formats.bf16_narrow_ir)."""
     def rounded(v):
-        u = builder.bitcast(v, _I32)
-        odd = builder.and_(builder.lshr(u, _v(16)), _v(1))
-        return builder.lshr(builder.add(builder.add(u, _v(0x7FFF)), odd), _v(16))
+        return bf16_narrow_ir(builder, builder.bitcast(v, _I32), _I32)
     return builder.or_(rounded(lo), builder.shl(rounded(hi), _v(16)))
 
 
