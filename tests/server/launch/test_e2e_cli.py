@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -84,9 +85,10 @@ SMALL = {"SPYRE_SERVE_MAX_NUM_SEQS": "2", "SPYRE_SERVE_MAX_NUM_BATCHED_TOKENS": 
          "SPYRE_SERVE_NUM_KV_BLOCKS": "16", "SPYRE_SERVE_MAX_MODEL_LEN": "256", "SPYRE_SERVE_DEVICE_MEMORY": "512M"}
 
 
-def started(env: dict) -> tuple[subprocess.Popen, list[str], str]:
-    """`spyre-serve serve` with ``env`` on a free port, once /health answers 200: (the process,
-    its output lines as they come, its URL)."""
+@contextmanager
+def started(env: dict):
+    """`spyre-serve serve` with ``env`` on a free port, once /health answers 200: yields (the
+    process, its output lines as they come, its URL); killed afterwards if it still runs."""
     port = free_port()
     proc = subprocess.Popen([BIN, "serve"], env={**ENV, **SMALL, **env, "SPYRE_SERVE_PORT": str(port)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -94,23 +96,28 @@ def started(env: dict) -> tuple[subprocess.Popen, list[str], str]:
     threading.Thread(target=lambda: log.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
-    with httpx.Client(base_url=url, timeout=600) as c:
-        while True:
-            assert proc.poll() is None, "".join(log)
-            assert time.monotonic() < deadline, "server did not start"
-            try:
-                if c.get("/health").status_code == 200:
-                    return proc, log, url
-            except httpx.TransportError:
-                time.sleep(0.2)
+    try:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            while True:
+                assert proc.poll() is None, "".join(log)
+                assert time.monotonic() < deadline, "server did not start"
+                try:
+                    if c.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+        yield proc, log, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_the_api_key_and_the_keys_clients_send_never_reach_the_log():
     """issue 38: with the key from the environment and --log-level debug, requests with a wrong key,
     the right one, and a 500-free error of the request's own: neither key is in the output."""
     key, wrong = "sekrit-key-4242-abcd", "wrong-key-9999-wxyz"
-    proc, log, url = started({"SPYRE_SERVE_API_KEY": key, "SPYRE_SERVE_LOG_LEVEL": "debug"})
-    try:
+    with started({"SPYRE_SERVE_API_KEY": key, "SPYRE_SERVE_LOG_LEVEL": "debug"}) as (proc, log, url):
         with httpx.Client(base_url=url, timeout=600) as c:
             assert c.get("/v1/models", headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
             ok = {"Authorization": f"Bearer {key}"}
@@ -120,19 +127,14 @@ def test_the_api_key_and_the_keys_clients_send_never_reach_the_log():
             assert c.post("/v1/completions", headers=ok, json={"prompt": "hi", "n": 10 ** 6}).status_code == 400
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = "".join(log)
     assert "made_up" in text and "DEBUG" in text        # the log was written, at debug level
     assert key not in text and wrong not in text
 
 
 def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
-    proc, log, url = started({"SPYRE_SERVE_DRAIN_TIMEOUT": "300"})
-    port = int(url.rsplit(":", 1)[1])
-    try:
+    with started({"SPYRE_SERVE_DRAIN_TIMEOUT": "300"}) as (proc, log, url):
+        port = int(url.rsplit(":", 1)[1])
         with httpx.Client(base_url=url, timeout=600) as c:
             maps = Path(f"/proc/{proc.pid}/maps").read_text()
             assert "libtorch" not in maps and "/torch/" not in maps   # serving runs without torch
@@ -152,10 +154,6 @@ def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
         chunks = [json.loads(e[6:]) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = "".join(log)
     assert "model granite-tiny" in text
     assert "memory plan" in text and "weights" in text and "KV cache 16 blocks" not in text
@@ -170,9 +168,8 @@ def test_a_stream_still_running_at_the_drains_end_is_cut_with_an_error_event_wit
     """--drain-timeout is the whole budget from SIGTERM to exit: a stream that would run on
     is cut 2 s before its end with an OpenAI error event and [DONE], and the process exits 0
     within the budget (so Kubernetes' grace period covers preStop + the drain)."""
-    proc, log, url = started({"SPYRE_SERVE_DRAIN_TIMEOUT": "4", "SPYRE_SERVE_MAX_MODEL_LEN": "4096",
-                              "SPYRE_SERVE_NUM_KV_BLOCKS": "300"})
-    try:
+    with started({"SPYRE_SERVE_DRAIN_TIMEOUT": "4", "SPYRE_SERVE_MAX_MODEL_LEN": "4096",
+                  "SPYRE_SERVE_NUM_KV_BLOCKS": "300"}) as (proc, log, url):
         with httpx.Client(base_url=url, timeout=600) as c:
             body = {"prompt": "Hello there", "max_tokens": 4000, "ignore_eos": True, "stream": True}
             with c.stream("POST", "/v1/completions", json=body) as r:
@@ -186,10 +183,6 @@ def test_a_stream_still_running_at_the_drains_end_is_cut_with_an_error_event_wit
         last = json.loads(events[-2][6:])
         assert set(last) == {"error"} and last["error"]["code"] == 500 and "request id" in last["error"]["message"]
         assert len(events) < 4000
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert "drain timeout: 1 requests still running are cut off" in "".join(log)
 
 
