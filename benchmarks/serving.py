@@ -391,6 +391,11 @@ SMOLLM2_SERVERS = {
     "vllm-f32": ("vllm", "float32"),
     "vllm-bf16": ("vllm", "bfloat16"),
 }
+# spyre-bf16 under other prefill budgets: --max-num-batched-tokens / --max-prefill-tokens-with-decodes
+for _budget, _cap in ((2048, 128), (2048, 512), (2048, 2048), (1024, 256)):
+    SMOLLM2_SERVERS[f"spyre-bf16-{_budget}-{_cap}"] = (
+        "spyre", ["--dtype", "bfloat16", "--max-num-batched-tokens", str(_budget),
+                  "--max-prefill-tokens-with-decodes", str(_cap)])
 
 
 def smollm2_servers(names: list[str], args) -> list[Server]:
