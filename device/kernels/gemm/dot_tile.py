@@ -2,11 +2,13 @@
 (vdpbf16ps): two products of bfloat16 pairs added into each float32 lane, as oneDNN's
 avx512_core_bf16 kernels and the card's 16-bit units compute.
 
-    dtile(mr, ab, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate)
+    dtile(mr, ab, a_off, lda, ks, w, w_off, c, c_off, ldc, kc, accumulate)
         c[mr, NR] (+)= ab[mr, kc] @ slab[kc, NR]
 
-ab holds the activations as bfloat16 bits (uint16; row i's value k at a_off + i * lda + k,
-rounded once per GEMM by device/kernels/gemm/packed.py); w is a bfloat16 weight in pairs of rows
+ab holds the activations as bfloat16 bits (uint16; row i's value k, k even, at a_off + i *
+lda + k * ks and value k + 1 after it), rounded once per GEMM by device/kernels/gemm/inputs.py
+in micro-panels (lda 2, ks PANEL_ROWS: a pair of every row of the panel in one 64-byte line,
+so the tile reads one stream, not one per row); w is a bfloat16 weight in pairs of rows
 (device/kernels/gemm/microkernel.py: column j's rows k and k + 1 in one 32-bit lane) and w_off its
 slab's first element; kc is even. For each pair of rows the tile loads the NR columns' pairs
 (one zmm) and, per row of the tile, broadcasts that row's pair of activations to every lane:
@@ -42,7 +44,7 @@ from spyre_serve.device.kernels.simd import (
 )
 
 
-def _emit_dot_loop(builder, g, mr, ab_ptr, a_off, lda, w_ptr, w_off, kc):
+def _emit_dot_loop(builder, g, mr, ab_ptr, a_off, lda, ks, w_ptr, w_off, kc):
     sets_n = max(1, 8 // mr)
     sets = accumulators(builder, g, mr, sets_n)
     pairs = ir.VectorType(BF16, 2 * g.vw)
@@ -56,11 +58,11 @@ def _emit_dot_loop(builder, g, mr, ab_ptr, a_off, lda, w_ptr, w_off, kc):
         wv = [builder.bitcast(load_vec(builder, w_ptr, builder.add(at, const(2 * j * g.vw)), g.ivec,
                                        2), pairs) for j in range(g.nv)]
         for i, row in enumerate(accs):
-            at = builder.add(builder.add(a_off, builder.mul(const(i), lda)), k)
+            at = builder.add(builder.add(a_off, builder.mul(const(i), lda)), builder.mul(k, ks))
             word = builder.load(builder.bitcast(builder.gep(ab_ptr, [at]), i32p), align=2)
             av = builder.bitcast(splat(builder, word, g.ivec), pairs)
             for j, acc in enumerate(row):
-                builder.store(builder.call(dp, [builder.load(acc), av, wv[j]]), acc)
+                builder.store(builder.call(dp, [builder.load(acc), wv[j], av]), acc)
 
     step = 2 * sets_n
     kmain = builder.mul(builder.sdiv(kc, const(step)), const(step))
@@ -73,25 +75,25 @@ def _emit_dot_loop(builder, g, mr, ab_ptr, a_off, lda, w_ptr, w_off, kc):
 
 
 @intrinsic
-def dtile(typingctx, mr, ab, a_off, lda, w, w_off, c, c_off, ldc, kc, accumulate):
+def dtile(typingctx, mr, ab, a_off, lda, ks, w, w_off, c, c_off, ldc, kc, accumulate):
     """The bfloat16 dot tile of mr rows (a height of this level); see the module docstring."""
     if ab.dtype != types.uint16:
         return None
     i64 = types.int64
-    sig = types.void(i64, ab, i64, i64, w, i64, c, i64, i64, i64, i64)
+    sig = types.void(i64, ab, i64, i64, i64, w, i64, c, i64, i64, i64, i64)
 
     def codegen(context, builder, signature, args):
         g = geometry()
-        if not g.bf16_dot or signature.args[4].dtype != types.uint16:
+        if not g.bf16_dot or signature.args[5].dtype != types.uint16:
             return context.get_dummy_value()   # not this level's, or a weight of another
                                                # format (typed, never called)
-        mr_v, ab_v, a_off, lda, w_v, w_off, c_v, c_off, ldc, kc, accf = args
+        mr_v, ab_v, a_off, lda, ks, w_v, w_off, c_v, c_off, ldc, kc, accf = args
         ab_ptr = array_ptr(context, builder, signature.args[1], ab_v)
-        w_ptr = array_ptr(context, builder, signature.args[4], w_v)
-        c_ptr = array_ptr(context, builder, signature.args[6], c_v)
+        w_ptr = array_ptr(context, builder, signature.args[5], w_v)
+        c_ptr = array_ptr(context, builder, signature.args[7], c_v)
 
         def height(mr):
-            accs = _emit_dot_loop(builder, g, mr, ab_ptr, a_off, lda, w_ptr, w_off, kc)
+            accs = _emit_dot_loop(builder, g, mr, ab_ptr, a_off, lda, ks, w_ptr, w_off, kc)
             store_tile(builder, g, accs, c_ptr, c_off, ldc, accf)
 
         by_height(builder, mr_v, g.heights, height)

@@ -3,10 +3,12 @@
     float32 as they are                             (ACT_F32)
     rounded to bfloat16 / float16 / DLFloat16,      (FMT_BF16 / FMT_F16 / FMT_DLF16 inputs,
       still float32                                   widening tiles)
-    bfloat16 bits, K padded with zeros              (bf16 x bf16 on a level with vdpbf16ps/AMX)
+    bfloat16 bits, K padded with zeros              (bf16 x bf16 on a level with vdpbf16ps/AMX:
+                                                      micro-panels of PANEL_ROWS rows for the
+                                                      dot tiles, rows for AMX's A tiles)
     int8 per row in blocks of QB, with scales       (ACT_INT8: a quantized weight's)
 
-`gemm_inputs(a, m, k, fmt, act)` returns them as one tuple and the mode that says which the
+`gemm_inputs(a, m, k, fmt, act, row_major)` returns them as one tuple and the mode that says which the
 tiles read; `round_to_format` rounds in place (tests and torch-spyre use it too).
 """
 
@@ -28,7 +30,16 @@ from spyre_serve.device.kernels.simd import F32, QB, has_bf16_dot
 
 ACT_F32, ACT_INT8 = 0, 6   # GEMM inputs: float32, or int8 per block of QB (quantized weights);
 # FMT_BF16 / FMT_F16 / FMT_DLF16 as an input format: rounded to that format once per GEMM
-MODE_FLOAT, MODE_INT8, MODE_DOT = 0, 1, 2    # which of the inputs the tiles read
+# which of the inputs the tiles read: bfloat16 pairs in micro-panels (MODE_DOT) or in rows
+MODE_FLOAT, MODE_INT8, MODE_DOT, MODE_DOT_ROWS = 0, 1, 2, 3
+# Rows of a micro-panel of bfloat16 inputs (the tallest AVX-512 tile): panel p's pair q (values
+# 2q, 2q + 1) of its row i at uint16 element (p kp / 2 + q) 2 PANEL_ROWS + 2 i, so that a
+# tile's broadcasts of one pair of all its rows read one 64-byte line, one stream in all (as
+# BLIS packs A). Rows in plain order (a pair of each row in another line: one stream a row)
+# held `vdpbf16ps` to 60-77% of its peak where A comes from L2 (Zen 4: 139-179 of 233
+# GFLOP/s a core in C, the micro-panels 222). Fewer rows than a panel (a decode of a few
+# sequences) stay in rows: a panel would pad them to PANEL_ROWS, and one row is one stream.
+PANEL_ROWS = 16
 
 
 @njit(nogil=True, cache=True)
@@ -96,12 +107,41 @@ def _to_bf16_parallel(af, m, k, kp, ab):
 
 
 @njit(nogil=True, cache=True)
-def gemm_inputs(af, m, k, fmt, act):
-    """The tiles' inputs: (float32 a, int8 a with its scales and sums, bfloat16 a, its row
-    stride, mode). int8 for a quantized weight with int8 inputs; bfloat16 pairs for a
-    bfloat16 weight with bfloat16 inputs on a level with the dot product (each value rounded
-    to nearest even once); else float32, rounded first to a 16-bit input format (act) so that
-    the widening tiles multiply 16-bit values exactly."""
+def _to_bf16_panels(af, m, k, kp, ab, p0, p1):
+    """Micro-panels p0..p1-1 of a[M, K] (flat float32) as bfloat16 bits into ab, laid out as
+    PANEL_ROWS says; zero past K and in the rows past M of the last panel."""
+    bits = af.view(np.uint32)
+    for p in range(p0, p1):
+        base = p * kp * PANEL_ROWS
+        for i in range(PANEL_ROWS):
+            r = p * PANEL_ROWS + i
+            at = base + 2 * i
+            for t in range(0, kp, 2):
+                lo, hi = np.uint16(0), np.uint16(0)
+                if r < m and t < k:
+                    lo = np.uint16(_bf16_bits(bits[r * k + t]))
+                if r < m and t + 1 < k:
+                    hi = np.uint16(_bf16_bits(bits[r * k + t + 1]))
+                ab[at + t * PANEL_ROWS] = lo
+                ab[at + t * PANEL_ROWS + 1] = hi
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _to_bf16_panels_parallel(af, m, k, kp, ab, panels):
+    chunks = min(panels, 4 * get_kernel_threads())
+    for c in prange(chunks):
+        _to_bf16_panels(af, m, k, kp, ab, c * panels // chunks, (c + 1) * panels // chunks)
+
+
+@njit(nogil=True, cache=True)
+def gemm_inputs(af, m, k, fmt, act, row_major):
+    """The tiles' inputs: (float32 a, int8 a with its scales and sums, bfloat16 a, its padded
+    K, mode). int8 for a quantized weight with int8 inputs; bfloat16 pairs for a bfloat16
+    weight with bfloat16 inputs on a level with the dot product (each value rounded to nearest
+    even once; in micro-panels, or in rows, K padded, if row_major (AMX's A tiles) or M is
+    under PANEL_ROWS); else
+    float32, rounded first to a 16-bit input format (act) so that the widening tiles multiply
+    16-bit values exactly."""
     use_int = act == ACT_INT8 and has_integer_quants(fmt)     # FP8: float inputs
     nq = m * k if use_int else 0
     aq, ad, asum = np.empty(nq, np.int8), np.empty(nq // QB, np.float32), np.empty(nq // QB, np.float32)
@@ -110,11 +150,19 @@ def gemm_inputs(af, m, k, fmt, act):
         return af, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_INT8
     if fmt == FMT_BF16 and act == FMT_BF16 and has_bf16_dot():
         kp = padded_k(k, fmt)
-        ab = np.empty(m * kp, np.uint16)
+        if row_major or m < PANEL_ROWS:
+            ab = np.empty(m * kp, np.uint16)
+            if m * k >= 65536:
+                _to_bf16_parallel(af, m, k, kp, ab)
+            else:
+                _to_bf16_rows(af, m, k, kp, ab, 0, m)
+            return af, aq, ad, asum, ab, kp, MODE_DOT_ROWS
+        panels = (m + PANEL_ROWS - 1) // PANEL_ROWS
+        ab = np.empty(panels * PANEL_ROWS * kp, np.uint16)
         if m * k >= 65536:
-            _to_bf16_parallel(af, m, k, kp, ab)
+            _to_bf16_panels_parallel(af, m, k, kp, ab, panels)
         else:
-            _to_bf16_rows(af, m, k, kp, ab, 0, m)
+            _to_bf16_panels(af, m, k, kp, ab, 0, panels)
         return af, aq, ad, asum, ab, kp, MODE_DOT
     if act == FMT_BF16 or act == FMT_F16 or act == FMT_DLF16:
         rounded = af.copy()

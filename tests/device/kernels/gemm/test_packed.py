@@ -9,9 +9,16 @@ import torch
 from spyre_serve.device.isa import current
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_DLF16, FMT_F16, FMT_F32, packed_size
 from spyre_serve.device.kernels.gather import gather_columns
-from spyre_serve.device.kernels.gemm.inputs import ACT_F32, round_to_format
+from spyre_serve.device.kernels.gemm.inputs import (
+    ACT_F32,
+    MODE_DOT,
+    MODE_DOT_ROWS,
+    PANEL_ROWS,
+    gemm_inputs,
+    round_to_format,
+)
 from spyre_serve.device.kernels.gemm.packed import gemm_packed
-from spyre_serve.device.layout import pack, unpack
+from spyre_serve.device.layout import pack, to_bf16_bits, unpack
 from spyre_serve.device.numerics import dlfloat16_round
 
 FMTS = [FMT_F32, FMT_BF16, FMT_F16, FMT_DLF16]
@@ -76,6 +83,31 @@ def test_16_bit_inputs_are_rounded_once_and_multiplied_exactly(m, k, n, fmt):
     np.testing.assert_array_equal(a_in, a)                  # the inputs themselves untouched
     scale = np.abs(a16) @ np.abs(unpack(panels, n, fmt, k).astype(np.float64))
     assert np.all(np.abs(out - want) <= 4 * k * 2.0 ** -24 * scale + 1e-30), current().level
+
+
+@pytest.mark.parametrize("m,k", [(1, 64), (17, 33), (40, 577), (512, 96)])
+def test_bfloat16_inputs_lie_in_micro_panels_for_the_dot_tiles_and_in_rows_for_amx(m, k):
+    """The dot tiles' inputs: row r's values k, k + 1 (k even) in one 32-bit word at word
+    ((r // PANEL_ROWS) * kp / 2 + k / 2) * PANEL_ROWS + r % PANEL_ROWS, zero past K and past M;
+    AMX's, and fewer rows than a panel: rows of kp values. Both the nearest bfloat16 (numpy's
+    reference rounding)."""
+    if not current().at_least("avx512_bf16"):
+        pytest.skip("bfloat16 pairs only on a level with vdpbf16ps")
+    a = np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
+    panels_in = gemm_inputs(a.reshape(-1), m, k, FMT_BF16, FMT_BF16, False)
+    rows_in = gemm_inputs(a.reshape(-1), m, k, FMT_BF16, FMT_BF16, True)
+    kp = panels_in[5]
+    assert rows_in[6] == MODE_DOT_ROWS and kp >= k and kp % 2 == 0
+    want = np.zeros((-(-m // PANEL_ROWS) * PANEL_ROWS, kp), np.uint16)
+    want[:m, :k] = to_bf16_bits(a)
+    np.testing.assert_array_equal(rows_in[4].reshape(m, kp), want[:m])
+    if m < PANEL_ROWS:
+        assert panels_in[6] == MODE_DOT_ROWS
+        np.testing.assert_array_equal(panels_in[4].reshape(m, kp), want[:m])
+        return
+    assert panels_in[6] == MODE_DOT
+    as_panels = want.reshape(-1, PANEL_ROWS, kp // 2, 2).transpose(0, 2, 1, 3).reshape(-1)
+    np.testing.assert_array_equal(panels_in[4], as_panels)
 
 
 def test_gemm_packed_k_past_one_block_accumulates_every_block():
