@@ -38,6 +38,9 @@ from spyre_serve.device.kernels.formats import (
     FMT_FP8,
     FMT_Q4_0,
     FMT_Q4_1,
+    FMT_Q4_K,
+    FMT_Q5_K,
+    FMT_Q6_K,
     FMT_Q8_0,
     FORMAT_NAMES,
     FORMATS,
@@ -49,7 +52,8 @@ from spyre_serve.device.memory import DeviceError, DeviceTensor
 from spyre_serve.device.numerics import dlfloat16_decode, dlfloat16_encode, fp8_e4m3_decode
 
 STORAGE = {FMT_F32: np.float32, FMT_BF16: np.uint16, FMT_F16: np.uint16, FMT_DLF16: np.uint16}
-QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8)
+K_QUANTS = (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K)
+QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8, *K_QUANTS)
 
 
 def format_code(dtype: str) -> int:
@@ -132,24 +136,37 @@ class QuantizedWeight:
 
         value[n, k] = d[n, k // QB] * q[n, k]                 Q8_0 (q int8)
                     = d[n, k // QB] * (q[n, k] - 8)           Q4_0 (q 0..15)
-                    = d[n, k // QB] * q[n, k] + m[n, k // QB] Q4_1 (q 0..15)
+                    = d[n, k // QB] * q[n, k] + m[n, k // QB] Q4_1 (q 0..15), Q4_K (q 0..15),
+                                                              Q5_K (q 0..31)
+                    = d[n, k // 16] * (q[n, k] - 32)          Q6_K (q 0..63)
                     = d[n, k // QB] * e4m3(q[n, k])           FP8_E4M3 (q uint8 codes)
 
-    d and m are float16, the products computed in float32 as GGML's dequantizer does."""
+    Q8_0, Q4_0, Q4_1 and FP8 hold d and m in float16, the products computed in float32 as
+    GGML's dequantizer does. The K-quants hold them in float32: a K-quant's scale of a block
+    (d times a 6- or 8-bit integer of the super-block) and minimum, as GGML's dequantizer
+    multiplies them out, exactly (models/gguf/file.py); GGML's Q5_0 and Q5_1 are Q5_K's
+    (their float16 scale and minimum widened, Q5_0's minimum -16 d). Every product d * q is
+    exact in float32, so one rounding gives the value GGML's two give."""
 
-    fmt: int                     # FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 or FMT_FP8
+    fmt: int                     # FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8, FMT_Q4_K, FMT_Q5_K or FMT_Q6_K
     q: np.ndarray                # int8 [N, K] (FP8: uint8 E4M3 codes)
-    d: np.ndarray                # float16 [N, K / QB]
-    m: np.ndarray | None = None  # float16 [N, K / QB], Q4_1 only
+    d: np.ndarray                # float16 [N, K / QB]; K-quants float32 [N, K / sub_block(fmt)]
+    m: np.ndarray | None = None  # Q4_1 float16, Q4_K / Q5_K float32 [N, K / QB]
 
     def __post_init__(self):
         n, k = self.q.shape
         if self.fmt not in QUANTIZED:
             raise DeviceError(f"format {self.fmt} is not block-quantized")
-        if k % QB or self.d.shape != (n, k // QB) or (self.m is None) != (self.fmt != FMT_Q4_1) \
-                or (self.m is not None and self.m.shape != self.d.shape):
+        has_m = self.fmt in (FMT_Q4_1, FMT_Q4_K, FMT_Q5_K)
+        sub = sub_block(self.fmt)
+        scale = np.float32 if self.fmt in K_QUANTS else np.float16
+        if k % QB or self.d.shape != (n, k // sub) or (self.m is None) == has_m \
+                or (self.m is not None and self.m.shape != (n, k // QB)):
             raise DeviceError(f"a {FORMAT_NAMES[self.fmt]} weight [{n}, {k}] needs K in blocks of "
-                              f"{QB} and scales [{n}, {k // QB}]; got d {self.d.shape}")
+                              f"{QB} and scales [{n}, {k // sub}]; got d {self.d.shape}")
+        if self.d.dtype != scale or (self.m is not None and self.m.dtype != scale):
+            raise DeviceError(f"a {FORMAT_NAMES[self.fmt]} weight's scales are {np.dtype(scale).name}, "
+                              f"got {self.d.dtype.name}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -161,8 +178,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> np.ndarray:
         """float32 [N, K], as GGML's dequantizer computes it."""
-        n, k = self.q.shape
-        d = np.repeat(self.d.astype(np.float32), QB, axis=1)
+        d = np.repeat(self.d.astype(np.float32), sub_block(self.fmt), axis=1)
         q = self.q.astype(np.float32)
         if self.fmt == FMT_Q8_0:
             return q * d
@@ -170,6 +186,8 @@ class QuantizedWeight:
             return d * fp8_e4m3_decode(self.q)
         if self.fmt == FMT_Q4_0:
             return d * (q - np.float32(8))
+        if self.fmt == FMT_Q6_K:
+            return d * (q - np.float32(32))
         return d * q + np.repeat(self.m.astype(np.float32), QB, axis=1)
 
     def take_rows(self, order: np.ndarray) -> QuantizedWeight:
@@ -188,6 +206,16 @@ class QuantizedWeight:
                                np.concatenate([p.d for p in parts]), m)
 
 
+def sub_block(fmt: int) -> int:
+    """Rows of a weight's block that share one scale: QB, Q6_K's half a block."""
+    return QB // 2 if fmt == FMT_Q6_K else QB
+
+
+def high_bit_planes(fmt: int) -> int:
+    """Bits of a K-quant's quants above the nibble: 0 (Q4_K), 1 (Q5_K), 2 (Q6_K)."""
+    return {FMT_Q5_K: 1, FMT_Q6_K: 2}.get(fmt, 0)
+
+
 def pack_quantized(qw: QuantizedWeight) -> np.ndarray:
     """A QuantizedWeight [N, K] -> the GEMM's panels of W = its transpose, as uint8
     [ceil(N/NR), K/QB, record bytes], zero past column N."""
@@ -199,40 +227,74 @@ def pack_quantized(qw: QuantizedWeight) -> np.ndarray:
         out[:n] = x
         return out.reshape(p, NR, *x.shape[1:])
 
-    scales = [by_panel(qw.d)]                                           # [P, NR, nb] float16
-    if qw.m is not None:
-        scales.append(by_panel(qw.m))
-    parts = [np.ascontiguousarray(s.transpose(0, 2, 1)).view(np.uint8).reshape(p, nb, 2 * NR)
-             for s in scales]
+    if qw.fmt == FMT_Q6_K:                                               # [P, NR, nb, 2] halves
+        scales = [by_panel(qw.d).reshape(p, NR, nb, 2)[..., h] for h in (0, 1)]
+    else:
+        scales = [by_panel(qw.d)] + ([by_panel(qw.m)] if qw.m is not None else [])
+    parts = [np.ascontiguousarray(s.transpose(0, 2, 1)).view(np.uint8).reshape(p, nb, -1)
+             for s in scales]                                            # [P, nb, NR scales]
     # the quants in groups of 4 rows: group g of a record is NR columns of 4 bytes (rows 4g..4g+3)
     q = by_panel(qw.q)                                                   # [P, NR, K]
     if qw.fmt in (FMT_Q8_0, FMT_FP8):
         q = q.reshape(p, NR, nb, QB // 4, 4).transpose(0, 2, 3, 1, 4)   # [P, nb, G, NR, 4]
         parts.append(np.ascontiguousarray(q).view(np.uint8).reshape(p, nb, QB * NR))
     else:                       # a byte: row r (low nibble) and row r + QB/2 (high) of a column
-        q = q.reshape(p, NR, nb, 2, QB // 8, 4).transpose(0, 2, 3, 4, 1, 5).view(np.uint8)
-        parts.append((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(p, nb, QB // 2 * NR))
+        low = q & 15
+        q4 = low.reshape(p, NR, nb, 2, QB // 8, 4).transpose(0, 2, 3, 4, 1, 5).view(np.uint8)
+        parts.append((q4[:, :, 0] | (q4[:, :, 1] << 4)).reshape(p, nb, QB // 2 * NR))
+        if high_bit_planes(qw.fmt):
+            parts.append(_pack_high_bits(q, qw.fmt, p, nb))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
     assert packed.shape[2] == RECORD_BYTES[qw.fmt]
     return packed
 
 
+def _pack_high_bits(q: np.ndarray, fmt: int, p: int, nb: int) -> np.ndarray:
+    """The bits of q [P, NR, K] above the nibble as a record's planes [P, nb, words x NR x 4]:
+    a column's word w, byte t holds, for rows 16 h + 4 g + t (h the half, g the group), the
+    hb high bits at bit (4 h + g) hb - 8 w (hb = 1: one word; hb = 2: word h, bits 2 g)."""
+    hb = high_bit_planes(fmt)
+    hi = (q.astype(np.uint8) >> 4).reshape(p, NR, nb, 2, QB // 8, 4).transpose(0, 2, 3, 4, 1, 5)
+    planes = np.zeros((p, nb, hb, NR, 4), np.uint8)                      # [P, nb, W, NR, t]
+    for h in range(2):
+        for g in range(QB // 8):
+            at = (4 * h + g) * hb
+            planes[:, :, at // 8] |= hi[:, :, h, g] << (at % 8)
+    return planes.reshape(p, nb, hb * 4 * NR)
+
+
 def unpack_quantized(panels: np.ndarray, n: int, fmt: int) -> np.ndarray:
     """The float32 K x N matrix the kernels compute with, from quantized panels."""
     p, nb, _ = panels.shape
-    half = lambda b: b.copy().view(np.float16).astype(np.float32)       # noqa: E731
-    d = half(panels[:, :, :2 * NR])                                     # [P, nb, NR]
-    qoff = 4 * NR if fmt == FMT_Q4_1 else 2 * NR
+    wide = fmt in K_QUANTS
+    scale = (lambda lo: panels[:, :, lo:lo + 4 * NR].copy().view(np.float32)) if wide else \
+        (lambda lo: panels[:, :, lo:lo + 2 * NR].copy().view(np.float16).astype(np.float32))
+    step = 4 * NR if wide else 2 * NR
+    d = scale(0)                                                         # [P, nb, NR]
+    qoff = 2 * step if fmt in (FMT_Q4_1, *K_QUANTS) else step
     raw = panels[:, :, qoff:]
     if fmt in (FMT_Q8_0, FMT_FP8):  # [P, nb, G, NR, 4] -> rows 4g + t of each column
         q = raw.reshape(p, nb, QB // 4, NR, 4).transpose(0, 1, 2, 4, 3).reshape(p, nb, QB, NR)
         q = fp8_e4m3_decode(q) if fmt == FMT_FP8 else q.view(np.int8).astype(np.float32)
     else:
-        b = raw.reshape(p, nb, QB // 8, NR, 4).transpose(0, 1, 2, 4, 3).reshape(p, nb, QB // 2, NR)
-        q = np.concatenate([b & 15, b >> 4], axis=2).astype(np.float32)
-    w = d[:, :, None, :] * (q - np.float32(8) if fmt == FMT_Q4_0 else q)
-    if fmt == FMT_Q4_1:
-        w = w + half(panels[:, :, 2 * NR:4 * NR])[:, :, None, :]
+        b = raw[:, :, :QB * NR // 2].reshape(p, nb, QB // 8, NR, 4).transpose(0, 1, 2, 4, 3)
+        q = np.concatenate([b & 15, b >> 4], axis=2).astype(np.int32)  # [P, nb, 2 G, 4, NR]
+        hb = high_bit_planes(fmt)
+        if hb:
+            planes = raw[:, :, QB * NR // 2:].reshape(p, nb, hb, NR, 4).transpose(0, 1, 2, 4, 3)
+            for h in range(2):
+                for g in range(QB // 8):
+                    at = (4 * h + g) * hb
+                    bits = (planes[:, :, at // 8] >> (at % 8)) & ((1 << hb) - 1)
+                    q[:, :, 4 * h + g] |= bits.astype(np.int32) << 4
+        q = q.reshape(p, nb, QB, NR).astype(np.float32)
+    if fmt == FMT_Q6_K:
+        halves = np.repeat(np.stack([d, scale(step)], axis=2), QB // 2, axis=2)   # [P, nb, QB, NR]
+        w = halves * (q - np.float32(32))
+    else:
+        w = d[:, :, None, :] * (q - np.float32(8) if fmt == FMT_Q4_0 else q)
+    if fmt in (FMT_Q4_1, FMT_Q4_K, FMT_Q5_K):
+        w = w + scale(step)[:, :, None, :]
     return w.reshape(p, nb * QB, NR).transpose(1, 0, 2).reshape(nb * QB, p * NR)[:, :n]
 
 

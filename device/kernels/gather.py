@@ -16,7 +16,13 @@ from spyre_serve.device.kernels.formats import (
     FMT_FP8,
     FMT_Q4_0,
     FMT_Q4_1,
+    FMT_Q5_K,
+    FMT_Q6_K,
     FMT_Q8_0,
+    GROUP_BYTES,
+    NIBBLE_BYTES,
+    WIDE_SCALE_BYTES,
+    is_k_quant,
     is_quantized,
     packed_len,
     padded_k,
@@ -41,6 +47,8 @@ def _quantized_value(w, c, kk, k, fmt):
     r = kk % QB
     rec = record_bytes(fmt)
     r0 = (c // NR) * (k // QB) * rec + (kk // QB) * rec
+    if is_k_quant(fmt):
+        return _k_quant_value(w, r0, j, r, fmt)
     d = _half_at(w, r0 + 2 * j)
     q0 = r0 + (4 * NR if fmt == FMT_Q4_1 else 2 * NR)
     if fmt == FMT_Q8_0 or fmt == FMT_FP8:      # group r // 4, byte r % 4 of column j
@@ -55,6 +63,31 @@ def _quantized_value(w, c, kk, k, fmt):
     if fmt == FMT_Q4_0:
         return d * (q - np.float32(8.0))
     return d * q + _half_at(w, r0 + 2 * NR + 2 * j)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _f32_from(w, i):
+    """The float32 whose four little-endian bytes are w[i..i+3]."""
+    return w[i:i + 4].view(np.float32)[0]
+
+
+@njit(nogil=True, cache=True)
+def _k_quant_value(w, r0, j, r, fmt):
+    """Row r of column j of the K-quant record at byte r0 (device/layout.py's planes)."""
+    h, rr = r // (QB // 2), r % (QB // 2)
+    q0 = r0 + 2 * WIDE_SCALE_BYTES
+    byte = np.uint8(w[q0 + (rr // 4) * GROUP_BYTES + 4 * j + rr % 4])
+    q = np.int32((byte >> np.uint8(4 * h)) & np.uint8(15))
+    hb = 1 if fmt == FMT_Q5_K else (2 if fmt == FMT_Q6_K else 0)
+    if hb:
+        at = (4 * h + rr // 4) * hb
+        plane = np.uint8(w[q0 + NIBBLE_BYTES + (at // 8) * GROUP_BYTES + 4 * j + rr % 4])
+        q |= np.int32((plane >> np.uint8(at % 8)) & np.uint8((1 << hb) - 1)) << 4
+    if fmt == FMT_Q6_K:
+        d = _f32_from(w, r0 + h * WIDE_SCALE_BYTES + 4 * j)
+        return d * (np.float32(q) - np.float32(32.0))
+    # d q is exact in float32: one rounding, as the tiles' FMA
+    return _f32_from(w, r0 + 4 * j) * np.float32(q) + _f32_from(w, r0 + WIDE_SCALE_BYTES + 4 * j)
 
 
 @njit(nogil=True, cache=True)

@@ -64,7 +64,7 @@ class CheckpointError(ValueError):
 class Checkpoint:
     config: GraniteConfig
     tensors: dict[str, np.ndarray]   # HF name -> float32 array of expected_shapes(config)[name]
-                                     # (a GGUF file's Q8_0/Q4_0/Q4_1: device.layout.QuantizedWeight)
+                                     # (a GGUF file's quantized matrix: device.layout.QuantizedWeight)
                                      # (stored bits if loaded with widen=False)
     path: Path                       # the checkpoint directory
     stored_dtypes: dict[str, str] = field(default_factory=dict)  # HF name -> "F32" | "BF16" | "F16"

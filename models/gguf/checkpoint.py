@@ -4,8 +4,9 @@
 a ``GraniteConfig`` built from the file's metadata and every tensor with its Hugging Face
 name and shape. Four architectures are served, ``llama``, ``granite``, and ``granitehybrid``
 and ``granitemoe`` (llama.cpp's names; those two by ``hybrid.py``); tensor types
-F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K. Q8_0, Q4_0 and Q4_1 matrices stay
-at their width (the card's GEMM reads them as they are); the others are dequantized to float32.
+F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K. Their matrices stay at their
+width (the card's GEMM reads the quants as they are: models/gguf/file.py's QUANTIZED_TYPES);
+the float types are read as float32.
 Anything else is refused naming the tensor and its type, or the architecture, before any tensor
 is read.
 
@@ -56,7 +57,7 @@ log = logging.getLogger("spyre_serve.models")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM"}
 
 Q = GGMLQuantizationType
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K)
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _FLOAT_DTYPES = {Q.F32: "float32", Q.F16: "float16", Q.BF16: "bfloat16"}
 
 # Tensor names: llama.cpp's -> Hugging Face's, in block N for the per-layer ones.
@@ -295,9 +296,9 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf_checkpoint(path: str | Path, quantized: bool = True) -> Checkpoint:
     """Read a GGUF file into a Checkpoint: config from the metadata, every tensor refused,
     or under its Hugging Face name (q/k rows back in HF's rotary layout) either kept at its
-    width (Q8_0, Q4_0, Q4_1 with ``quantized``: a device.layout.QuantizedWeight, which the
-    card serves as it is) or dequantized to float32 (every other type: K-quants, Q5_x and
-    the float types). ``stored_dtypes`` holds each tensor's GGML type name ("Q4_1", ...)."""
+    width (a quantized type with ``quantized``: a device.layout.QuantizedWeight, which the
+    card serves as it is) or read as float32 (the float types; every type without
+    ``quantized``). ``stored_dtypes`` holds each tensor's GGML type name ("Q4_1", ...)."""
     f = read_gguf(path)
     config = gguf_config(f)
     check_tensors(f)
@@ -318,11 +319,6 @@ def load_gguf_checkpoint(path: str | Path, quantized: bool = True) -> Checkpoint
                 w = unpermute_rope_rows(w, rope_heads[m.group(2)])
         tensors[hf_name(t.name)] = w
         stored[hf_name(t.name)] = t.type_name
-    widened = sorted({t.type_name for t in f.tensors.values()
-                      if t.ggml_type not in QUANTIZED_TYPES and t.ggml_type not in _FLOAT_DTYPES})
-    if widened:
-        log.info("%s: its %s tensors are dequantized to float32 (the card serves Q8_0, Q4_0 and "
-                 "Q4_1 at their width)", f.path.name, ", ".join(widened))
     return Checkpoint(config=config, tensors=tensors, path=f.path, stored_dtypes=stored)
 
 
@@ -336,6 +332,6 @@ def _load_hybrid(f: GGUFFile, config: GraniteConfig, quantized: bool) -> Checkpo
     widened = sorted({t.type_name for t in f.tensors.values()
                       if (t.ggml_type not in QUANTIZED_TYPES or not quantized) and t.ggml_type not in _FLOAT_DTYPES})
     if widened:
-        log.info("%s: its %s tensors are dequantized to float32 (the card serves Q8_0, Q4_0 and Q4_1 at their "
+        log.info("%s: its %s tensors are dequantized to float32 (the card keeps a quantized matrix at its "
                  "width)", f.path.name, ", ".join(widened))
     return Checkpoint(config=config, tensors=tensors, path=f.path, stored_dtypes=stored)

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
-from spyre_serve.device.kernels.formats import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
+from spyre_serve.device.kernels.formats import FMT_Q4_0, FMT_Q4_1, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_Q8_0
+from spyre_serve.device.kernels.simd import QB
 from spyre_serve.device.layout import QuantizedWeight
 from spyre_serve.models.checkpoints.hf import CheckpointError
 
@@ -231,16 +232,19 @@ def require(f: GGUFFile, key: str):
 
 
 # GGML types kept at their width on the card (device.layout.QuantizedWeight), by format code
-QUANTIZED_TYPES = {GGMLQuantizationType.Q8_0: FMT_Q8_0, GGMLQuantizationType.Q4_0: FMT_Q4_0,
-                   GGMLQuantizationType.Q4_1: FMT_Q4_1}
+_Q = GGMLQuantizationType
+QUANTIZED_TYPES = {_Q.Q8_0: FMT_Q8_0, _Q.Q4_0: FMT_Q4_0, _Q.Q4_1: FMT_Q4_1, _Q.Q5_0: FMT_Q5_K,
+                   _Q.Q5_1: FMT_Q5_K, _Q.Q4_K: FMT_Q4_K, _Q.Q5_K: FMT_Q5_K, _Q.Q6_K: FMT_Q6_K}
 
 
 def quantized_tensor(f: GGUFFile, t: GGUFTensor) -> QuantizedWeight:
-    """A Q8_0 / Q4_0 / Q4_1 matrix as its quants and float16 scales (no value widened).
+    """A quantized matrix as its quants and scales (no value widened), in the card's format
+    of its type (QUANTIZED_TYPES; device/layout.py's QuantizedWeight has their arithmetic).
 
-    GGML's blocks of 32 values along a row: Q8_0 d (fp16), 32 int8; Q4_0 d, 16 bytes;
+    GGML's blocks along a row (ggml-common.h): Q8_0 d (fp16), 32 int8; Q4_0 d, 16 bytes;
     Q4_1 d, m, 16 bytes, value i of a block in the low nibble of byte i, value i + 16 in its
-    high nibble (ggml-common.h's block_q8_0 / block_q4_0 / block_q4_1)."""
+    high nibble; Q5_0 / Q5_1 those and a 32-bit word of 5th bits; the K-quants in super-blocks
+    of 256 (_k_quant_parts)."""
     rows, cols = t.shape
     block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
     nb = cols // block
@@ -249,10 +253,49 @@ def quantized_tensor(f: GGUFFile, t: GGUFTensor) -> QuantizedWeight:
     fmt = QUANTIZED_TYPES[t.ggml_type]
     if fmt == FMT_Q8_0:
         return QuantizedWeight(fmt, blocks[:, :, 2:].copy().view(np.int8).reshape(rows, cols), half(0))
-    first = 4 if fmt == FMT_Q4_1 else 2
+    if t.ggml_type in (_Q.Q4_K, _Q.Q5_K, _Q.Q6_K):
+        return QuantizedWeight(fmt, *_k_quant_parts(t.ggml_type, blocks.reshape(rows * nb, block_bytes), rows))
+    five = t.ggml_type in (_Q.Q5_0, _Q.Q5_1)
+    first = (4 if t.ggml_type in (_Q.Q4_1, _Q.Q5_1) else 2) + (4 if five else 0)
     qs = blocks[:, :, first:]
-    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(rows, cols).astype(np.int8)
-    return QuantizedWeight(fmt, q, half(0), half(2) if fmt == FMT_Q4_1 else None)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(rows, nb, QB).astype(np.int8)
+    if not five:
+        return QuantizedWeight(fmt, q.reshape(rows, cols), half(0), half(2) if fmt == FMT_Q4_1 else None)
+    qh = blocks[:, :, first - 4:first].copy().view(np.uint32)          # [rows, nb, 1]: bit i, value i
+    q |= (((qh >> np.arange(QB, dtype=np.uint32)) & 1) << 4).astype(np.int8)
+    d = half(0).astype(np.float32)
+    m = half(2).astype(np.float32) if t.ggml_type == _Q.Q5_1 else d * np.float32(-16)
+    return QuantizedWeight(fmt, q.reshape(rows, cols), d, m)
+
+
+def _k_quant_parts(kind: GGMLQuantizationType, blocks: np.ndarray, rows: int):
+    """(q int8 [rows, cols], d float32, m float32 or None) of super-blocks [n, bytes] of a
+    K-quant, the scales multiplied out as GGML's dequantizer does (float32 d times the
+    integer scale: exact): block_q4_K d, dmin, 12 bytes of 6-bit scales and minimums, 128
+    bytes (64 values a 32 bytes: a sub-block the low nibbles, the next the high ones);
+    block_q5_K those with 32 bytes of 5th bits between (bit 2i of byte l: value l of sub-block
+    2i, bit 2i + 1 of sub-block 2i + 1); block_q6_K 128 bytes of low nibbles, 64 of 2-bit
+    highs, 16 int8 scales (one a 16 values), d."""
+    n = blocks.shape[0]
+    if kind == _Q.Q6_K:
+        ql, qh = blocks[:, :128].reshape(n, 2, 1, 64), blocks[:, 128:192].reshape(n, 2, 1, 32)
+        ql = ((ql >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(n, 2, 4, 32)
+        qh = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3     # [n, 2, 4, 32]
+        q = (ql | (qh << 4)).astype(np.int8)
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)      # [n, 1]
+        d = d * blocks[:, 192:208].view(np.int8).astype(np.float32)            # [n, 16]
+        return q.reshape(rows, -1), d.reshape(rows, -1), None
+    five = kind == _Q.Q5_K
+    d, dmin = (blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())                       # [n, 8] each
+    qs = blocks[:, 48 if five else 16:].reshape(n, 4, 1, 32)
+    q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(n, 8, 32)
+    if five:
+        qh = blocks[:, 16:48].reshape(n, 1, 32)
+        q |= ((qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4
+    scale = d * sc.reshape(n, 8).astype(np.float32)
+    low = -(dmin * mn.reshape(n, 8).astype(np.float32))
+    return q.astype(np.int8).reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
 
 
 def dequantize_tensor(f: GGUFFile, t: GGUFTensor) -> np.ndarray:

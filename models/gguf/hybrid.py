@@ -21,8 +21,8 @@ llama.cpp's converter (convert_hf_to_gguf.py: ``GraniteHybridModel``, ``GraniteM
   ``expert_shared_feed_forward_length``. A GraniteMoe file with ``*_shexp`` tensors is
   GraniteMoeShared.
 
-A matrix stored as Q8_0, Q4_0 or Q4_1 (the attention and Mamba projections, the router, the
-experts' and the shared MLP's, the embedding and LM head) is kept at its width with
+A matrix stored quantized (any of models/gguf/file.py's QUANTIZED_TYPES: the attention and
+Mamba projections, the router, the experts' and the shared MLP's, the embedding and LM head) is kept at its width with
 ``quantized`` (a ``device.layout.QuantizedWeight``, an experts' stack a list of them, one an
 expert), as the dense architectures' are; every other tensor is dequantized to float32.
 """
@@ -148,7 +148,7 @@ def unknown_tensors(f: GGUFFile) -> list[str]:
 
 
 def _at_width(f: GGUFFile, t):
-    """A Q8_0 / Q4_0 / Q4_1 matrix as its quants and scales; an experts' stack [E, N, K] as a
+    """A quantized matrix as its quants and scales; an experts' stack [E, N, K] as a
     list of E of them."""
     if len(t.shape) == 2:
         return quantized_tensor(f, t)

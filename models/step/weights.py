@@ -15,7 +15,7 @@ is its own [H, V] weight (lm_head.weight.T); the embedding then stays E.T for th
 each value to nearest even (a checkpoint stored in that width is placed bit for bit),
 dlfloat16 as IBM's conversion rounds; the norms and constants stay float32 arrays holding the rounded values, so the
 model on the card is exactly the checkpoint rounded to `dtype`. A block-quantized matrix (a
-device.layout.QuantizedWeight: a GGUF file's Q8_0, Q4_0 or Q4_1) is placed at its own width;
+device.layout.QuantizedWeight: a GGUF file's quantized matrix) is placed at its own width;
 a fused projection whose parts differ in format is dequantized and placed in `dtype`, with a
 log line saying so.
 """
@@ -236,7 +236,7 @@ def resolve_compute_dtype(compute_dtype: str, weights: ModelWeights) -> str:
                          f"got {compute_dtype!r}")
     if compute_dtype == "int8" and not quantized:
         raise ValueError("compute dtype int8 quantizes the inputs of integer 8- and 4-bit "
-                         "weights; this model has none (a GGUF file's Q8_0/Q4_0/Q4_1, or "
+                         "weights; this model has none (a GGUF file's quantized matrices, or "
                          "--quantization int8; fp8 weights take float inputs)")
     if compute_dtype in SIXTEEN_BIT and compute_dtype != weights.dtype:
         raise ValueError(f"compute dtype {compute_dtype} needs weights in {compute_dtype}; "

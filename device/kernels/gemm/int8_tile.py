@@ -17,10 +17,14 @@ in int32. Per block of QB rows, per row i and column j:
                                                  side of the instruction is the weight's)
     Q4_x  isum = sum_k q[k] aq[k], q in 0..15  (unsigned as it is; Q4_0's -8 and Q4_1's m by
                                                  the activation's block sum)
+    K     the same on the nibbles with their high bits (q in 0..31, 0..63: microkernel.py's
+          nibble_quants); Q6_K's halves in two sums, each with its own scale, its -32 by the
+          half's activation sum (the low half's summed here, the high one's the rest)
     c    += d[j] ad[i] isum  (+ m[j] ad[i] asum[i]; Q4_0: m = -8 d)
 
 Exact integer sums (|products| stay below vpmaddubsw's int16 saturation: 2 * 128 * 127 for
-Q8_0, 2 * 15 * 127 for Q4; vpdpbusd does not saturate), then float32 scaling: the error
+Q8_0, 2 * 15 * 127 for Q4, 2 * 2 * 31 * 127 for Q5_K, 2 * 63 * 127 for a Q6_K half; vpdpbusd
+does not saturate), then float32 scaling: the error
 against the float32 GEMM on the dequantized weights is the activations' int8 rounding (a
 step of ad / 2 per value). Every level gives the same int32 sums, so the same results.
 """
@@ -30,8 +34,15 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from spyre_serve.device.kernels.formats import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0, GROUP_BYTES
-from spyre_serve.device.kernels.gemm.microkernel import quant_record, quant_scales
+from spyre_serve.device.kernels.formats import GROUP_BYTES
+from spyre_serve.device.kernels.gemm.microkernel import (
+    K_KINDS,
+    QUANT_CASES,
+    halves_scales,
+    nibble_quants,
+    quant_record,
+    quant_scales,
+)
 from spyre_serve.device.kernels.simd import (
     I8,
     I16,
@@ -119,10 +130,14 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
     rec, q_start = quant_record(kind)
     low4 = ir.Constant(dot.bytes, [15] * dot.bytes.count)
     zero = ir.Constant(g.ivec, [0] * g.vw)
+    halves = kind == "q6_k"      # a scale a half block: the halves' sums apart
     with counted(builder, const(0), builder.sdiv(kc, const(QB)), 1) as b:
         r0 = builder.add(w_off, builder.mul(b, const(rec)))
+        q0 = builder.add(r0, const(q_start))
         kb = builder.mul(b, const(QB))
         iacc = {i: [cgutils.alloca_once_value(builder, zero) for _ in range(g.nv)] for i in rows}
+        hacc = {i: [cgutils.alloca_once_value(builder, zero) for _ in range(g.nv)] for i in rows} \
+            if halves else iacc
 
         def broadcast4(i, row):
             """aq[i, kb + row .. + 3] in every 32-bit lane, as bytes."""
@@ -143,34 +158,65 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
                     for j in range(g.nv):
                         dot.add(iacc[i][j], [(mags[j], dot.signed_by(av, raw[j]))])
                 return
-            lo = [builder.and_(x, low4) for x in raw]
-            hi = [builder.and_(builder.bitcast(builder.lshr(builder.bitcast(x, dot.words),
-                                                            ir.Constant(dot.words, [4] * dot.words.count)),
-                                               dot.bytes), low4) for x in raw]
+            if kind in K_KINDS:     # the nibbles with their high bits, 4 quants a lane
+                lo, hi = ([builder.bitcast(nibble_quants(builder, g, kind, w_ptr, q0, builder.bitcast(x, g.ivec),
+                                                         j, high, gi), dot.bytes) for j, x in enumerate(raw)]
+                          for high in (False, True))
+            else:
+                lo = [builder.and_(x, low4) for x in raw]
+                hi = [builder.and_(builder.bitcast(builder.lshr(builder.bitcast(x, dot.words),
+                                                                ir.Constant(dot.words, [4] * dot.words.count)),
+                                                   dot.bytes), low4) for x in raw]
             for i in rows:
                 a_lo = broadcast4(i, row)
                 a_hi = broadcast4(i, builder.add(row, const(QB // 2)))
                 for j in range(g.nv):
-                    dot.add(iacc[i][j], [(lo[j], a_lo), (hi[j], a_hi)])
+                    if halves:
+                        dot.add(iacc[i][j], [(lo[j], a_lo)])
+                        dot.add(hacc[i][j], [(hi[j], a_hi)])
+                    else:
+                        dot.add(iacc[i][j], [(lo[j], a_lo), (hi[j], a_hi)])
 
         with counted(builder, const(0), const(QB // 4 if kind == "q8_0" else QB // 8), 1) as gl:
             group(gl)
 
-        d, m = quant_scales(builder, g, w_ptr, r0, kind)
+        if halves:
+            (d, m), (d_hi, m_hi) = halves_scales(builder, g, w_ptr, r0, kind)
+        else:
+            d, m = quant_scales(builder, g, w_ptr, r0, kind)
         for i in rows:
             s_at = builder.add(builder.add(s_off, builder.mul(const(i), lds)), b)
             ad = builder.load(builder.gep(ad_ptr, [s_at]))
             scale = splat(builder, ad, g.vec)
             if kind != "q8_0":
-                asum = splat(builder, builder.fmul(ad, builder.load(builder.gep(as_ptr, [s_at]))),
-                             g.vec)
+                block_sum = builder.load(builder.gep(as_ptr, [s_at]))
+                if halves:          # the activations' sums of each half (the minimums' terms)
+                    low_sum = _half_sum(builder, aq_ptr, builder.add(builder.add(a_off, builder.mul(const(i), lda)),
+                                                                     kb))
+                    asum_hi = splat(builder, builder.fmul(ad, builder.fsub(block_sum, low_sum)), g.vec)
+                    block_sum = low_sum
+                asum = splat(builder, builder.fmul(ad, block_sum), g.vec)
             for j in range(g.nv):
                 acc = c_acc[i][j]
                 isum = builder.sitofp(builder.load(iacc[i][j]), g.vec)
                 val = builder.call(fma, [isum, builder.fmul(d[j], scale), builder.load(acc)])
                 if kind != "q8_0":
                     val = builder.call(fma, [m[j], asum, val])
+                if halves:
+                    hsum = builder.sitofp(builder.load(hacc[i][j]), g.vec)
+                    val = builder.call(fma, [hsum, builder.fmul(d_hi[j], scale), val])
+                    val = builder.call(fma, [m_hi[j], asum_hi, val])
                 builder.store(val, acc)
+
+
+def _half_sum(builder, aq_ptr, at):
+    """The sum of the QB / 2 int8 activations from element `at`, as float32 (exact)."""
+    half = ir.VectorType(I8, QB // 2)
+    words = ir.VectorType(I32, QB // 2)
+    v = builder.sext(builder.load(builder.bitcast(builder.gep(aq_ptr, [at]), half.as_pointer()), align=1), words)
+    reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [words]),
+                                            f"llvm.vector.reduce.add.v{QB // 2}i32")
+    return builder.sitofp(builder.call(reduce, [v]), ir.FloatType())
 
 
 @intrinsic
@@ -205,8 +251,7 @@ def itile(typingctx, mr, aq, a_off, lda, ad, asum, s_off, lds, w, w_off, c, c_of
                 def emit(kind, rows=rows):
                     _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr,
                                     s_off, lds, w_ptr, w_off, c_acc, kc)
-                choose(builder, fmt_v, [(FMT_Q8_0, "q8_0"), (FMT_Q4_1, "q4_1"),
-                                        (FMT_Q4_0, "q4_0")], emit)
+                choose(builder, fmt_v, [(code, kind) for code, kind in QUANT_CASES if kind != "fp8"], emit)
             store_tile(builder, g, c_acc, c_ptr, c_off, ldc, accf)
 
         by_height(builder, mr_v, g.heights, height)

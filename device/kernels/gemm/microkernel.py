@@ -20,8 +20,15 @@ weight (device/kernels/gemm/packed.py describes the layouts) and w_off the first
   32-bit lane: device/kernels/gemm/int8_tile.py): Q8_0 QB/4 groups of int8; Q4_0/Q4_1 QB/8
   groups whose bytes hold row r in the low nibble and row r + QB/2 in the high one. kc is a
   multiple of QB.
+- uint8 K-quants (FMT_Q4_K / FMT_Q5_K / FMT_Q6_K; GGML's Q5_0 and Q5_1 as Q5_K): a record
+  is NR float32 scales d and NR float32 minimums m (Q6_K: the NR scales of rows 0..15, then
+  of rows 16..31, m = -32 d), Q4's nibbles, then the quants' higher bits in planes of 32-bit
+  words a column (Q5_K one word, Q6_K two): byte t of a column's word w holds the hb high
+  bits of row 16 h + 4 g + t at bit (4 h + g) hb - 8 w, so that one shift and mask put them
+  above the nibbles of a group's 4 rows, lane by lane (nibble_quants). value = fma(d, q, m).
   Each weight is widened in registers to exactly the value GGML's dequantizer gives
-  (Q8_0 d*q; Q4_0 d*(q-8) = fma(d, q, -8d); Q4_1 fma(d, q, m): d*q is exact in float32),
+  (Q8_0 d*q; Q4_0 d*(q-8) = fma(d, q, -8d); Q4_1 fma(d, q, m): d*q is exact in float32, as
+  it is for the K-quants' float32 d, a float16 times a 6- or 8-bit integer),
   so the products are those of the float32 GEMM on the dequantized weights. FMT_FP8 is
   Q8_0's record with E4M3 codes for bytes: a code widens as the float16 (sign << 15 |
   rest << 7), which is its value / 256, times 256 d (one rounding: d * value).
@@ -46,16 +53,25 @@ from spyre_serve.device.kernels.formats import (
     FMT_FP8,
     FMT_Q4_0,
     FMT_Q4_1,
+    FMT_Q4_K,
+    FMT_Q5_K,
+    FMT_Q6_K,
     FMT_Q8_0,
     GROUP_BYTES,
+    NIBBLE_BYTES,
     REC_Q4_0,
     REC_Q4_1,
+    REC_Q4_K,
+    REC_Q5_K,
+    REC_Q6_K,
     REC_Q8_0,
     SCALE_BYTES,
+    WIDE_SCALE_BYTES,
     dlf16_widen_ir,
 )
 from spyre_serve.device.kernels.simd import (
     I16,
+    I32,
     NR,
     PREFETCH_BYTES,
     QB,
@@ -74,6 +90,10 @@ from spyre_serve.device.kernels.simd import (
     splat,
     store_tile,
 )
+
+# a uint8 weight's format code -> its kind, in the order the tiles test them
+QUANT_CASES = [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"), (FMT_Q4_1, "q4_1"), (FMT_Q4_K, "q4_k"),
+               (FMT_Q5_K, "q5_k"), (FMT_Q6_K, "q6_k"), (FMT_FP8, "fp8")]
 
 
 def _fma_row(builder, g, fma, a_ptr, a_off, lda, k, wv, accs):
@@ -163,14 +183,25 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
     return reduce_sets(builder, sets)
 
 
+K_KINDS = ("q4_k", "q5_k", "q6_k")        # the K-quants' records: float32 scales, bit planes
+NIBBLE_KINDS = ("q4_0", "q4_1", *K_KINDS)  # a byte holds row r and row r + QB/2, a nibble each
+HIGH_BITS = {"q5_k": 1, "q6_k": 2}         # bits of a quant above its nibble, in planes
+
+
 def quant_record(kind):
     """(record bytes, offset of the quants in a record) of a quantized kind."""
-    rec = {"q8_0": REC_Q8_0, "fp8": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1}[kind]
+    rec = {"q8_0": REC_Q8_0, "fp8": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1, "q4_k": REC_Q4_K,
+           "q5_k": REC_Q5_K, "q6_k": REC_Q6_K}[kind]
+    if kind in K_KINDS:
+        return rec, 2 * WIDE_SCALE_BYTES
     return rec, 2 * SCALE_BYTES if kind == "q4_1" else SCALE_BYTES
 
 
 def quant_scales(builder, g, w_ptr, r0, kind):
-    """(d, m) of a record at byte r0 as float32 vectors (Q4_0's m = -8 d; Q8_0: m None)."""
+    """(d, m) of a record at byte r0 as float32 vectors (Q4_0's m = -8 d; Q8_0: m None).
+    Q6_K: the low half's (halves_scales has both)."""
+    if kind in K_KINDS:
+        return halves_scales(builder, g, w_ptr, r0, kind)[0]
     half = ir.VectorType(ir.HalfType(), g.vw)
     d = [builder.fpext(load_at_byte(builder, w_ptr, builder.add(r0, const(2 * j * g.vw)), half),
                        g.vec) for j in range(g.nv)]
@@ -183,6 +214,45 @@ def quant_scales(builder, g, w_ptr, r0, kind):
     elif kind == "fp8":          # a code widens to its value / 256 (device/layout.py)
         d = [builder.fmul(dj, ir.Constant(g.vec, [256.0] * g.vw)) for dj in d]
     return d, m
+
+
+def halves_scales(builder, g, w_ptr, r0, kind):
+    """[(d, m) of rows 0..QB/2-1, (d, m) of rows QB/2..] of a nibble kind's record at byte r0,
+    float32 vectors: value = fma(d, q, m). The same pair twice but for Q6_K, whose record
+    holds a scale a half (m = -32 d)."""
+    if kind not in K_KINDS:
+        return [quant_scales(builder, g, w_ptr, r0, kind)] * 2
+
+    def wide(at):
+        return [load_at_byte(builder, w_ptr, builder.add(r0, const(at + 4 * j * g.vw)), g.vec)
+                for j in range(g.nv)]
+    if kind != "q6_k":
+        return [(wide(0), wide(WIDE_SCALE_BYTES))] * 2
+    minus32 = ir.Constant(g.vec, [-32.0] * g.vw)
+    return [(d, [builder.fmul(dj, minus32) for dj in d]) for d in (wide(0), wide(WIDE_SCALE_BYTES))]
+
+
+def nibble_quants(builder, g, kind, w_ptr, q0, x, j, high, gi):
+    """The quants of 4 rows of a nibble kind's group (rows 4 gi.. of the record's low half, or
+    of its high half), a byte each in 32-bit lanes, from the group's bytes x (vector j of the
+    NR columns): Q4 the nibbles; Q5_K / Q6_K with their high bits from the planes after the
+    nibbles (device/layout.py: a column's word w, byte t holds the hb bits of row 16 h + 4 g + t
+    at bit (4 h + g) hb - 8 w)."""
+    ivec = g.ivec
+
+    def lanes(n):
+        return ir.Constant(ivec, [n] * g.vw)
+    nib = builder.and_(builder.lshr(x, lanes(4)) if high else x, lanes(0x0F0F0F0F))
+    hb = HIGH_BITS.get(kind)
+    if hb is None:
+        return nib
+    word = 1 if hb == 2 and high else 0
+    at = builder.add(q0, const(NIBBLE_BYTES + word * GROUP_BYTES + 4 * j * g.vw))
+    plane = load_at_byte(builder, w_ptr, at, ivec)
+    shift = builder.mul(builder.add(gi, const(4 if high and hb == 1 else 0)), const(hb))
+    bits = builder.and_(builder.lshr(plane, splat(builder, builder.trunc(shift, I32), ivec)),
+                        lanes((1 << hb) - 1 | ((1 << hb) - 1) << 8 | ((1 << hb) - 1) << 16 | ((1 << hb) - 1) << 24))
+    return builder.or_(nib, builder.shl(bits, lanes(4)))
 
 
 def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off, ldw, kc):
@@ -200,6 +270,7 @@ def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
         r0 = builder.add(w_off, builder.mul(b, const(rec)))            # the record's first byte
         kb = builder.mul(b, const(QB))                                 # its first row of a
         d, m = quant_scales(builder, g, w_ptr, r0, kind)
+        halves = halves_scales(builder, g, w_ptr, r0, kind) if kind in NIBBLE_KINDS else None
         q0 = builder.add(r0, const(q_start))
 
         def group(gi, high, u):
@@ -210,6 +281,9 @@ def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
             prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)))
             raw = [load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)), g.ivec)
                    for j in range(g.nv)]
+            if kind in NIBBLE_KINDS:              # 4 quants a lane, a byte each
+                raw = [nibble_quants(builder, g, kind, w_ptr, q0, x, j, high, gi) for j, x in enumerate(raw)]
+                dh, mh = halves[1 if high else 0]
             for t in range(4):
                 if kind == "fp8":        # byte t as the float16 (sign << 15 | rest << 7)
                     b = [builder.lshr(x, splat32(8 * t)) for x in raw]
@@ -224,9 +298,8 @@ def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
                         builder.shl(x, splat32(24 - 8 * t)), splat32(24)), g.vec))
                         for j, x in enumerate(raw)]
                 else:
-                    shift = 8 * t + (4 if high else 0)
-                    wv = [builder.call(fma, [d[j], builder.uitofp(builder.and_(
-                        builder.lshr(x, splat32(shift)), splat32(15)), g.vec), m[j]])
+                    wv = [builder.call(fma, [dh[j], builder.uitofp(builder.and_(
+                        builder.lshr(x, splat32(8 * t)), splat32(255)), g.vec), mh[j]])
                         for j, x in enumerate(raw)]
                 r = builder.add(builder.mul(gi, const(4)), const(t + (QB // 2 if high else 0)))
                 _fma_row(builder, g, fma, a_ptr, a_off, lda, builder.add(kb, r), wv,
@@ -295,8 +368,7 @@ def _tile_codegen(wide):
                 choose(builder, fmt_v, [(FMT_F16, "f16"), (FMT_DLF16, "dlf16"),
                                         (FMT_BF16R, "bf16r"), (FMT_BF16, "bf16")], emit)
             else:
-                choose(builder, fmt_v, [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"),
-                                        (FMT_Q4_1, "q4_1"), (FMT_FP8, "fp8")], emit)
+                choose(builder, fmt_v, QUANT_CASES, emit)
             store_tile(builder, g, result, c_ptr, c_off, ldc, accf)
 
         by_height(builder, mr_v, g.heights, height)

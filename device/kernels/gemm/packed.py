@@ -9,7 +9,8 @@ so the kernel streams every panel with unit stride and never repacks. Storage is
 or uint16 holding float16 bits, or bfloat16 bits in pairs of rows (packed[p, k // 2, j,
 k % 2], K padded with zero rows to a multiple of BF16_KB: the layout of vdpbf16ps and of
 AMX's B tiles), or uint8 in one of GGML's block-quantized formats (Q8_0, Q4_0, Q4_1: blocks
-of QB = 32 rows with a float16 scale per column), each panel then K / QB records of QB rows
+of QB = 32 rows with a float16 scale per column; the K-quants Q4_K, Q5_K, Q6_K with float32
+scales and planes of higher bits), each panel then K / QB records of QB rows
 (device/kernels/gemm/microkernel.py has their bytes).
 
     out[M, N] = a[M, K] @ W                    gemm_packed(out, a, w, K, N, fmt, act)
@@ -139,7 +140,7 @@ def gemm_packed(out, a, w, k, n, fmt, act):
 
     out, a: C-contiguous float32 2-D; w: the packed 1-D array of packed_len(K, N, fmt)
     elements; fmt: FMT_F32 for float32 w, FMT_BF16 or FMT_F16 for uint16 w, FMT_Q8_0,
-    FMT_Q4_0 or FMT_Q4_1 for uint8 w (K a multiple of QB); act, the inputs' format: ACT_F32,
+    FMT_Q4_0, FMT_Q4_1, FMT_FP8 or a K-quant's for uint8 w (K a multiple of QB); act, the inputs' format: ACT_F32,
     FMT_BF16 / FMT_F16 (rounded to it), or ACT_INT8 (a quantized weight's: int8 per block)."""
     m = a.shape[0]
     if a.shape[1] != k or out.shape[0] != m or out.shape[1] != n:
@@ -268,8 +269,8 @@ def _amx_quantized_pairs(of, ab, m, kp, w, k, n, n_panels, q0, q1, fmt, scratch,
 
 @njit(nogil=True, cache=True, parallel=True)
 def _gemm_amx_quantized(of, ab, m, kp, w, k, n, n_panels, fmt):
-    """out = ab @ W, W block-quantized (Q8_0, Q4_0, Q4_1): panel pairs split across the cores,
-    each widened to bfloat16 once and multiplied by AMX for all the rows."""
+    """out = ab @ W, W block-quantized (integer quants: Q8_0, Q4_0, Q4_1, the K-quants): panel
+    pairs split across the cores, each widened to bfloat16 once and multiplied by AMX for all the rows."""
     pairs = (n_panels + 1) // 2
     chunks = min(pairs, CHUNKS_PER_THREAD * get_kernel_threads())
     for c in prange(chunks):

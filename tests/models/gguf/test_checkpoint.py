@@ -95,20 +95,37 @@ def test_gguf_runs_as_its_safetensors_twin(tmp_path, kind, qtype):
     assert_same_model_run(path, twin)
 
 
-def test_k_quant_file_runs_as_its_safetensors_twin(tmp_path, caplog):
+def k_quant_file(tmp_path):
     """A Q4_K_M-like file: Q4_K matrices with Q6_K for v_proj, down_proj and the LM head
-    (rows of 256: hidden 256, MLP 512), dequantized at load with a log line saying so."""
+    (rows of 256: hidden 256, MLP 512), and its safetensors twin."""
     config, tensors = model_of("llama-untied", hidden=256, intermediate=512)
     six = {n: Q.Q6_K for n in tensors if n.endswith(("v_proj.weight", "down_proj.weight"))
            or n == "lm_head.weight"}
     held = write_gguf(tmp_path / "m.gguf", config, tensors, qtype=Q.Q4_K, types=six)
-    twin = write_numpy_checkpoint(tmp_path / "twin", config, held)
     types = {t.type_name for t in read_gguf(tmp_path / "m.gguf").tensors.values()}
     assert types == {"F32", "Q4_K", "Q6_K"}
-    with caplog.at_level("INFO", logger="spyre_serve.models"):
-        load_gguf_checkpoint(tmp_path / "m.gguf")
-    assert "its Q4_K, Q6_K tensors are dequantized to float32" in caplog.text
-    assert_same_model_run(tmp_path / "m.gguf", twin)
+    return tmp_path / "m.gguf", write_numpy_checkpoint(tmp_path / "twin", config, held)
+
+
+def test_k_quant_file_runs_as_its_safetensors_twin(tmp_path):
+    """Its matrices at their width on the card (q, k and v of a layer of two types: widened,
+    with a log line), computing on exactly its dequantized weights (float32 inputs)."""
+    path, twin = k_quant_file(tmp_path)
+    with Card(64 << 20) as card:
+        model = load_model(path, card, tokenizer=False)
+        assert set(model.weights.formats) == {"Q4_K", "Q6_K", "float32"}
+    assert_same_model_run(path, twin)
+
+
+def test_k_quant_file_with_int8_inputs_stays_near_its_twin(tmp_path):
+    """With int8 activations (the default for a quantized file, as llama.cpp's), the logits
+    differ from the float32 twin's by the activations' rounding only."""
+    path, twin = k_quant_file(tmp_path)
+    logits, _ = run(path, compute_dtype="int8")
+    want, _ = run(twin)
+    for i in want:
+        scale = np.abs(want[i]).max()
+        assert 0 < np.abs(logits[i] - want[i]).max() < 0.05 * scale
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
@@ -118,11 +135,12 @@ def test_every_tensor_reads_back_as_written(tmp_path, qtype):
     ckpt = load_gguf_checkpoint(tmp_path / "m.gguf")
     widened = load_gguf_checkpoint(tmp_path / "m.gguf", quantized=False)
     assert ckpt.tensors.keys() == held.keys() == widened.tensors.keys()
-    kept = qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1)    # served at their width: quants and scales
+    kept = qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)    # served at their width
+    card_format = {Q.Q5_0: "Q5_K", Q.Q5_1: "Q5_K"}.get(qtype, qtype.name)   # Q5_x in Q5_K's records
     for name, want in held.items():
         t = ckpt.tensors[name]
         if kept and t.__class__ is QuantizedWeight:
-            assert t.name == qtype.name
+            assert t.name == card_format
             t = t.dequantize()
         np.testing.assert_array_equal(t, want, err_msg=name)
         assert t.dtype == np.float32

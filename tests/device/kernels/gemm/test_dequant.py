@@ -1,14 +1,14 @@
-"""dequantize_pair_bf16: two panels of a Q8_0 / Q4_0 / Q4_1 weight as a bfloat16 weight's
+"""dequantize_pair_bf16: two panels of a Q8_0 / Q4_0 / Q4_1 / K-quant weight as a bfloat16 weight's
 panels, against numpy (device/layout.py's unpack_quantized, then its bfloat16 packing)."""
 
 import numpy as np
 import pytest
 
-from spyre_serve.device.kernels.formats import FMT_BF16, FMT_FP8, FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_FP8, FMT_Q8_0
 from spyre_serve.device.kernels.gemm.dequant import dequantize_pair_bf16
 from spyre_serve.device.kernels.simd import NR
 from spyre_serve.device.layout import pack, pack_quantized, unpack_quantized
-from tests.device.kernels.gemm.test_quantized import random_weight
+from tests.device.kernels.gemm.test_quantized import INT_QFMTS, random_weight
 
 
 def as_float(bits: np.ndarray) -> np.ndarray:
@@ -16,7 +16,7 @@ def as_float(bits: np.ndarray) -> np.ndarray:
     return (bits.reshape(-1).astype(np.uint32) << 16).view(np.float32)
 
 
-@pytest.mark.parametrize("fmt", [FMT_Q8_0, FMT_Q4_0, FMT_Q4_1])
+@pytest.mark.parametrize("fmt", INT_QFMTS)
 def test_two_panels_are_the_dequantized_weight_rounded_to_bfloat16(fmt):
     n, k = 4 * NR + 5, 96
     packed = pack_quantized(random_weight(fmt, n, k, seed=fmt))

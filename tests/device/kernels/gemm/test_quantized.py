@@ -1,5 +1,6 @@
-"""The GEMM on block-quantized weights (Q8_0, Q4_0, Q4_1 in panels, and FP8 E4M3 with a scale a
-column in Q8_0's records) against numpy: the values the formats define, bit for bit the float32
+"""The GEMM on block-quantized weights (Q8_0, Q4_0, Q4_1 in panels, the K-quants' records (Q4_K,
+Q5_K, Q6_K: float32 scales, bit planes), and FP8 E4M3 with a scale a column in Q8_0's records)
+against numpy: the values the formats define, bit for bit the float32
 GEMM on the dequantized weights with float32 activations, and with int8 activations (integer
 quants only) the product of both sides' quantized values."""
 
@@ -14,6 +15,9 @@ from spyre_serve.device.kernels.formats import (
     FMT_FP8,
     FMT_Q4_0,
     FMT_Q4_1,
+    FMT_Q4_K,
+    FMT_Q5_K,
+    FMT_Q6_K,
     FMT_Q8_0,
     packed_len,
 )
@@ -29,7 +33,8 @@ from spyre_serve.device.layout import (
     unpack_quantized,
 )
 
-INT_QFMTS = [FMT_Q8_0, FMT_Q4_0, FMT_Q4_1]
+K_QFMTS = [FMT_Q4_K, FMT_Q5_K, FMT_Q6_K]
+INT_QFMTS = [FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, *K_QFMTS]
 QFMTS = [*INT_QFMTS, FMT_FP8]
 # (M, K, N): a GEMV, two rows, a partial tile, past one block of rows (MC) of a decode, a
 # prefill-sized block; K in whole blocks of 32 (an odd count of them), N odd
@@ -38,9 +43,21 @@ SHAPES = [(1, 64, 32), (2, 96, 33), (7, 288, 301), (33, 512, 17), (512, 96, 81)]
 
 def random_weight(fmt, n, k, seed=0) -> QuantizedWeight:
     """Quants and float16 scales as a GGUF file holds them: Q8_0 q in [-127, 127], Q4 q in
-    [0, 15]; scales of either sign (Q4_1's minimums too)."""
+    [0, 15]; scales of either sign (Q4_1's minimums too). K-quants: every quant of the width
+    (Q6_K's 0..63), float32 scales of a float16 times an integer as GGML's super-blocks make
+    them (Q6_K's int8 scales of either sign, a half block each; Q4_K's and Q5_K's 6-bit ones,
+    minimums -dmin m)."""
     rng = np.random.default_rng(seed)
     nb = k // QB
+    if fmt in K_QFMTS:
+        bits = {FMT_Q4_K: 4, FMT_Q5_K: 5, FMT_Q6_K: 6}[fmt]
+        q = rng.integers(0, 1 << bits, (n, k)).astype(np.int8)
+        d16 = (rng.standard_normal((n, 1)) * 0.001).astype(np.float16).astype(np.float32)
+        if fmt == FMT_Q6_K:
+            return QuantizedWeight(fmt, q, d16 * rng.integers(-128, 128, (n, 2 * nb)).astype(np.float32))
+        dmin = np.abs(rng.standard_normal((n, 1)) * 0.001).astype(np.float16).astype(np.float32)
+        return QuantizedWeight(fmt, q, d16 * rng.integers(0, 64, (n, nb)).astype(np.float32),
+                               -(dmin * rng.integers(0, 64, (n, nb)).astype(np.float32)))
     d = (rng.standard_normal((n, nb)) * 0.01).astype(np.float16)
     if fmt == FMT_Q8_0:
         return QuantizedWeight(fmt, rng.integers(-127, 128, (n, k)).astype(np.int8), d)
@@ -81,6 +98,9 @@ def reference_values(qw: QuantizedWeight) -> np.ndarray:
             out[:, cols] = d * E4M3[qw.q[:, cols]]
         elif qw.fmt == FMT_Q4_0:
             out[:, cols] = d * (q - 8)
+        elif qw.fmt == FMT_Q6_K:                 # a scale a half block
+            halves = np.repeat(qw.d[:, 2 * b:2 * b + 2], QB // 2, axis=1)
+            out[:, cols] = halves * (q - 32)
         else:
             out[:, cols] = d * q + qw.m[:, b:b + 1].astype(np.float32)
     return out
@@ -145,6 +165,11 @@ def test_bytes_per_weight_are_the_formats():
     assert packed_len(k, n, FMT_Q4_0) == k * n * 18 // 32         # 4.5 bits
     assert packed_len(k, n, FMT_Q4_1) == k * n * 20 // 32         # 5 bits
     assert packed_len(k, n, FMT_FP8) == k * n * 34 // 32          # 8 bits and a scale a block
+    # K-quants: the quants at their width, a float32 scale and minimum a block (GGML's files
+    # hold 4.5, 5.5 and 6.5625 bits: the scales as 6- or 8-bit integers of a super-block's)
+    assert packed_len(k, n, FMT_Q4_K) == k * n * 6 // 8           # 4 + 2 bits
+    assert packed_len(k, n, FMT_Q5_K) == k * n * 7 // 8           # 5 + 2 bits
+    assert packed_len(k, n, FMT_Q6_K) == k * n * 8 // 8           # 6 + 2 bits (two scales)
 
 
 def test_gemm_refuses_k_in_part_blocks_and_a_short_weight():
@@ -163,6 +188,10 @@ def test_a_quantized_weight_checks_its_parts():
         QuantizedWeight(FMT_Q8_0, q, np.zeros((4, 3), np.float16))
     with pytest.raises(DeviceError, match="blocks of 32"):
         QuantizedWeight(FMT_Q4_1, q, np.zeros((4, 2), np.float16))       # Q4_1 needs m
+    with pytest.raises(DeviceError, match=r"scales \[4, 4\]"):
+        QuantizedWeight(FMT_Q6_K, q, np.zeros((4, 2), np.float32))      # a scale a half block
+    with pytest.raises(DeviceError, match="scales are float32"):
+        QuantizedWeight(FMT_Q4_K, q, np.zeros((4, 2), np.float16), np.zeros((4, 2), np.float16))
     with pytest.raises(DeviceError, match="cannot stack"):
         QuantizedWeight.stack([random_weight(FMT_Q8_0, 4, 64), random_weight(FMT_Q4_0, 4, 64)])
 
