@@ -6,8 +6,9 @@ Two models:
   --continuous-batching` on the embedded checkpoint, text prompts (below).
 - ``--model smollm2``: SmolLM2-135M-Instruct, a real trained model, on the same weights
   everywhere (benchmarks/peers/ sets the peers up in a cache directory): spyre-serve with fp32
-  weights, bf16 weights and bf16 compute; llama.cpp's llama-server on the F32 GGUF and on the
-  shipped Q4_1 GGUF; vLLM's CPU server in float32 and bfloat16. The same prompts are sent to
+  weights, bf16 weights and bf16 compute; both on the Q8_0 GGUF, the shipped Q4_1 GGUF and a
+  Q4_K_M GGUF made by llama-quantize; llama.cpp's llama-server on the F32 GGUF and the same
+  three; vLLM's CPU server in float32 and bfloat16. The same prompts are sent to
   every server as token ids, with ``ignore_eos``, and output tokens are counted from
   ``usage``. The machine's read bandwidth is measured in the run, for the batch-1 floor
   (weight bytes / bandwidth), and the report ends with the issue's ratios.
@@ -385,9 +386,11 @@ SMOLLM2_SERVERS = {
     "spyre-bf16": ("spyre", ["--dtype", "bfloat16"]),
     "spyre-q8_0": ("spyre-gguf", "gguf_q8_0"),
     "spyre-q4_1": ("spyre-gguf", "gguf_q4_1"),
+    "spyre-q4_k_m": ("spyre-gguf", "gguf_q4_k_m"),
     "llamacpp-f32": ("llamacpp", "gguf_f32"),
     "llamacpp-q8_0": ("llamacpp", "gguf_q8_0"),
     "llamacpp-q4_1": ("llamacpp", "gguf_q4_1"),
+    "llamacpp-q4_k_m": ("llamacpp", "gguf_q4_k_m"),
     "vllm-f32": ("vllm", "float32"),
     "vllm-bf16": ("vllm", "bfloat16"),
 }
@@ -453,12 +456,17 @@ def smollm2_ratios(levels: list[Level], bw_gbs: float, weight_bytes: int,
             lines.append(f"- {name} c=1: TPOT p50 {v.tpot_p50_ms} ms = {v.tpot_p50_ms / floor_ms:.2f}x the "
                          f"bandwidth floor ({floor_ms:.1f} ms: weights / {bw_gbs:.1f} GB/s; target <= 1.2x)")
     for ours_name, peer_name, what in (("spyre-q8_0", "llamacpp-q8_0", "gguf_q8_0"),
-                                       ("spyre-q4_1", "llamacpp-q4_1", "gguf_q4_1")):
+                                       ("spyre-q4_1", "llamacpp-q4_1", "gguf_q4_1"),
+                                       ("spyre-q4_k_m", "llamacpp-q4_k_m", "gguf_q4_k_m")):
         for c in sorted({v.concurrency for v in levels}):
             ours, peer = tps(ours_name, c), tps(peer_name, c)
             if ours and peer:
                 lines.append(f"- {ours_name} c={c}: {ours:.1f} tok/s = {ours / peer:.2f}x llama.cpp on the "
                              f"same file ({peer:.1f}; target >= 1.3x)")
+        for c in sorted({v.concurrency for v in levels}):
+            ours, bf = tps(ours_name, c), tps("spyre-bf16", c)
+            if ours and bf:
+                lines.append(f"- {ours_name} c={c}: {ours / bf:.2f}x our bf16 ({bf:.1f}; target >= 1x)")
         v = at.get((ours_name, 1))
         if v and bw_gbs and gguf_bytes.get(what):
             floor_ms = gguf_bytes[what] / (bw_gbs * 1e9) * 1e3
@@ -489,7 +497,8 @@ def main_smollm2(args, argv) -> int:
     bw = max(bw, bandwidth(512 << 20)["machine_gbs"])
     command = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
     files = paths(args.peers_cache)
-    gguf_bytes = {k: files[k].stat().st_size for k in ("gguf_q8_0", "gguf_q4_1") if files[k].exists()}
+    gguf_bytes = {k: files[k].stat().st_size for k in ("gguf_q8_0", "gguf_q4_1", "gguf_q4_k_m")
+                  if files[k].exists()}
     lines = smollm2_ratios(levels, bw, weight_bytes, gguf_bytes)
     report = {"command": command.strip(), "checkpoint": str(hf), "kernel_isa": kernel_isa().describe(),
               "prompt_tokens": args.prompt_tokens,

@@ -195,6 +195,35 @@ class QuantizedWeight:
         return QuantizedWeight(self.fmt, self.q[order], self.d[order],
                                None if self.m is None else self.m[order])
 
+    def exactly_as(self, fmt: int) -> QuantizedWeight | None:
+        """The same values in format `fmt`, where it holds them exactly, else None: Q4_0, and
+        a Q5_0 (Q5_K's record with m = -16 d, d a float16), as Q8_0 (q - 8, q - 16); Q4_0, Q4_1
+        and Q4_K as Q5_K (the scales widened to float32; Q4_0's m = -8 d)."""
+        if fmt == self.fmt:
+            return self
+        if fmt == FMT_Q8_0 and self.fmt == FMT_Q4_0:
+            return QuantizedWeight(fmt, self.q - np.int8(8), self.d)
+        if fmt == FMT_Q8_0 and self.fmt == FMT_Q5_K:
+            d16 = self.d.astype(np.float16)
+            if np.array_equal(d16.astype(np.float32), self.d) and np.array_equal(self.m, self.d * np.float32(-16)):
+                return QuantizedWeight(fmt, self.q - np.int8(16), d16)
+            return None
+        if fmt == FMT_Q5_K and self.fmt in (FMT_Q4_0, FMT_Q4_1, FMT_Q4_K):
+            d = self.d.astype(np.float32)
+            return QuantizedWeight(fmt, self.q, d, d * np.float32(-8) if self.m is None else self.m.astype(np.float32))
+        return None
+
+    @staticmethod
+    def in_one_format(parts: list[QuantizedWeight]) -> list[QuantizedWeight] | None:
+        """The parts in one format that holds every part's values exactly (the narrower of
+        Q5_K and Q8_0 where both do: exactly_as), or None: a fused projection of a Q4_K_M file
+        (a Q8_0 or Q6_K v_proj beside Q5_0 or Q4_K q and k) at a quantized width."""
+        for fmt in sorted({p.fmt for p in parts} | {FMT_Q5_K, FMT_Q8_0}, key=lambda f: RECORD_BYTES[f]):
+            converted = [p.exactly_as(fmt) for p in parts]
+            if all(c is not None for c in converted):
+                return converted
+        return None
+
     @staticmethod
     def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Rows of every part, in order (a fused projection's outputs); one format."""

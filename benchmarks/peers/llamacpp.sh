@@ -12,6 +12,8 @@
 #   <cache>/llama.cpp/convert-venv/         a venv for convert_hf_to_gguf.py (torch 2.13.0 CPU)
 #   <cache>/smollm2-135m-instruct-f32.gguf  the f32 checkpoint as an F32 GGUF
 #   <cache>/smollm2-135m-instruct-f32.Q8_0.gguf  and as a Q8_0 GGUF
+#   <cache>/smollm2-135m-instruct-f32.Q4_K_M.gguf  and as Q4_K_M, by llama-quantize (its rows of 576
+#       are not super-blocks of 256: Q5_0 and Q8_0 stand in for Q4_K and Q6_K but in ffn_down)
 # Each step is skipped when its product is there, so a second run only prints the paths.
 set -euo pipefail
 
@@ -27,6 +29,8 @@ CVENV="$LC/convert-venv"
 HF_DIR="$CACHE/smollm2-135m-instruct-f32"
 GGUF_F32="$CACHE/smollm2-135m-instruct-f32.gguf"
 GGUF_Q8_0="$CACHE/smollm2-135m-instruct-f32.Q8_0.gguf"
+GGUF_Q4_K_M="$CACHE/smollm2-135m-instruct-f32.Q4_K_M.gguf"
+QUANTIZE="$BUILD/bin/llama-quantize"
 
 # 1. The sdist and its vendored llama.cpp.
 if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
@@ -47,7 +51,7 @@ fi
 
 # 2. llama-server and the two benchmark tools: Release, CPU backend only with the native ISA, no
 #    network code (no CURL, no OpenSSL, no web UI download), only those targets and what they link.
-if [[ ! -x "$SERVER" || ! -x "$BUILD/bin/llama-bench" || ! -x "$BUILD/bin/llama-batched-bench" ]]; then
+if [[ ! -x "$SERVER" || ! -x "$BUILD/bin/llama-bench" || ! -x "$BUILD/bin/llama-batched-bench" || ! -x "$QUANTIZE" ]]; then
     GEN=()
     command -v ninja >/dev/null && GEN=(-G Ninja)
     log "configuring llama.cpp in $BUILD"
@@ -61,7 +65,8 @@ if [[ ! -x "$SERVER" || ! -x "$BUILD/bin/llama-bench" || ! -x "$BUILD/bin/llama-
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF
     log "building llama-server with -j2 (about 12 minutes on 2 cores)"
-    cmake --build "$BUILD" --config Release --target llama-server llama-bench llama-batched-bench -j 2
+    cmake --build "$BUILD" --config Release --target llama-server llama-bench llama-batched-bench \
+        llama-quantize -j 2
 fi
 
 # 3. The f32 Hugging Face checkpoint (smollm2.py is idempotent: it only prints when done).
@@ -100,8 +105,16 @@ if [[ ! -f "$GGUF_Q8_0" ]]; then
     mv "$GGUF_Q8_0.tmp" "$GGUF_Q8_0"
 fi
 
+# 7. A Q4_K_M GGUF, as llama.cpp's own quantizer makes the files people download.
+if [[ ! -f "$GGUF_Q4_K_M" ]]; then
+    log "quantizing $GGUF_F32 to Q4_K_M"
+    "$QUANTIZE" "$GGUF_F32" "$GGUF_Q4_K_M.tmp" Q4_K_M 2 >&2
+    mv "$GGUF_Q4_K_M.tmp" "$GGUF_Q4_K_M"
+fi
+
 "$SERVER" --version 2>&1 | grep -i version >&2 || true
 echo "llama_server $SERVER"
 echo "gguf_f32     $GGUF_F32"
 echo "gguf_q8_0    $GGUF_Q8_0"
 echo "gguf_q4_1    $CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+echo "gguf_q4_k_m  $GGUF_Q4_K_M"

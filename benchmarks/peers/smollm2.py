@@ -58,6 +58,7 @@ def paths(cache: str | os.PathLike | None = None) -> dict[str, Path]:
         "hf_f32": c / HF_NAME,
         "gguf_f32": c / f"{HF_NAME}.gguf",
         "gguf_q8_0": c / f"{HF_NAME}.Q8_0.gguf",
+        "gguf_q4_k_m": c / f"{HF_NAME}.Q4_K_M.gguf",
         "llama_server": c / "llama.cpp" / "build" / "bin" / "llama-server",
         "vllm_python": c / "vllm-venv" / "bin" / "python",
     }

@@ -16,8 +16,9 @@ each value to nearest even (a checkpoint stored in that width is placed bit for 
 dlfloat16 as IBM's conversion rounds; the norms and constants stay float32 arrays holding the rounded values, so the
 model on the card is exactly the checkpoint rounded to `dtype`. A block-quantized matrix (a
 device.layout.QuantizedWeight: a GGUF file's quantized matrix) is placed at its own width;
-a fused projection whose parts differ in format is dequantized and placed in `dtype`, with a
-log line saying so.
+a fused projection whose parts differ in format at a width that holds them all exactly
+(QuantizedWeight.in_one_format: a Q4_K_M file's Q5_0 q and k beside a Q8_0 v as Q8_0), or,
+where none does (Q4_K beside Q6_K), dequantized and placed in `dtype`; a log line says which.
 """
 
 from __future__ import annotations
@@ -275,8 +276,13 @@ class _Placer:
         side by side (a fused projection): at the parts' block-quantized width if they share
         one, else in the float width."""
         fmts = {r.fmt for r in rows if isinstance(r, QuantizedWeight)}
-        if len(fmts) == 1 and all(isinstance(r, QuantizedWeight) for r in rows):
-            gw = place_quantized_weight(self.card, QuantizedWeight.stack(list(rows)))
+        common = QuantizedWeight.in_one_format(list(rows)) \
+            if all(isinstance(r, QuantizedWeight) for r in rows) else None
+        if common is not None:
+            if len(fmts) > 1:
+                log.info("%s: parts of formats %s are placed as %s (it holds their values exactly)", name,
+                         ", ".join(sorted({_format_of(r) for r in rows})), common[0].name)
+            gw = place_quantized_weight(self.card, QuantizedWeight.stack(common))
         else:
             if fmts:
                 log.info("%s: parts of formats %s are dequantized and placed in %s", name,

@@ -117,6 +117,21 @@ def test_k_quant_file_runs_as_its_safetensors_twin(tmp_path):
     assert_same_model_run(path, twin)
 
 
+def test_a_fused_projection_of_two_types_takes_the_width_that_holds_both(tmp_path, caplog):
+    """A small model's Q4_K_M file as llama.cpp makes it (rows of 576 are not super-blocks:
+    Q5_0 for Q4_K, Q8_0 for Q6_K): a Q8_0 v_proj beside Q5_0 q and k is placed as Q8_0,
+    exactly (Q5_0's d (q - 16)); the model runs as its twin."""
+    config, tensors = model_of("llama-untied")
+    eight = {n: Q.Q8_0 for n in tensors if n.endswith("v_proj.weight") or n == "lm_head.weight"}
+    held = write_gguf(tmp_path / "m.gguf", config, tensors, qtype=Q.Q5_0, types=eight)
+    twin = write_numpy_checkpoint(tmp_path / "twin", config, held)
+    with caplog.at_level("INFO", logger="spyre_serve.models"), Card(64 << 20) as card:
+        model = load_model(tmp_path / "m.gguf", card, tokenizer=False)
+        assert set(model.weights.formats) == {"Q5_K", "Q8_0"}      # none widened
+    assert "parts of formats Q5_K, Q8_0 are placed as Q8_0" in caplog.text
+    assert_same_model_run(tmp_path / "m.gguf", twin)
+
+
 def test_k_quant_file_with_int8_inputs_stays_near_its_twin(tmp_path):
     """With int8 activations (the default for a quantized file, as llama.cpp's), the logits
     differ from the float32 twin's by the activations' rounding only."""
@@ -267,14 +282,14 @@ def test_header_reads_as_gguf_packages_reader_reads_it(tmp_path):
 # ---------------------------------------------------------------- refusals, by name
 
 
-_Q5K = np.zeros((256, 512 // 256 * 176), np.uint8)   # a Q5_K down_proj: [rows, 176 B per 256]
+_Q3K = np.zeros((256, 512 // 256 * 110), np.uint8)   # a Q3_K down_proj: [rows, 110 B per 256]
 REFUSALS = {   # what is written -> what the error says
     "an architecture": (dict(), dict(arch="qwen2"),
                         "GGUF architecture 'qwen2' is not supported; supported: granite, llama"),
     "a tensor type": (dict(hidden=256, intermediate=512),
                       dict(qtype=Q.Q8_0, drop=("model.layers.0.mlp.down_proj.weight",),
-                           extra={"blk.0.ffn_down.weight": (_Q5K, Q.Q5_K)}),
-                      r"tensor 'blk.0.ffn_down.weight' has type Q5_K, which this server does "
+                           extra={"blk.0.ffn_down.weight": (_Q3K, Q.Q3_K)}),
+                      r"tensor 'blk.0.ffn_down.weight' has type Q3_K, which this server does "
                       r"not dequantize; supported: F32, F16"),
     "a tensor": (dict(), dict(extra={"rope_freqs.weight": np.ones(16)}),
                  r"tensor 'rope_freqs.weight' \(F32\[16\]\) is not part of a llama model "

@@ -196,6 +196,27 @@ def test_a_quantized_weight_checks_its_parts():
         QuantizedWeight.stack([random_weight(FMT_Q8_0, 4, 64), random_weight(FMT_Q4_0, 4, 64)])
 
 
+def test_a_weight_is_converted_only_to_a_format_that_holds_it_exactly():
+    rng = np.random.default_rng(9)
+    q4_0, q4_1, q4_k = (random_weight(f, 8, 64, seed=1) for f in (FMT_Q4_0, FMT_Q4_1, FMT_Q4_K))
+    q8_0, q6_k = random_weight(FMT_Q8_0, 8, 64, seed=2), random_weight(FMT_Q6_K, 8, 64)
+    d = (rng.standard_normal((8, 2)) * 0.01).astype(np.float16).astype(np.float32)
+    q5_0 = QuantizedWeight(FMT_Q5_K, rng.integers(0, 32, (8, 64)).astype(np.int8), d, d * np.float32(-16))
+    for qw, fmt in ((q4_0, FMT_Q8_0), (q5_0, FMT_Q8_0), (q4_0, FMT_Q5_K), (q4_1, FMT_Q5_K), (q4_k, FMT_Q5_K)):
+        got = qw.exactly_as(fmt)
+        assert got.fmt == fmt
+        np.testing.assert_array_equal(got.dequantize(), reference_values(qw))
+    for qw, fmt in ((q4_1, FMT_Q8_0), (q4_k, FMT_Q8_0), (q6_k, FMT_Q5_K), (q8_0, FMT_Q5_K), (q8_0, FMT_Q6_K)):
+        assert qw.exactly_as(fmt) is None
+    # a Q5_K whose minimum is not -16 d (a Q5_K file's own) is no Q8_0
+    assert random_weight(FMT_Q5_K, 8, 64).exactly_as(FMT_Q8_0) is None
+    # parts in the narrowest format that holds them all, or none
+    assert [p.fmt for p in QuantizedWeight.in_one_format([q5_0, q5_0, q8_0])] == [FMT_Q8_0] * 3
+    assert [p.fmt for p in QuantizedWeight.in_one_format([q4_k, q4_1, q4_0])] == [FMT_Q5_K] * 3
+    assert [p.fmt for p in QuantizedWeight.in_one_format([q4_0, q4_0])] == [FMT_Q4_0] * 2
+    assert QuantizedWeight.in_one_format([q4_k, q4_k, q6_k]) is None
+
+
 # ---- int8 activations: quantize_rows and the integer dot products --------------------------
 
 def reference_quantize_rows(a: np.ndarray):
