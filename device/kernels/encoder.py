@@ -77,8 +77,7 @@ def _ln_scale(oi, xi, mean, r, w, b):
     """oi = (xi - mean) r w + b, in IEEE order (no fast-math flags: not regrouped or fused), so
     that the vector loop and the scalar one LLVM takes when oi is xi (its alias check) give the
     same bits: under _ln_rows' reordering the two differed in the last bit, in place against
-    not (seen: a fresh compile agreed, the
-    same code loaded from Numba's cache did not)."""
+    not (seen: a fresh compile agreed, the same code loaded from Numba's cache did not)."""
     for j in range(xi.shape[0]):
         oi[j] = (xi[j] - mean) * r * w[j] + b[j]
 

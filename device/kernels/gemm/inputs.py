@@ -89,48 +89,39 @@ def _bf16_bits(u):
 
 
 @njit(nogil=True, cache=True)
-def _to_bf16_rows(af, m, k, kp, ab, r0, r1):
-    """Rows r0..r1-1 of a[M, K] (flat float32) as bfloat16 bits into ab [M, kp], zero past K."""
+def _to_bf16(af, m, k, kp, ab, pr, p0, p1):
+    """Panels p0..p1-1 of pr rows of a[M, K] (flat float32) as bfloat16 bits into ab: row r's
+    values t, t + 1 (t even) together at (r // pr) kp pr + t pr + 2 (r % pr). pr = 1: rows in
+    order ([M, kp]); pr = PANEL_ROWS: the micro-panels. Zero past K, and in the rows past M
+    of the last panel."""
     bits = af.view(np.uint32)
-    for r in range(r0, r1):
-        for t in range(k):
-            ab[r * kp + t] = np.uint16(_bf16_bits(bits[r * k + t]))
-        for t in range(k, kp):
-            ab[r * kp + t] = 0
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _to_bf16_parallel(af, m, k, kp, ab):
-    chunks = min(m, 4 * get_kernel_threads())
-    for c in prange(chunks):
-        _to_bf16_rows(af, m, k, kp, ab, c * m // chunks, (c + 1) * m // chunks)
-
-
-@njit(nogil=True, cache=True)
-def _to_bf16_panels(af, m, k, kp, ab, p0, p1):
-    """Micro-panels p0..p1-1 of a[M, K] (flat float32) as bfloat16 bits into ab, laid out as
-    PANEL_ROWS says; zero past K and in the rows past M of the last panel."""
-    bits = af.view(np.uint32)
+    pairs = k // 2
     for p in range(p0, p1):
-        base = p * kp * PANEL_ROWS
-        for i in range(PANEL_ROWS):
-            r = p * PANEL_ROWS + i
+        base = p * kp * pr
+        for i in range(pr):
+            r = p * pr + i
             at = base + 2 * i
-            for t in range(0, kp, 2):
-                lo, hi = np.uint16(0), np.uint16(0)
-                if r < m and t < k:
-                    lo = np.uint16(_bf16_bits(bits[r * k + t]))
-                if r < m and t + 1 < k:
-                    hi = np.uint16(_bf16_bits(bits[r * k + t + 1]))
-                ab[at + t * PANEL_ROWS] = lo
-                ab[at + t * PANEL_ROWS + 1] = hi
+            t0 = 0
+            if r < m:
+                src = r * k
+                for q in range(pairs):
+                    ab[at + 2 * q * pr] = np.uint16(_bf16_bits(bits[src + 2 * q]))
+                    ab[at + 2 * q * pr + 1] = np.uint16(_bf16_bits(bits[src + 2 * q + 1]))
+                t0 = 2 * pairs
+                if k % 2:                     # the last value, its pair's other half zero
+                    ab[at + t0 * pr] = np.uint16(_bf16_bits(bits[src + k - 1]))
+                    ab[at + t0 * pr + 1] = 0
+                    t0 += 2
+            for t in range(t0, kp, 2):
+                ab[at + t * pr] = 0
+                ab[at + t * pr + 1] = 0
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _to_bf16_panels_parallel(af, m, k, kp, ab, panels):
+def _to_bf16_parallel(af, m, k, kp, ab, pr, panels):
     chunks = min(panels, 4 * get_kernel_threads())
     for c in prange(chunks):
-        _to_bf16_panels(af, m, k, kp, ab, c * panels // chunks, (c + 1) * panels // chunks)
+        _to_bf16(af, m, k, kp, ab, pr, c * panels // chunks, (c + 1) * panels // chunks)
 
 
 @njit(nogil=True, cache=True)
@@ -150,20 +141,15 @@ def gemm_inputs(af, m, k, fmt, act, row_major):
         return af, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_INT8
     if fmt == FMT_BF16 and act == FMT_BF16 and has_bf16_dot():
         kp = padded_k(k, fmt)
-        if row_major or m < PANEL_ROWS:
-            ab = np.empty(m * kp, np.uint16)
-            if m * k >= 65536:
-                _to_bf16_parallel(af, m, k, kp, ab)
-            else:
-                _to_bf16_rows(af, m, k, kp, ab, 0, m)
-            return af, aq, ad, asum, ab, kp, MODE_DOT_ROWS
-        panels = (m + PANEL_ROWS - 1) // PANEL_ROWS
-        ab = np.empty(panels * PANEL_ROWS * kp, np.uint16)
+        rows = row_major or m < PANEL_ROWS
+        pr = 1 if rows else PANEL_ROWS
+        panels = (m + pr - 1) // pr
+        ab = np.empty(panels * pr * kp, np.uint16)
         if m * k >= 65536:
-            _to_bf16_panels_parallel(af, m, k, kp, ab, panels)
+            _to_bf16_parallel(af, m, k, kp, ab, pr, panels)
         else:
-            _to_bf16_panels(af, m, k, kp, ab, 0, panels)
-        return af, aq, ad, asum, ab, kp, MODE_DOT
+            _to_bf16(af, m, k, kp, ab, pr, 0, panels)
+        return af, aq, ad, asum, ab, kp, MODE_DOT_ROWS if rows else MODE_DOT
     if act == FMT_BF16 or act == FMT_F16 or act == FMT_DLF16:
         rounded = af.copy()
         round_to_format(rounded, act)

@@ -167,7 +167,8 @@ def gemm_packed(out, a, w, k, n, fmt, act):
         return
     on_amx = m >= AMX_MIN_ROWS and has_amx()        # a bfloat16 dot GEMM's rows go to AMX
     ins = gemm_inputs(af, m, k, fmt, act, on_amx)
-    kk = ins[5] if ins[6] >= MODE_DOT else k        # rows the tiles run over (the dot's padded)
+    dot = ins[6] == MODE_DOT or ins[6] == MODE_DOT_ROWS
+    kk = ins[5] if dot else k                       # rows the tiles run over (the dot's padded)
     if ins[6] == MODE_DOT_ROWS and on_amx:
         _gemm_amx(of, ins[4], m, ins[5], w, k, n, n_panels, AMX_A_BYTES, AMX_B_BYTES, AMX_PAIRS)
         return
