@@ -86,7 +86,7 @@ FORMAT_BYTES = {"fp16": 2, "bf16": 2, "dlfloat16": 2, "fp32": 4, "fp8": 1, "int8
 # (ASSUMPTION: a 5- or 6-bit K-quant runs on the card as int8, the narrowest format holding it)
 FORMAT_ALIASES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "FP8_E4M3": "fp8",
                   "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_K": "int8",
-                  "Q6_K": "int8"}
+                  "Q6_K": "int8", "Q6_K_MIN": "int8"}
 # ASSUMPTION: fp32 and fp8 matrices are widened to 16 bits in the core (the arrays are fp16's),
 # and int4 to int8: each computes at the rate of the width it is widened to
 INT_FORMATS = ("int8", "int4")

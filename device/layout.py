@@ -41,6 +41,7 @@ from spyre_serve.device.kernels.formats import (
     FMT_Q4_K,
     FMT_Q5_K,
     FMT_Q6_K,
+    FMT_Q6_K_MIN,
     FMT_Q8_0,
     FORMAT_NAMES,
     FORMATS,
@@ -52,7 +53,7 @@ from spyre_serve.device.memory import DeviceError, DeviceTensor
 from spyre_serve.device.numerics import dlfloat16_decode, dlfloat16_encode, fp8_e4m3_decode
 
 STORAGE = {FMT_F32: np.float32, FMT_BF16: np.uint16, FMT_F16: np.uint16, FMT_DLF16: np.uint16}
-K_QUANTS = (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K)
+K_QUANTS = (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_Q6_K_MIN)
 QUANTIZED = (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8, *K_QUANTS)
 
 
@@ -139,29 +140,32 @@ class QuantizedWeight:
                     = d[n, k // QB] * q[n, k] + m[n, k // QB] Q4_1 (q 0..15), Q4_K (q 0..15),
                                                               Q5_K (q 0..31)
                     = d[n, k // 16] * (q[n, k] - 32)          Q6_K (q 0..63)
+                    = d[n, k // 16] * q[n, k] + m[n, k // 16] Q6_K_MIN (q 0..63)
                     = d[n, k // QB] * e4m3(q[n, k])           FP8_E4M3 (q uint8 codes)
 
     Q8_0, Q4_0, Q4_1 and FP8 hold d and m in float16, the products computed in float32 as
     GGML's dequantizer does. The K-quants hold them in float32: a K-quant's scale of a block
     (d times a 6- or 8-bit integer of the super-block) and minimum, as GGML's dequantizer
     multiplies them out, exactly (models/gguf/file.py); GGML's Q5_0 and Q5_1 are Q5_K's
-    (their float16 scale and minimum widened, Q5_0's minimum -16 d). Every product d * q is
-    exact in float32, so one rounding gives the value GGML's two give."""
+    (their float16 scale and minimum widened, Q5_0's minimum -16 d). Q6_K_MIN is no GGML type:
+    the record that holds Q4_K, Q5_K and Q6_K alike (exactly_as), for a fused projection of
+    them. Every product d * q is exact in float32, so one rounding gives the value GGML's two
+    give."""
 
-    fmt: int                     # FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8, FMT_Q4_K, FMT_Q5_K or FMT_Q6_K
+    fmt: int                     # FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, FMT_FP8 or a K-quant's (K_QUANTS)
     q: np.ndarray                # int8 [N, K] (FP8: uint8 E4M3 codes)
     d: np.ndarray                # float16 [N, K / QB]; K-quants float32 [N, K / sub_block(fmt)]
-    m: np.ndarray | None = None  # Q4_1 float16, Q4_K / Q5_K float32 [N, K / QB]
+    m: np.ndarray | None = None  # Q4_1 float16, Q4_K / Q5_K / Q6_K_MIN float32 [N, K / sub_block(fmt)]
 
     def __post_init__(self):
         n, k = self.q.shape
         if self.fmt not in QUANTIZED:
             raise DeviceError(f"format {self.fmt} is not block-quantized")
-        has_m = self.fmt in (FMT_Q4_1, FMT_Q4_K, FMT_Q5_K)
+        has_m = self.fmt in (FMT_Q4_1, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K_MIN)
         sub = sub_block(self.fmt)
         scale = np.float32 if self.fmt in K_QUANTS else np.float16
         if k % QB or self.d.shape != (n, k // sub) or (self.m is None) == has_m \
-                or (self.m is not None and self.m.shape != (n, k // QB)):
+                or (self.m is not None and self.m.shape != (n, k // sub)):
             raise DeviceError(f"a {FORMAT_NAMES[self.fmt]} weight [{n}, {k}] needs K in blocks of "
                               f"{QB} and scales [{n}, {k // sub}]; got d {self.d.shape}")
         if self.d.dtype != scale or (self.m is not None and self.m.dtype != scale):
@@ -188,7 +192,7 @@ class QuantizedWeight:
             return d * (q - np.float32(8))
         if self.fmt == FMT_Q6_K:
             return d * (q - np.float32(32))
-        return d * q + np.repeat(self.m.astype(np.float32), QB, axis=1)
+        return d * q + np.repeat(self.m.astype(np.float32), sub_block(self.fmt), axis=1)
 
     def take_rows(self, order: np.ndarray) -> QuantizedWeight:
         """The rows in `order` (a permutation of output channels)."""
@@ -198,7 +202,8 @@ class QuantizedWeight:
     def exactly_as(self, fmt: int) -> QuantizedWeight | None:
         """The same values in format `fmt`, where it holds them exactly, else None: Q4_0, and
         a Q5_0 (Q5_K's record with m = -16 d, d a float16), as Q8_0 (q - 8, q - 16); Q4_0, Q4_1
-        and Q4_K as Q5_K (the scales widened to float32; Q4_0's m = -8 d)."""
+        and Q4_K as Q5_K (the scales widened to float32; Q4_0's m = -8 d); those, Q5_K and
+        Q6_K as Q6_K_MIN (a block's scale and minimum for both its halves; Q6_K's m = -32 d)."""
         if fmt == self.fmt:
             return self
         if fmt == FMT_Q8_0 and self.fmt == FMT_Q4_0:
@@ -211,14 +216,22 @@ class QuantizedWeight:
         if fmt == FMT_Q5_K and self.fmt in (FMT_Q4_0, FMT_Q4_1, FMT_Q4_K):
             d = self.d.astype(np.float32)
             return QuantizedWeight(fmt, self.q, d, d * np.float32(-8) if self.m is None else self.m.astype(np.float32))
+        if fmt == FMT_Q6_K_MIN and self.fmt == FMT_Q6_K:
+            return QuantizedWeight(fmt, self.q, self.d, self.d * np.float32(-32))
+        if fmt == FMT_Q6_K_MIN:
+            five = self.exactly_as(FMT_Q5_K)
+            if five is not None:
+                return QuantizedWeight(fmt, five.q, np.repeat(five.d, 2, axis=1), np.repeat(five.m, 2, axis=1))
         return None
 
     @staticmethod
     def in_one_format(parts: list[QuantizedWeight]) -> list[QuantizedWeight] | None:
-        """The parts in one format that holds every part's values exactly (the narrower of
-        Q5_K and Q8_0 where both do: exactly_as), or None: a fused projection of a Q4_K_M file
-        (a Q8_0 or Q6_K v_proj beside Q5_0 or Q4_K q and k) at a quantized width."""
-        for fmt in sorted({p.fmt for p in parts} | {FMT_Q5_K, FMT_Q8_0}, key=lambda f: RECORD_BYTES[f]):
+        """The parts in one format that holds every part's values exactly (the narrowest of
+        their own, Q5_K, Q8_0 and Q6_K_MIN that does: exactly_as), or None: a fused projection
+        of a Q4_K_M file (a Q8_0 or Q6_K v_proj beside Q5_0 or Q4_K q and k) at a quantized
+        width."""
+        candidates = {p.fmt for p in parts} | {FMT_Q5_K, FMT_Q8_0, FMT_Q6_K_MIN}
+        for fmt in sorted(candidates, key=lambda f: (RECORD_BYTES[f], f)):
             converted = [p.exactly_as(fmt) for p in parts]
             if all(c is not None for c in converted):
                 return converted
@@ -237,12 +250,12 @@ class QuantizedWeight:
 
 def sub_block(fmt: int) -> int:
     """Rows of a weight's block that share one scale: QB, Q6_K's half a block."""
-    return QB // 2 if fmt == FMT_Q6_K else QB
+    return QB // 2 if fmt in (FMT_Q6_K, FMT_Q6_K_MIN) else QB
 
 
 def high_bit_planes(fmt: int) -> int:
     """Bits of a K-quant's quants above the nibble: 0 (Q4_K), 1 (Q5_K), 2 (Q6_K)."""
-    return {FMT_Q5_K: 1, FMT_Q6_K: 2}.get(fmt, 0)
+    return {FMT_Q5_K: 1, FMT_Q6_K: 2, FMT_Q6_K_MIN: 2}.get(fmt, 0)
 
 
 def pack_quantized(qw: QuantizedWeight) -> np.ndarray:
@@ -258,6 +271,8 @@ def pack_quantized(qw: QuantizedWeight) -> np.ndarray:
 
     if qw.fmt == FMT_Q6_K:                                               # [P, NR, nb, 2] halves
         scales = [by_panel(qw.d).reshape(p, NR, nb, 2)[..., h] for h in (0, 1)]
+    elif qw.fmt == FMT_Q6_K_MIN:                                         # each half's d, then m
+        scales = [by_panel(x).reshape(p, NR, nb, 2)[..., h] for h in (0, 1) for x in (qw.d, qw.m)]
     else:
         scales = [by_panel(qw.d)] + ([by_panel(qw.m)] if qw.m is not None else [])
     parts = [np.ascontiguousarray(s.transpose(0, 2, 1)).view(np.uint8).reshape(p, nb, -1)
@@ -300,7 +315,7 @@ def unpack_quantized(panels: np.ndarray, n: int, fmt: int) -> np.ndarray:
         (lambda lo: panels[:, :, lo:lo + 2 * NR].copy().view(np.float16).astype(np.float32))
     step = 4 * NR if wide else 2 * NR
     d = scale(0)                                                         # [P, nb, NR]
-    qoff = 2 * step if fmt in (FMT_Q4_1, *K_QUANTS) else step
+    qoff = (4 if fmt == FMT_Q6_K_MIN else 2) * step if fmt in (FMT_Q4_1, *K_QUANTS) else step
     raw = panels[:, :, qoff:]
     if fmt in (FMT_Q8_0, FMT_FP8):  # [P, nb, G, NR, 4] -> rows 4g + t of each column
         q = raw.reshape(p, nb, QB // 4, NR, 4).transpose(0, 1, 2, 4, 3).reshape(p, nb, QB, NR)
@@ -320,6 +335,10 @@ def unpack_quantized(panels: np.ndarray, n: int, fmt: int) -> np.ndarray:
     if fmt == FMT_Q6_K:
         halves = np.repeat(np.stack([d, scale(step)], axis=2), QB // 2, axis=2)   # [P, nb, QB, NR]
         w = halves * (q - np.float32(32))
+    elif fmt == FMT_Q6_K_MIN:
+        d, m = (np.repeat(np.stack([scale(at), scale(at + 2 * step)], axis=2), QB // 2, axis=2)
+                for at in (0, step))
+        w = d * q + m
     else:
         w = d[:, :, None, :] * (q - np.float32(8) if fmt == FMT_Q4_0 else q)
     if fmt in (FMT_Q4_1, FMT_Q4_K, FMT_Q5_K):

@@ -9,6 +9,8 @@ device/kernels/gemm/packed.py describes the layouts; device/layout.py packs them
                                       5th and 6th), each block's scale (Q6: each half's) and
                                       minimum in float32, exactly as GGML's dequantizer
                                       multiplies them out of the super-block's
+    FMT_Q6_K_MIN                      Q6_K's record with a minimum a half block: holds Q4_K,
+                                      Q5_K and Q6_K exactly (a fused projection of them)
     FMT_FP8                           FP8 E4M3 (OCP's float8_e4m3fn) in Q8_0's records: a
                                       float16 scale a column, the bytes E4M3 values
     FMT_BF16R                         bfloat16 in plain rows: a KV cache block read by the tiles
@@ -32,7 +34,7 @@ FMT_F32, FMT_BF16, FMT_F16, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = range(6)
 FMT_BF16R = 7    # bfloat16 in plain rows (a KV cache block), not a packed weight's pairs
 FMT_FP8 = 8      # FP8 E4M3 bytes in Q8_0's records (device/layout.py: fp8_e4m3_encode)
 FMT_DLF16 = 9    # DLFloat16 bits in plain rows (device/numerics.py: dlfloat16_encode)
-FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 10, 11, 12   # K-quants' records (device/layout.py: QuantizedWeight)
+FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_Q6_K_MIN = 10, 11, 12, 13   # K-quants' records (device/layout.py)
 # bytes of one record (QB rows of one panel) of each block-quantized format
 SCALE_BYTES = 2 * NR                              # NR float16 values
 WIDE_SCALE_BYTES = 4 * NR                         # NR float32 values (the K-quants' records)
@@ -44,14 +46,17 @@ RECORD_BYTES = {FMT_Q8_0: SCALE_BYTES + QB * NR, FMT_Q4_0: SCALE_BYTES + NIBBLE_
                 FMT_Q4_K: 2 * WIDE_SCALE_BYTES + NIBBLE_BYTES,
                 FMT_Q5_K: 2 * WIDE_SCALE_BYTES + NIBBLE_BYTES + GROUP_BYTES,
                 # the two halves' scales, the nibbles, two words of 5th and 6th bits a column
-                FMT_Q6_K: 2 * WIDE_SCALE_BYTES + NIBBLE_BYTES + 2 * GROUP_BYTES}
+                FMT_Q6_K: 2 * WIDE_SCALE_BYTES + NIBBLE_BYTES + 2 * GROUP_BYTES,
+                # each half's scale and minimum, the nibbles, the two words
+                FMT_Q6_K_MIN: 4 * WIDE_SCALE_BYTES + NIBBLE_BYTES + 2 * GROUP_BYTES}
 REC_Q8_0, REC_Q4_0, REC_Q4_1 = (RECORD_BYTES[f] for f in (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1))
-REC_Q4_K, REC_Q5_K, REC_Q6_K = (RECORD_BYTES[f] for f in (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K))
+REC_Q4_K, REC_Q5_K, REC_Q6_K, REC_Q6_K_MIN = (RECORD_BYTES[f] for f in (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_Q6_K_MIN))
 BF16_KB = 32     # a bfloat16 weight's K is padded with zero rows to a multiple of this (AMX's tile)
 
 FORMATS = {"float32": FMT_F32, "bfloat16": FMT_BF16, "float16": FMT_F16,
            "Q8_0": FMT_Q8_0, "Q4_0": FMT_Q4_0, "Q4_1": FMT_Q4_1, "FP8_E4M3": FMT_FP8,
-           "dlfloat16": FMT_DLF16, "Q4_K": FMT_Q4_K, "Q5_K": FMT_Q5_K, "Q6_K": FMT_Q6_K}
+           "dlfloat16": FMT_DLF16, "Q4_K": FMT_Q4_K, "Q5_K": FMT_Q5_K, "Q6_K": FMT_Q6_K,
+           "Q6_K_MIN": FMT_Q6_K_MIN}
 FORMAT_NAMES = {code: name for name, code in FORMATS.items()}
 
 
@@ -64,7 +69,7 @@ def is_quantized(fmt):
 @njit(nogil=True, cache=True, inline="always")
 def is_k_quant(fmt):
     """A K-quant's record: float32 scales, 4-bit quants and planes of higher bits."""
-    return fmt >= FMT_Q4_K and fmt <= FMT_Q6_K
+    return fmt >= FMT_Q4_K and fmt <= FMT_Q6_K_MIN
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -86,6 +91,8 @@ def record_bytes(fmt):
         return REC_Q5_K
     if fmt == FMT_Q6_K:
         return REC_Q6_K
+    if fmt == FMT_Q6_K_MIN:
+        return REC_Q6_K_MIN
     return REC_Q4_1
 
 

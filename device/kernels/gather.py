@@ -18,6 +18,7 @@ from spyre_serve.device.kernels.formats import (
     FMT_Q4_1,
     FMT_Q5_K,
     FMT_Q6_K,
+    FMT_Q6_K_MIN,
     FMT_Q8_0,
     GROUP_BYTES,
     NIBBLE_BYTES,
@@ -75,14 +76,18 @@ def _f32_from(w, i):
 def _k_quant_value(w, r0, j, r, fmt):
     """Row r of column j of the K-quant record at byte r0 (device/layout.py's planes)."""
     h, rr = r // (QB // 2), r % (QB // 2)
-    q0 = r0 + 2 * WIDE_SCALE_BYTES
+    mins = fmt == FMT_Q6_K_MIN                       # each half's scale and minimum
+    q0 = r0 + (4 if mins else 2) * WIDE_SCALE_BYTES
     byte = np.uint8(w[q0 + (rr // 4) * GROUP_BYTES + 4 * j + rr % 4])
     q = np.int32((byte >> np.uint8(4 * h)) & np.uint8(15))
-    hb = 1 if fmt == FMT_Q5_K else (2 if fmt == FMT_Q6_K else 0)
+    hb = 1 if fmt == FMT_Q5_K else (2 if fmt == FMT_Q6_K or mins else 0)
     if hb:
         at = (4 * h + rr // 4) * hb
         plane = np.uint8(w[q0 + NIBBLE_BYTES + (at // 8) * GROUP_BYTES + 4 * j + rr % 4])
         q |= np.int32((plane >> np.uint8(at % 8)) & np.uint8((1 << hb) - 1)) << 4
+    if mins:
+        at = r0 + 2 * h * WIDE_SCALE_BYTES + 4 * j
+        return _f32_from(w, at) * np.float32(q) + _f32_from(w, at + WIDE_SCALE_BYTES)
     if fmt == FMT_Q6_K:
         d = _f32_from(w, r0 + h * WIDE_SCALE_BYTES + 4 * j)
         return d * (np.float32(q) - np.float32(32.0))

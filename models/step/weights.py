@@ -17,8 +17,9 @@ dlfloat16 as IBM's conversion rounds; the norms and constants stay float32 array
 model on the card is exactly the checkpoint rounded to `dtype`. A block-quantized matrix (a
 device.layout.QuantizedWeight: a GGUF file's quantized matrix) is placed at its own width;
 a fused projection whose parts differ in format at a width that holds them all exactly
-(QuantizedWeight.in_one_format: a Q4_K_M file's Q5_0 q and k beside a Q8_0 v as Q8_0), or,
-where none does (Q4_K beside Q6_K), dequantized and placed in `dtype`; a log line says which.
+(QuantizedWeight.in_one_format: a Q4_K_M file's Q5_0 q and k beside a Q8_0 v as Q8_0, Q4_K
+beside Q6_K as Q6_K_MIN), or, where none does (Q8_0 beside Q6_K), dequantized and placed in
+`dtype`; a log line says which.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from numba.extending import intrinsic
 
 from spyre_serve.device.kernels.formats import GROUP_BYTES
 from spyre_serve.device.kernels.gemm.microkernel import (
+    HALVES,
     K_KINDS,
     QUANT_CASES,
     halves_scales,
@@ -130,7 +131,7 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
     rec, q_start = quant_record(kind)
     low4 = ir.Constant(dot.bytes, [15] * dot.bytes.count)
     zero = ir.Constant(g.ivec, [0] * g.vw)
-    halves = kind == "q6_k"      # a scale a half block: the halves' sums apart
+    halves = kind in HALVES      # a scale a half block: the halves' sums apart
     with counted(builder, const(0), builder.sdiv(kc, const(QB)), 1) as b:
         r0 = builder.add(w_off, builder.mul(b, const(rec)))
         q0 = builder.add(r0, const(q_start))

@@ -23,7 +23,8 @@ weight (device/kernels/gemm/packed.py describes the layouts) and w_off the first
 - uint8 K-quants (FMT_Q4_K / FMT_Q5_K / FMT_Q6_K; GGML's Q5_0 and Q5_1 as Q5_K): a record
   is NR float32 scales d and NR float32 minimums m (Q6_K: the NR scales of rows 0..15, then
   of rows 16..31, m = -32 d), Q4's nibbles, then the quants' higher bits in planes of 32-bit
-  words a column (Q5_K one word, Q6_K two): byte t of a column's word w holds the hb high
+  words a column (Q5_K one word, Q6_K two; FMT_Q6_K_MIN: Q6_K's with each half's minimum
+  after its scale): byte t of a column's word w holds the hb high
   bits of row 16 h + 4 g + t at bit (4 h + g) hb - 8 w, so that one shift and mask put them
   above the nibbles of a group's 4 rows, lane by lane (nibble_quants). value = fma(d, q, m).
   Each weight is widened in registers to exactly the value GGML's dequantizer gives
@@ -56,6 +57,7 @@ from spyre_serve.device.kernels.formats import (
     FMT_Q4_K,
     FMT_Q5_K,
     FMT_Q6_K,
+    FMT_Q6_K_MIN,
     FMT_Q8_0,
     GROUP_BYTES,
     NIBBLE_BYTES,
@@ -64,6 +66,7 @@ from spyre_serve.device.kernels.formats import (
     REC_Q4_K,
     REC_Q5_K,
     REC_Q6_K,
+    REC_Q6_K_MIN,
     REC_Q8_0,
     SCALE_BYTES,
     WIDE_SCALE_BYTES,
@@ -93,7 +96,7 @@ from spyre_serve.device.kernels.simd import (
 
 # a uint8 weight's format code -> its kind, in the order the tiles test them
 QUANT_CASES = [(FMT_Q8_0, "q8_0"), (FMT_Q4_0, "q4_0"), (FMT_Q4_1, "q4_1"), (FMT_Q4_K, "q4_k"),
-               (FMT_Q5_K, "q5_k"), (FMT_Q6_K, "q6_k"), (FMT_FP8, "fp8")]
+               (FMT_Q5_K, "q5_k"), (FMT_Q6_K, "q6_k"), (FMT_Q6_K_MIN, "q6_kmin"), (FMT_FP8, "fp8")]
 
 
 def _fma_row(builder, g, fma, a_ptr, a_off, lda, k, wv, accs):
@@ -183,17 +186,18 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
     return reduce_sets(builder, sets)
 
 
-K_KINDS = ("q4_k", "q5_k", "q6_k")        # the K-quants' records: float32 scales, bit planes
+K_KINDS = ("q4_k", "q5_k", "q6_k", "q6_kmin")   # the K-quants' records: float32 scales, bit planes
 NIBBLE_KINDS = ("q4_0", "q4_1", *K_KINDS)  # a byte holds row r and row r + QB/2, a nibble each
-HIGH_BITS = {"q5_k": 1, "q6_k": 2}         # bits of a quant above its nibble, in planes
+HIGH_BITS = {"q5_k": 1, "q6_k": 2, "q6_kmin": 2}   # bits of a quant above its nibble, in planes
+HALVES = ("q6_k", "q6_kmin")               # a scale a half block
 
 
 def quant_record(kind):
     """(record bytes, offset of the quants in a record) of a quantized kind."""
     rec = {"q8_0": REC_Q8_0, "fp8": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1, "q4_k": REC_Q4_K,
-           "q5_k": REC_Q5_K, "q6_k": REC_Q6_K}[kind]
+           "q5_k": REC_Q5_K, "q6_k": REC_Q6_K, "q6_kmin": REC_Q6_K_MIN}[kind]
     if kind in K_KINDS:
-        return rec, 2 * WIDE_SCALE_BYTES
+        return rec, (4 if kind == "q6_kmin" else 2) * WIDE_SCALE_BYTES
     return rec, 2 * SCALE_BYTES if kind == "q4_1" else SCALE_BYTES
 
 
@@ -219,13 +223,15 @@ def quant_scales(builder, g, w_ptr, r0, kind):
 def halves_scales(builder, g, w_ptr, r0, kind):
     """[(d, m) of rows 0..QB/2-1, (d, m) of rows QB/2..] of a nibble kind's record at byte r0,
     float32 vectors: value = fma(d, q, m). The same pair twice but for Q6_K, whose record
-    holds a scale a half (m = -32 d)."""
+    holds a scale a half (m = -32 d), and Q6_K_MIN, a scale and a minimum a half."""
     if kind not in K_KINDS:
         return [quant_scales(builder, g, w_ptr, r0, kind)] * 2
 
     def wide(at):
         return [load_at_byte(builder, w_ptr, builder.add(r0, const(at + 4 * j * g.vw)), g.vec)
                 for j in range(g.nv)]
+    if kind == "q6_kmin":
+        return [(wide(0), wide(WIDE_SCALE_BYTES)), (wide(2 * WIDE_SCALE_BYTES), wide(3 * WIDE_SCALE_BYTES))]
     if kind != "q6_k":
         return [(wide(0), wide(WIDE_SCALE_BYTES))] * 2
     minus32 = ir.Constant(g.vec, [-32.0] * g.vw)

@@ -18,6 +18,7 @@ from spyre_serve.device.kernels.formats import (
     FMT_Q4_K,
     FMT_Q5_K,
     FMT_Q6_K,
+    FMT_Q6_K_MIN,
     FMT_Q8_0,
     packed_len,
 )
@@ -33,7 +34,7 @@ from spyre_serve.device.layout import (
     unpack_quantized,
 )
 
-K_QFMTS = [FMT_Q4_K, FMT_Q5_K, FMT_Q6_K]
+K_QFMTS = [FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_Q6_K_MIN]
 INT_QFMTS = [FMT_Q8_0, FMT_Q4_0, FMT_Q4_1, *K_QFMTS]
 QFMTS = [*INT_QFMTS, FMT_FP8]
 # (M, K, N): a GEMV, two rows, a partial tile, past one block of rows (MC) of a decode, a
@@ -50,11 +51,14 @@ def random_weight(fmt, n, k, seed=0) -> QuantizedWeight:
     rng = np.random.default_rng(seed)
     nb = k // QB
     if fmt in K_QFMTS:
-        bits = {FMT_Q4_K: 4, FMT_Q5_K: 5, FMT_Q6_K: 6}[fmt]
+        bits = {FMT_Q4_K: 4, FMT_Q5_K: 5, FMT_Q6_K: 6, FMT_Q6_K_MIN: 6}[fmt]
         q = rng.integers(0, 1 << bits, (n, k)).astype(np.int8)
         d16 = (rng.standard_normal((n, 1)) * 0.001).astype(np.float16).astype(np.float32)
         if fmt == FMT_Q6_K:
             return QuantizedWeight(fmt, q, d16 * rng.integers(-128, 128, (n, 2 * nb)).astype(np.float32))
+        if fmt == FMT_Q6_K_MIN:               # a Q4_K's, Q5_K's or Q6_K's scales, a half block each
+            return QuantizedWeight(fmt, q, d16 * rng.integers(-128, 128, (n, 2 * nb)).astype(np.float32),
+                                   d16 * rng.integers(-2048, 2048, (n, 2 * nb)).astype(np.float32))
         dmin = np.abs(rng.standard_normal((n, 1)) * 0.001).astype(np.float16).astype(np.float32)
         return QuantizedWeight(fmt, q, d16 * rng.integers(0, 64, (n, nb)).astype(np.float32),
                                -(dmin * rng.integers(0, 64, (n, nb)).astype(np.float32)))
@@ -101,6 +105,9 @@ def reference_values(qw: QuantizedWeight) -> np.ndarray:
         elif qw.fmt == FMT_Q6_K:                 # a scale a half block
             halves = np.repeat(qw.d[:, 2 * b:2 * b + 2], QB // 2, axis=1)
             out[:, cols] = halves * (q - 32)
+        elif qw.fmt == FMT_Q6_K_MIN:             # a scale and a minimum a half block
+            halves, mins = (np.repeat(x[:, 2 * b:2 * b + 2], QB // 2, axis=1) for x in (qw.d, qw.m))
+            out[:, cols] = halves * q + mins
         else:
             out[:, cols] = d * q + qw.m[:, b:b + 1].astype(np.float32)
     return out
@@ -170,6 +177,7 @@ def test_bytes_per_weight_are_the_formats():
     assert packed_len(k, n, FMT_Q4_K) == k * n * 6 // 8           # 4 + 2 bits
     assert packed_len(k, n, FMT_Q5_K) == k * n * 7 // 8           # 5 + 2 bits
     assert packed_len(k, n, FMT_Q6_K) == k * n * 8 // 8           # 6 + 2 bits (two scales)
+    assert packed_len(k, n, FMT_Q6_K_MIN) == k * n * 10 // 8      # 6 + 4 bits (two of each)
 
 
 def test_gemm_refuses_k_in_part_blocks_and_a_short_weight():
@@ -214,7 +222,12 @@ def test_a_weight_is_converted_only_to_a_format_that_holds_it_exactly():
     assert [p.fmt for p in QuantizedWeight.in_one_format([q5_0, q5_0, q8_0])] == [FMT_Q8_0] * 3
     assert [p.fmt for p in QuantizedWeight.in_one_format([q4_k, q4_1, q4_0])] == [FMT_Q5_K] * 3
     assert [p.fmt for p in QuantizedWeight.in_one_format([q4_0, q4_0])] == [FMT_Q4_0] * 2
-    assert QuantizedWeight.in_one_format([q4_k, q4_k, q6_k]) is None
+    # Q4_K q and k beside a Q6_K v (a larger model's Q4_K_M): Q6_K_MIN holds all three
+    both = QuantizedWeight.in_one_format([q4_k, q4_k, q6_k])
+    assert [p.fmt for p in both] == [FMT_Q6_K_MIN] * 3
+    for part, qw in zip(both, (q4_k, q4_k, q6_k), strict=True):
+        np.testing.assert_array_equal(part.dequantize(), reference_values(qw))
+    assert QuantizedWeight.in_one_format([q8_0, q6_k]) is None
 
 
 # ---- int8 activations: quantize_rows and the integer dot products --------------------------
