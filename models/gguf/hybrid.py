@@ -167,11 +167,16 @@ def shape_of(w) -> tuple[int, ...]:
 
 def _stack(gate, up, axis: int):
     """A fused gate/up tensor from its halves: quantized rows stacked when both are kept at
-    their width (an experts' stack: expert by expert), else float32 concatenated."""
+    their width in a format that holds both exactly (QuantizedWeight.in_one_format; an
+    experts' stack: expert by expert), else float32 concatenated."""
     if isinstance(gate, list) and isinstance(up, list):
-        return [QuantizedWeight.stack([g, u]) for g, u in zip(gate, up, strict=True)]
-    if isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight):
-        return QuantizedWeight.stack([gate, up])
+        pairs = [QuantizedWeight.in_one_format([g, u]) for g, u in zip(gate, up, strict=True)]
+        if all(p is not None for p in pairs):
+            return [QuantizedWeight.stack(p) for p in pairs]
+    elif isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight):
+        both = QuantizedWeight.in_one_format([gate, up])
+        if both is not None:
+            return QuantizedWeight.stack(both)
     return np.concatenate([_float(gate), _float(up)], axis=axis)
 
 

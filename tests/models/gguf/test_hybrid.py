@@ -145,3 +145,24 @@ def test_a_quantized_file_is_served_at_its_width_as_its_dequantized_weights(tmp_
             assert got == reference(twin_ref, prompt, 8), (qtype, len(prompt))
     finally:
         card.close()
+
+
+def test_a_gate_and_up_of_two_types_are_fused_at_a_width_that_holds_both():
+    """GraniteMoe's fused gate/up (and each expert's) from halves of two quantized types: in
+    one format that holds both exactly (Q4_1 beside Q4_K: Q5_K), else float32 (Q8_0 beside
+    Q6_K), the values the halves hold either way."""
+    from spyre_serve.device.kernels.formats import FMT_Q4_1, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_Q8_0
+    from spyre_serve.device.layout import QuantizedWeight
+    from spyre_serve.models.gguf.hybrid import _stack
+    from tests.device.kernels.gemm.test_quantized import random_weight
+
+    gate, up = random_weight(FMT_Q4_1, 6, 64, seed=1), random_weight(FMT_Q4_K, 6, 64, seed=2)
+    want = np.concatenate([gate.dequantize(), up.dequantize()])
+    fused = _stack(gate, up, axis=0)
+    assert isinstance(fused, QuantizedWeight) and fused.fmt == FMT_Q5_K
+    np.testing.assert_array_equal(fused.dequantize(), want)
+    experts = _stack([gate, gate], [up, up], axis=1)
+    assert [e.fmt for e in experts] == [FMT_Q5_K] * 2
+    eight, six = random_weight(FMT_Q8_0, 6, 64), random_weight(FMT_Q6_K, 6, 64)
+    widened = _stack(eight, six, axis=0)
+    np.testing.assert_array_equal(widened, np.concatenate([eight.dequantize(), six.dequantize()]))
