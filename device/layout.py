@@ -45,6 +45,8 @@ from spyre_serve.device.kernels.formats import (
     FMT_Q8_0,
     FORMAT_NAMES,
     FORMATS,
+    HIGH_BITS,
+    QUANTS_AT,
     RECORD_BYTES,
     padded_k,
 )
@@ -253,11 +255,6 @@ def sub_block(fmt: int) -> int:
     return QB // 2 if fmt in (FMT_Q6_K, FMT_Q6_K_MIN) else QB
 
 
-def high_bit_planes(fmt: int) -> int:
-    """Bits of a K-quant's quants above the nibble: 0 (Q4_K), 1 (Q5_K), 2 (Q6_K)."""
-    return {FMT_Q5_K: 1, FMT_Q6_K: 2, FMT_Q6_K_MIN: 2}.get(fmt, 0)
-
-
 def pack_quantized(qw: QuantizedWeight) -> np.ndarray:
     """A QuantizedWeight [N, K] -> the GEMM's panels of W = its transpose, as uint8
     [ceil(N/NR), K/QB, record bytes], zero past column N."""
@@ -286,7 +283,7 @@ def pack_quantized(qw: QuantizedWeight) -> np.ndarray:
         low = q & 15
         q4 = low.reshape(p, NR, nb, 2, QB // 8, 4).transpose(0, 2, 3, 4, 1, 5).view(np.uint8)
         parts.append((q4[:, :, 0] | (q4[:, :, 1] << 4)).reshape(p, nb, QB // 2 * NR))
-        if high_bit_planes(qw.fmt):
+        if HIGH_BITS[qw.fmt]:
             parts.append(_pack_high_bits(q, qw.fmt, p, nb))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
     assert packed.shape[2] == RECORD_BYTES[qw.fmt]
@@ -297,7 +294,7 @@ def _pack_high_bits(q: np.ndarray, fmt: int, p: int, nb: int) -> np.ndarray:
     """The bits of q [P, NR, K] above the nibble as a record's planes [P, nb, words x NR x 4]:
     a column's word w, byte t holds, for rows 16 h + 4 g + t (h the half, g the group), the
     hb high bits at bit (4 h + g) hb - 8 w (hb = 1: one word; hb = 2: word h, bits 2 g)."""
-    hb = high_bit_planes(fmt)
+    hb = HIGH_BITS[fmt]
     hi = (q.astype(np.uint8) >> 4).reshape(p, NR, nb, 2, QB // 8, 4).transpose(0, 2, 3, 4, 1, 5)
     planes = np.zeros((p, nb, hb, NR, 4), np.uint8)                      # [P, nb, W, NR, t]
     for h in range(2):
@@ -315,15 +312,14 @@ def unpack_quantized(panels: np.ndarray, n: int, fmt: int) -> np.ndarray:
         (lambda lo: panels[:, :, lo:lo + 2 * NR].copy().view(np.float16).astype(np.float32))
     step = 4 * NR if wide else 2 * NR
     d = scale(0)                                                         # [P, nb, NR]
-    qoff = (4 if fmt == FMT_Q6_K_MIN else 2) * step if fmt in (FMT_Q4_1, *K_QUANTS) else step
-    raw = panels[:, :, qoff:]
+    raw = panels[:, :, QUANTS_AT[fmt]:]
     if fmt in (FMT_Q8_0, FMT_FP8):  # [P, nb, G, NR, 4] -> rows 4g + t of each column
         q = raw.reshape(p, nb, QB // 4, NR, 4).transpose(0, 1, 2, 4, 3).reshape(p, nb, QB, NR)
         q = fp8_e4m3_decode(q) if fmt == FMT_FP8 else q.view(np.int8).astype(np.float32)
     else:
         b = raw[:, :, :QB * NR // 2].reshape(p, nb, QB // 8, NR, 4).transpose(0, 1, 2, 4, 3)
         q = np.concatenate([b & 15, b >> 4], axis=2).astype(np.int32)  # [P, nb, 2 G, 4, NR]
-        hb = high_bit_planes(fmt)
+        hb = HIGH_BITS[fmt]
         if hb:
             planes = raw[:, :, QB * NR // 2:].reshape(p, nb, hb, NR, 4).transpose(0, 1, 2, 4, 3)
             for h in range(2):

@@ -51,6 +51,13 @@ RECORD_BYTES = {FMT_Q8_0: SCALE_BYTES + QB * NR, FMT_Q4_0: SCALE_BYTES + NIBBLE_
                 FMT_Q6_K_MIN: 4 * WIDE_SCALE_BYTES + NIBBLE_BYTES + 2 * GROUP_BYTES}
 REC_Q8_0, REC_Q4_0, REC_Q4_1 = (RECORD_BYTES[f] for f in (FMT_Q8_0, FMT_Q4_0, FMT_Q4_1))
 REC_Q4_K, REC_Q5_K, REC_Q6_K, REC_Q6_K_MIN = (RECORD_BYTES[f] for f in (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_Q6_K_MIN))
+# by format code (tuples, so that the kernels index them too): the byte of a record where its
+# quants start, after its scales; the bits of a quant above its nibble, in planes after them
+_CODES = range(FMT_Q6_K_MIN + 1)
+QUANTS_AT = tuple({FMT_Q8_0: SCALE_BYTES, FMT_FP8: SCALE_BYTES, FMT_Q4_0: SCALE_BYTES, FMT_Q4_1: 2 * SCALE_BYTES,
+                   FMT_Q4_K: 2 * WIDE_SCALE_BYTES, FMT_Q5_K: 2 * WIDE_SCALE_BYTES, FMT_Q6_K: 2 * WIDE_SCALE_BYTES,
+                   FMT_Q6_K_MIN: 4 * WIDE_SCALE_BYTES}.get(c, 0) for c in _CODES)
+HIGH_BITS = tuple({FMT_Q5_K: 1, FMT_Q6_K: 2, FMT_Q6_K_MIN: 2}.get(c, 0) for c in _CODES)
 BF16_KB = 32     # a bfloat16 weight's K is padded with zero rows to a multiple of this (AMX's tile)
 
 FORMATS = {"float32": FMT_F32, "bfloat16": FMT_BF16, "float16": FMT_F16,

@@ -15,13 +15,13 @@ from spyre_serve.device.kernels.formats import (
     FMT_F32,
     FMT_FP8,
     FMT_Q4_0,
-    FMT_Q4_1,
-    FMT_Q5_K,
     FMT_Q6_K,
     FMT_Q6_K_MIN,
     FMT_Q8_0,
     GROUP_BYTES,
+    HIGH_BITS,
     NIBBLE_BYTES,
+    QUANTS_AT,
     WIDE_SCALE_BYTES,
     is_k_quant,
     is_quantized,
@@ -51,7 +51,7 @@ def _quantized_value(w, c, kk, k, fmt):
     if is_k_quant(fmt):
         return _k_quant_value(w, r0, j, r, fmt)
     d = _half_at(w, r0 + 2 * j)
-    q0 = r0 + (4 * NR if fmt == FMT_Q4_1 else 2 * NR)
+    q0 = r0 + QUANTS_AT[fmt]
     if fmt == FMT_Q8_0 or fmt == FMT_FP8:      # group r // 4, byte r % 4 of column j
         byte = np.uint8(w[q0 + (r // 4) * 4 * NR + 4 * j + r % 4])
         if fmt == FMT_FP8:       # E4M3 as the float16 (sign << 15 | rest << 7), times 256
@@ -77,10 +77,10 @@ def _k_quant_value(w, r0, j, r, fmt):
     """Row r of column j of the K-quant record at byte r0 (device/layout.py's planes)."""
     h, rr = r // (QB // 2), r % (QB // 2)
     mins = fmt == FMT_Q6_K_MIN                       # each half's scale and minimum
-    q0 = r0 + (4 if mins else 2) * WIDE_SCALE_BYTES
+    q0 = r0 + QUANTS_AT[fmt]
     byte = np.uint8(w[q0 + (rr // 4) * GROUP_BYTES + 4 * j + rr % 4])
     q = np.int32((byte >> np.uint8(4 * h)) & np.uint8(15))
-    hb = 1 if fmt == FMT_Q5_K else (2 if fmt == FMT_Q6_K or mins else 0)
+    hb = HIGH_BITS[fmt]
     if hb:
         at = (4 * h + rr // 4) * hb
         plane = np.uint8(w[q0 + NIBBLE_BYTES + (at // 8) * GROUP_BYTES + 4 * j + rr % 4])

@@ -60,14 +60,10 @@ from spyre_serve.device.kernels.formats import (
     FMT_Q6_K_MIN,
     FMT_Q8_0,
     GROUP_BYTES,
+    HIGH_BITS,
     NIBBLE_BYTES,
-    REC_Q4_0,
-    REC_Q4_1,
-    REC_Q4_K,
-    REC_Q5_K,
-    REC_Q6_K,
-    REC_Q6_K_MIN,
-    REC_Q8_0,
+    QUANTS_AT,
+    RECORD_BYTES,
     SCALE_BYTES,
     WIDE_SCALE_BYTES,
     dlf16_widen_ir,
@@ -188,17 +184,14 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
 
 K_KINDS = ("q4_k", "q5_k", "q6_k", "q6_kmin")   # the K-quants' records: float32 scales, bit planes
 NIBBLE_KINDS = ("q4_0", "q4_1", *K_KINDS)  # a byte holds row r and row r + QB/2, a nibble each
-HIGH_BITS = {"q5_k": 1, "q6_k": 2, "q6_kmin": 2}   # bits of a quant above its nibble, in planes
+KIND_CODES = {kind: code for code, kind in QUANT_CASES}
 HALVES = ("q6_k", "q6_kmin")               # a scale a half block
 
 
 def quant_record(kind):
     """(record bytes, offset of the quants in a record) of a quantized kind."""
-    rec = {"q8_0": REC_Q8_0, "fp8": REC_Q8_0, "q4_0": REC_Q4_0, "q4_1": REC_Q4_1, "q4_k": REC_Q4_K,
-           "q5_k": REC_Q5_K, "q6_k": REC_Q6_K, "q6_kmin": REC_Q6_K_MIN}[kind]
-    if kind in K_KINDS:
-        return rec, (4 if kind == "q6_kmin" else 2) * WIDE_SCALE_BYTES
-    return rec, 2 * SCALE_BYTES if kind == "q4_1" else SCALE_BYTES
+    code = KIND_CODES[kind]
+    return RECORD_BYTES[code], QUANTS_AT[code]
 
 
 def quant_scales(builder, g, w_ptr, r0, kind):
@@ -249,8 +242,8 @@ def nibble_quants(builder, g, kind, w_ptr, q0, x, j, high, gi):
     def lanes(n):
         return ir.Constant(ivec, [n] * g.vw)
     nib = builder.and_(builder.lshr(x, lanes(4)) if high else x, lanes(0x0F0F0F0F))
-    hb = HIGH_BITS.get(kind)
-    if hb is None:
+    hb = HIGH_BITS[KIND_CODES[kind]]
+    if not hb:
         return nib
     word = 1 if hb == 2 and high else 0
     at = builder.add(q0, const(NIBBLE_BYTES + word * GROUP_BYTES + 4 * j * g.vw))
