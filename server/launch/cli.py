@@ -261,15 +261,45 @@ def warmup(s: Settings, progress: bool = True, out=None) -> int:
 FLUSH_SECONDS = 2
 
 
-def _draining_server(config, engine, drain_timeout: float):
+class CloseWhileDraining:
+    """ASGI wrapper: once ``draining`` is set, every response started says ``Connection: close``.
+
+    A proxy in front (nginx's keep-alive pool) or a client then holds no idle connection to
+    this replica when it exits: a request written on a connection the server is closing fails
+    where nobody can retry it (nginx passes a POST on to another replica only if it was not
+    sent), while one that finds the port closed is refused and goes elsewhere."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.draining = False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_closing(message):
+            if message["type"] == "http.response.start" and self.draining:
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        return await self.app(scope, receive, send_closing)
+
+
+def _draining_server(config, engine, drain_timeout: float, closing: CloseWhileDraining):
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """First SIGTERM/SIGINT: stop admitting (503), let running requests finish, then exit 0,
-        all within ``drain_timeout`` seconds: at ``drain_timeout - FLUSH_SECONDS`` the requests
-        still running are cut (the engine shuts down and answers each with an error: a stream
-        ends with an error event and ``[DONE]``), and uvicorn closes within the rest. A second
-        signal exits at once."""
+        """First SIGTERM/SIGINT: stop admitting (503, ``Connection: close``), let running requests
+        finish and the connections open at the signal close, then exit 0, all within
+        ``drain_timeout`` seconds: at ``drain_timeout - FLUSH_SECONDS`` the requests still
+        running are cut (the engine shuts down and answers each with an error: a stream ends
+        with an error event and ``[DONE]``), and uvicorn closes within the rest. A second
+        signal exits at once.
+
+        The connections open at the signal are the ones a client may still reuse: each is
+        closed after its next response (``closing``) or by its client when idle (nginx's
+        keepalive_timeout, 4 s) or by uvicorn's keep-alive timeout (5 s), whichever comes first.
+        Connections opened during the drain need no wait: their first answer closes them."""
 
         draining = False
 
@@ -279,12 +309,14 @@ def _draining_server(config, engine, drain_timeout: float):
                 self.should_exit = True
                 return
             self.draining = True
+            closing.draining = True
             engine.accepting = False
             log.info("signal %s: draining %d requests (up to %.0f s), admitting none", sig,
                      engine.num_requests, drain_timeout)
-            threading.Thread(target=self._drain, name="drain", daemon=True).start()
+            reusable = set(self.server_state.connections)
+            threading.Thread(target=self._drain, args=(reusable,), name="drain", daemon=True).start()
 
-        def _drain(self) -> None:
+        def _drain(self, reusable: set) -> None:
             deadline = time.monotonic() + max(0.0, drain_timeout - FLUSH_SECONDS)
             while engine.num_requests and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -292,6 +324,8 @@ def _draining_server(config, engine, drain_timeout: float):
             if left:
                 log.warning("drain timeout: %d requests still running are cut off (each gets an error)", left)
                 engine.shutdown(timeout=FLUSH_SECONDS / 2)
+            while (reusable & set(self.server_state.connections)) and time.monotonic() < deadline:
+                time.sleep(0.05)
             self.should_exit = True
 
     return DrainingServer(config)
@@ -340,8 +374,9 @@ def refused_at_start(exc: Exception) -> bool:
 def run(app, engine, s: Settings, sockets=None) -> int:
     """Serve ``app`` until a drain ends (0) or ``engine`` dies (1); ``sockets``: listen on
     these (shared by several API processes) instead of binding ``--host``/``--port``."""
-    config = uvicorn_config(app, s)
-    server = _draining_server(config, engine, s.drain_timeout)
+    closing = CloseWhileDraining(app)
+    config = uvicorn_config(closing, s)
+    server = _draining_server(config, engine, s.drain_timeout, closing)
     died: list[BaseException] = []
 
     def on_death(exc: BaseException) -> None:

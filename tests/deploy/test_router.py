@@ -85,7 +85,9 @@ class FleetUnderTest:
                                     "--worker-urls", *self.replicas, "--prometheus-port", str(metrics + 1),
                                     *ROUTER_FLAGS, "--policy", "round_robin"],
                                    stdout=self._rr_out, stderr=subprocess.STDOUT)
-        wait_healthy(self.url, self.proc, self.log)
+        # the router answers /health once one replica does: wait for every replica too
+        for url in (*self.replicas, self.url):
+            wait_healthy(url, self.proc, self.log)
         wait_healthy(self.rr_url, self.rr, tmp / "rr-router.log")
 
     def scrape_all(self) -> list[dict[str, float]]:

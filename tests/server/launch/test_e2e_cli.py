@@ -148,8 +148,14 @@ def test_sigterm_refuses_new_requests_finishes_running_ones_and_exits_0():
                     time.sleep(0.05)
                 refused = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
                 events.extend(lines)
+            # the stream's connection, open since before the signal, is idle in the pool now that
+            # the engine has drained: the server still answers on it (a proxy's keep-alive pool
+            # would send there), and closes it after that answer
+            again = c.post("/v1/completions", json={"prompt": "y", "max_tokens": 1})
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
         assert refused.headers["retry-after"] == "1"
+        assert refused.headers["connection"] == "close"
+        assert again.status_code == 503 and again.headers["connection"] == "close"
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e[6:]) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
