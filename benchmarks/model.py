@@ -268,7 +268,9 @@ def transformers_round(job: dict) -> dict:
         json.dump(job, f)
         f.flush()
         out = subprocess.run([sys.executable, __file__, "--transformers-round", f.name],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the transformers round exited with {out.returncode}:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -279,9 +281,15 @@ def transformers_child(job_file: str) -> None:
 
     torch.set_num_threads(int(THREADS))
     job = json.loads(Path(job_file).read_text())
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                   "float16": torch.float16}[job["dtype"]]       # like with like: our GEMM inputs
-    ref = AutoModelForCausalLM.from_pretrained(job["path"], dtype=torch_dtype).eval()
+    # like with like: our GEMM inputs (int8 inputs of a quantized file: transformers in float32)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "int8": torch.float32}[job["dtype"]]
+    path = Path(job["path"])
+    if path.suffix == ".gguf":      # transformers dequantizes the file: a float model of its values
+        ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    ref = ref.eval()
     ids512 = torch.tensor([job["prompt512"]])
 
     def prefill():
@@ -324,10 +332,15 @@ def decode_weight_bytes(model):
     return layer + w.norm.nbytes + w.lm_head.nbytes
 
 
-def profile_steps(runner, prompt512, prompts32, steps=4):
+PROFILE_STEPS = {1: 32, 32: 4}     # decode steps timed per batch size
+
+
+def profile_steps(runner, prompt512, prompts32, steps=PROFILE_STEPS):
     """Device ms per kernel of one prefill of 512 tokens, one batch-1 and one batch-32 decode
     step (the step program's timers, device/profile.py). A decode step's share is the
-    difference between runs of 1 + steps and of 1 decode steps (both include the prefills)."""
+    difference between runs of 1 + steps[batch] and of 1 decode steps (both include the
+    prefills, whose own variance is then spread over the steps: at 4 steps a batch-1 step's
+    attention read 7 ms of noise)."""
     def timed(run):
         runner.kernel_seconds()                  # reset
         run()
@@ -341,10 +354,10 @@ def profile_steps(runner, prompt512, prompts32, steps=4):
     for what, n in (("decode_b1", 1), ("decode_b32", 32)):
         # once untimed: the first writes to the KV blocks fault their pages in (at batch 32 that
         # put ~40 ms a step on write_kv, into the first run alone)
-        runtime_decode(runner, prompts32[:n], 1 + steps)
-        long = timed(lambda n=n: runtime_decode(runner, prompts32[:n], 1 + steps))
+        runtime_decode(runner, prompts32[:n], 1 + steps[n])
+        long = timed(lambda n=n: runtime_decode(runner, prompts32[:n], 1 + steps[n]))
         short = timed(lambda n=n: runtime_decode(runner, prompts32[:n], 1))
-        out[what] = {k: 1e3 * max(0.0, long[k] - short[k]) / steps for k in long}
+        out[what] = {k: 1e3 * max(0.0, long[k] - short[k]) / steps[n] for k in long}
     runner.profile(False)
     print("\nkernel ms per step (device timers):")
     print(f"{'kernel':14s}" + "".join(f"{w:>14s}" for w in out))

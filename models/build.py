@@ -300,4 +300,21 @@ def names_gguf(name: str) -> bool:
     return name in PACKAGED or is_gguf_file(Path(name))
 
 
+def file_gemm_formats(name: str, dtype: str) -> dict | None:
+    """The format each GEMM weight of a GGUF file (or a packaged GGUF model) takes on the card,
+    from its header (models/gguf/placement.py; float tensors in ``dtype``); None for a float
+    checkpoint (every matrix in ``dtype``)."""
+    if not names_gguf(name):
+        return None
+    from pathlib import Path
+
+    from spyre_serve.models.checkpoints.profiles import PACKAGED, resolve_model
+    from spyre_serve.models.gguf.checkpoint import gguf_config
+    from spyre_serve.models.gguf.file import read_gguf
+    from spyre_serve.models.gguf.placement import gemm_formats
+
+    f = read_gguf(resolve_model(name) if name in PACKAGED else Path(name))
+    return gemm_formats(f, gguf_config(f), dtype)
+
+
 GRANITE_33_8B = "granite-3.3-8b"   # the published config that `spyre-serve plan` sizes by name

@@ -4,7 +4,9 @@ The runner's memory plan (models/step/memory_plan.py) and ``spyre-serve plan`` s
 these functions, so what the command says a card holds is what the server allocates:
 
     weight_bytes(config, dtype, tp)   the weights one card holds (ModelWeights.nbytes at tp 1):
-                                      packed GEMM panels (device.layout.packed_shape) + float32 norms
+                                      packed GEMM panels (device.layout.packed_shape) + float32 norms;
+                                      a GGUF file's matrices each in its own format (``formats``:
+                                      models/gguf/placement.py's gemm_formats)
     capacity(config, ...)             the largest step the buffers hold (a Capacity)
     buffer_bytes(config, cap)         workspace, inputs, the two outputs, the layer table
     kv_cache.block_bytes(...)         one KV block over every layer (K and V)
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spyre_serve.device.layout import STORAGE, format_code, packed_shape
+from spyre_serve.device.kernels.formats import RECORD_BYTES
+from spyre_serve.device.kernels.simd import NR, QB
+from spyre_serve.device.layout import QUANTIZED, STORAGE, format_code, packed_shape
 from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.lora.layout import block_offsets
 from spyre_serve.models.step.buckets import buckets
@@ -80,9 +84,15 @@ def granite_33_8b() -> GraniteConfig:
 
 
 def gemm_bytes(k: int, n: int, dtype: str) -> int:
-    """Bytes of a K x N GEMM weight packed in panels of width ``dtype`` (place_gemm_weight)."""
-    p, kp, nr = packed_shape(k, n, format_code(dtype))
-    return p * kp * nr * np.dtype(STORAGE[format_code(dtype)]).itemsize
+    """Bytes of a K x N GEMM weight packed in panels of format ``dtype`` (place_gemm_weight;
+    a block-quantized format's records of QB rows: place_quantized_weight)."""
+    code = format_code(dtype)
+    if code in QUANTIZED:
+        if k % QB:
+            raise ValueError(f"a {dtype} weight needs K in blocks of {QB}, got K {k}")
+        return -(-n // NR) * (k // QB) * RECORD_BYTES[code]
+    p, kp, nr = packed_shape(k, n, code)
+    return p * kp * nr * np.dtype(STORAGE[code]).itemsize
 
 
 def shard(n: int, tp: int, what: str) -> int:
@@ -113,9 +123,13 @@ def card_config(config: GraniteConfig, tp: int) -> GraniteConfig:
         intermediate_size=shard(config.intermediate_size, tp, "intermediate_size"))
 
 
-def weight_bytes(config: GraniteConfig, dtype: str, tp: int = 1) -> int:
+def weight_bytes(config: GraniteConfig, dtype: str, tp: int = 1, formats: dict | None = None) -> int:
     """Bytes of the weights one of ``tp`` cards holds, placed in width ``dtype`` (float32,
-    bfloat16, float16, dlfloat16); at tp 1 this is ``ModelWeights.nbytes``."""
+    bfloat16, float16, dlfloat16); at tp 1 this is ``ModelWeights.nbytes``. ``formats``: each
+    GEMM weight's own format instead (a GGUF file's: "embed", "lm_head" a name each, "qkv",
+    "o", "gate_up", "down" a name per layer; a dense model at tp 1)."""
+    if formats is not None:
+        return _file_weight_bytes(config, formats, tp)
     if tp > 1 and (config.mamba_layers or config.num_experts):
         raise ValueError(f"--tensor-parallel-size {tp}: a model's Mamba-2 layers and experts are not sharded yet")
     c = card_config(config, tp)
@@ -136,6 +150,22 @@ def weight_bytes(config: GraniteConfig, dtype: str, tp: int = 1) -> int:
     embed = gemm_bytes(h, vocab, dtype)
     lm_head = 0 if c.tie_word_embeddings else gemm_bytes(h, vocab, dtype)
     return embed + lm_head + layers + 4 * h
+
+
+def _file_weight_bytes(config: GraniteConfig, formats: dict, tp: int) -> int:
+    """weight_bytes of a file whose GEMM weights each have a format of their own."""
+    c = config
+    if tp != 1:
+        raise ValueError(f"--tensor-parallel-size {tp}: tensor parallelism takes float checkpoints, "
+                         "not a quantized file's matrices")
+    if c.mamba_layers or c.num_experts or not c.dense_mlp:
+        raise ValueError("a hybrid or mixture-of-experts file's quantized matrices are not sized yet")
+    h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    shapes = {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+    layers = sum(gemm_bytes(*shapes[m], fmt) for m in shapes for fmt in formats[m])
+    embed = gemm_bytes(h, c.vocab_size, formats["embed"])
+    lm_head = 0 if c.tie_word_embeddings else gemm_bytes(h, c.vocab_size, formats["lm_head"])
+    return embed + lm_head + layers + c.num_hidden_layers * 2 * 4 * h + 4 * h    # and the norms
 
 
 def capacity(config: GraniteConfig, max_num_seqs: int, max_num_batched_tokens: int,
@@ -217,15 +247,17 @@ def lora_arena_bytes(config: GraniteConfig, max_loras: int, max_rank: int, tp: i
 
 def plan_fit(config: GraniteConfig, *, dtype: str, kv_dtype: str, tp: int, max_num_seqs: int,
              max_num_batched_tokens: int, max_model_len: int, block_size: int,
-             usable: int = CARD_USABLE_BYTES, lora: tuple[int, int] | None = None) -> CardFit:
+             usable: int = CARD_USABLE_BYTES, lora: tuple[int, int] | None = None,
+             formats: dict | None = None) -> CardFit:
     """What one of ``tp`` cards holds to serve ``max_num_seqs`` sequences of ``max_model_len``
     tokens with these step sizes, and with ``lora`` (max_loras, max_rank) LoRA slots (every
-    card holds the same: the shards are even)."""
+    card holds the same: the shards are even); ``formats``: a file's GEMM weights' own
+    (weight_bytes)."""
     per_token = kv_token_bytes(config, kv_dtype, tp)
     blocks = max_num_seqs * -(-max_model_len // block_size) + 1
     shard_cfg = card_config(config, tp)
     cap = capacity(shard_cfg, max_num_seqs, max_num_batched_tokens, max_model_len, block_size)
-    return CardFit(tp=tp, weights=weight_bytes(config, dtype, tp), kv_cache=blocks * block_size * per_token,
+    return CardFit(tp=tp, weights=weight_bytes(config, dtype, tp, formats), kv_cache=blocks * block_size * per_token,
                    scratch=scratch_bytes(shard_cfg, cap), kv_token_bytes=per_token, usable=usable,
                    lora=lora_arena_bytes(config, *lora, tp) if lora else 0)
 
