@@ -39,7 +39,8 @@ _EXPORTS = {
     "tokenizer_of": "checkpoints.loader",
     "resolve_model": "checkpoints.profiles", "model_names": "checkpoints.profiles",
     "IncrementalDetokenizer": "checkpoints.tokenizer",
-    "model_config": "build", "names_gguf": "build", "file_gemm_formats": "build", "GRANITE_33_8B": "build",
+    "model_config": "build", "names_gguf": "build", "file_gemm_formats": "build",
+    "any_quantized": "gguf.placement", "GRANITE_33_8B": "build",
     # LoRA adapters (runtime load and unload)
     "LoraError": "lora.adapter", "read_adapter": "lora.adapter",
     # will it fit, and how long on a real card (spyre-serve plan)

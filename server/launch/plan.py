@@ -27,6 +27,7 @@ from spyre_serve.models import (
     PLUGIN_GRANITE_33_8B,
     CardFit,
     GraniteConfig,
+    any_quantized,
     file_gemm_formats,
     largest_batch,
     largest_context,
@@ -163,8 +164,6 @@ def fit_dtype(s: Settings, cfg: GraniteConfig) -> str:
 def fit_kv_dtype(s: Settings, cfg: GraniteConfig, formats: dict | None = None) -> str:
     """The KV cache's width as the runner resolves it (models/step/kv_cache.py), beside GEMM
     inputs as it resolves them (models/step/weights.py: int8 beside a file's quantized matrices)."""
-    from spyre_serve.models.gguf.placement import any_quantized
-
     compute = s.compute_dtype
     if compute == "auto":
         compute = "int8" if formats is not None and any_quantized(formats) else fit_dtype(s, cfg)
