@@ -262,7 +262,8 @@ FLUSH_SECONDS = 2
 
 
 class CloseWhileDraining:
-    """ASGI wrapper: once ``draining`` is set, every response started says ``Connection: close``.
+    """ASGI wrapper: once ``draining`` is set, the response to every request received after
+    that says ``Connection: close``.
 
     A proxy in front (nginx's keep-alive pool) or a client then holds no idle connection to
     this replica when it exits: a request written on a connection the server is closing fails
@@ -274,11 +275,13 @@ class CloseWhileDraining:
         self.draining = False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        # a request that came before the signal passes untouched (no wrapper on its stream's
+        # chunks): its connection was open at the signal, and the drain waits for those
+        if scope["type"] != "http" or not self.draining:
             return await self.app(scope, receive, send)
 
         async def send_closing(message):
-            if message["type"] == "http.response.start" and self.draining:
+            if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             await send(message)
 
