@@ -303,7 +303,7 @@ def names_gguf(name: str) -> bool:
 def file_gemm_formats(name: str, dtype: str) -> dict | None:
     """The format each GEMM weight of a GGUF file (or a packaged GGUF model) takes on the card,
     from its header (models/gguf/placement.py; float tensors in ``dtype``); None for a float
-    checkpoint (every matrix in ``dtype``)."""
+    checkpoint or a file without quantized matrices (every matrix in ``dtype``)."""
     if not names_gguf(name):
         return None
     from pathlib import Path

@@ -55,10 +55,17 @@ LAYER_GEMMS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
                "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
 
 
-def gemm_formats(f: GGUFFile, config: GraniteConfig, dtype: str) -> dict[str, str | list[str]]:
+def gemm_formats(f: GGUFFile, config: GraniteConfig, dtype: str) -> dict[str, str | list[str]] | None:
     """Each GEMM weight's format on the card: "embed" and "lm_head" (the embedding's when
-    tied) a name each, "qkv", "o", "gate_up", "down" a name per layer. ``dtype``: the float
-    width (``--dtype``, or the file's own)."""
+    tied) a name each, "qkv", "o", "gate_up", "down" a name per layer; None when the file
+    holds no quantized matrix (all of them in ``dtype``, the float width: ``--dtype``, or the
+    file's own)."""
+    if not any(t.ggml_type in QUANTIZED_TYPES for t in f.tensors.values()):
+        return None
+    if config.mamba_layers or config.num_experts or not config.dense_mlp:
+        raise ValueError(f"a quantized {f.architecture} file (Mamba-2 layers or experts): its matrices' formats "
+                         "on the card are not sized yet")
+
     def fmt(*names: str) -> str:
         return placed_format([f.tensors[n].ggml_type for n in names], dtype)
 

@@ -89,8 +89,28 @@ def test_the_plans_weights_are_what_the_loaded_file_holds(tmp_path, make):
     assert fit.weights == model.weights.nbytes and f"{fit.left / 1e9:.2f} GB left" in text
 
 
-def test_a_quantized_file_is_not_planned_over_several_cards(tmp_path):
-    command, s = parse_command(["plan", "--model", str(q5_file(tmp_path)), "--tensor-parallel-size", "2"])
-    out = io.StringIO()
-    assert plan(s, out) == 1
-    assert "tensor parallelism takes float checkpoints" in out.getvalue()
+def test_a_quantized_file_is_not_planned_over_several_cards_nor_a_quantized_hybrid(tmp_path):
+    """Refused as the server refuses them (one line, exit 1); a hybrid file of float matrices
+    is sized as its float checkpoint is."""
+    from tests.models.gguf.test_hybrid import VARIANTS
+    from tests.models.gguf_files import write_hybrid_gguf
+    from tests.models.hf_checkpoints import write_hybrid_checkpoint
+
+    hf, ref = write_hybrid_checkpoint(tmp_path / "hf", **VARIANTS["dense"])
+    for qtype in (Q.Q8_0, Q.F32):
+        write_hybrid_gguf(tmp_path / f"h.{qtype.name}.gguf", ref, hf, qtype=qtype)
+    for path, tp, why in ((q5_file(tmp_path), 2, "tensor parallelism takes float checkpoints"),
+                          (tmp_path / "h.Q8_0.gguf", 1, "a quantized granitehybrid file (Mamba-2 layers or experts)"),
+                          (tmp_path / "h.F32.gguf", 1, None)):
+        command, s = parse_command(["plan", "--model", str(path), "--tensor-parallel-size", str(tp),
+                                    "--max-model-len", "256"])
+        out = io.StringIO()
+        if why is None:
+            assert plan(s, out) == 0 and "weights float32, KV cache float32" in out.getvalue(), out.getvalue()
+            with Card(64 << 20) as card:
+                cfg = model_config(str(path))
+                assert cfg.mamba_layers
+                assert weight_bytes(cfg, "float32") == load_model(path, card, tokenizer=False).weights.nbytes
+            continue
+        assert plan(s, out) == 1
+        assert why in out.getvalue() and len(out.getvalue().splitlines()) == 1, out.getvalue()
