@@ -66,6 +66,7 @@ def real_settings(**overrides):
         warmup=False,
         max_n=4,
         max_waiting=256,
+        offload_wait=30.0,  # CI's compile jobs may hold both cores: the 1 s bound has its own test
         engine_process=False,  # the engine in this process: tests read its parts (engine_process tests: True)
     )
     base.update(overrides)

@@ -18,7 +18,7 @@ async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     text, finish = "", None
     async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, (await r.aread()).decode()
         async for line in r.aiter_lines():
             if not line or line == "data: [DONE]":
                 continue
