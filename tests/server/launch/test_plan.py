@@ -19,6 +19,9 @@ from spyre_serve.models.sizing.fit import (
 )
 from spyre_serve.server.launch.cli import parse_command
 from spyre_serve.server.launch.plan import plan
+from spyre_serve.server.launch.settings import Settings
+
+BUDGET = Settings().max_num_batched_tokens     # the plan's chunk: the default budget
 
 
 def run(*argv: str) -> tuple[int, str]:
@@ -38,16 +41,16 @@ def test_granite_33_8b_at_tp_1_and_4():
     assert "the vLLM Spyre plugin serves Granite 3.3 8B at tensor parallel 1 with 3,072 tokens x 16" in text
     from spyre_serve.models.sizing.projection import project_request
 
-    ttft, tpot = project_request(cfg, 3071, 2, 16, tp=1, chunk=512, formats="float16", kv_bytes=2)
-    assert (f"TTFT {ttft * 1e3:,.1f} ms for a prompt filling the context (3,071 tokens in chunks of 512), "
+    ttft, tpot = project_request(cfg, 3071, 2, 16, tp=1, chunk=BUDGET, formats="float16", kv_bytes=2)
+    assert (f"TTFT {ttft * 1e3:,.1f} ms for a prompt filling the context (3,071 tokens in chunks of {BUDGET}), "
             f"TPOT {tpot * 1e3:,.2f} ms with 16 sequences decoding at 3,072 tokens") in text
     code, text = run("--model", "granite-3.3-8b", "--tensor-parallel-size", "4", "--max-model-len", "32768",
                      "--max-num-seqs", "32", "--dtype", "float16")
     assert code == 0 and "each of the 4 card(s) holds" in text and "(40.0 KiB a token" in text
-    fit = plan_fit(cfg, dtype="float16", kv_dtype="float16", tp=4, max_num_seqs=32, max_num_batched_tokens=512,
+    fit = plan_fit(cfg, dtype="float16", kv_dtype="float16", tp=4, max_num_seqs=32, max_num_batched_tokens=BUDGET,
                    max_model_len=32768, block_size=64)
     assert f"{fit.left / 1e9:.2f} GB left" in text
-    sizes = dict(dtype="float16", kv_dtype="float16", tp=4, max_num_batched_tokens=512)
+    sizes = dict(dtype="float16", kv_dtype="float16", tp=4, max_num_batched_tokens=BUDGET)
     context = largest_context(cfg, max_num_seqs=32, block_size=64, **sizes)
     batch = largest_batch(cfg, max_model_len=32768, block_size=64, **sizes)
     assert f"largest context at 32 sequences: {context:,} tokens" in text
@@ -75,21 +78,21 @@ def test_lora_slots_are_planned_and_priced():
     assert arena == 40 * 4 * (32 + 4 * 64 * (2 * 4096 + 2 * (4096 + 1024) + 2 * 4096 + 2 * (4096 + 12800)
                                              + 12800 + 4096))
     assert f"  LoRA adapters          {arena / 1e9:9.2f} GB   4 slot(s) of rank 64" in text
-    fit = plan_fit(cfg, dtype="float16", kv_dtype="float16", tp=1, max_num_seqs=16, max_num_batched_tokens=512,
+    fit = plan_fit(cfg, dtype="float16", kv_dtype="float16", tp=1, max_num_seqs=16, max_num_batched_tokens=BUDGET,
                    max_model_len=3072, block_size=64, lora=(4, 64))
     assert fit.total == plan_fit(cfg, dtype="float16", kv_dtype="float16", tp=1, max_num_seqs=16,
-                                 max_num_batched_tokens=512, max_model_len=3072, block_size=64).total + arena
+                                 max_num_batched_tokens=BUDGET, max_model_len=3072, block_size=64).total + arena
     assert f"{fit.left / 1e9:.2f} GB left" in text
     context = largest_context(cfg, max_num_seqs=16, block_size=64, dtype="float16", kv_dtype="float16", tp=1,
-                              max_num_batched_tokens=512, lora=(4, 64))
+                              max_num_batched_tokens=BUDGET, lora=(4, 64))
     assert f"largest context at 16 sequences: {context:,} tokens" in text and context < int(
         without.split("largest context at 16 sequences: ")[1].split(" ")[0].replace(",", ""))
     from spyre_serve.models.sizing.projection import project_request
 
-    ttft, tpot = project_request(cfg, 3071, 2, 16, chunk=512, formats="float16", kv_bytes=2, lora=(4, 64))
+    ttft, tpot = project_request(cfg, 3071, 2, 16, chunk=BUDGET, formats="float16", kv_bytes=2, lora=(4, 64))
     assert f"TTFT {ttft * 1e3:,.1f} ms" in text and f"TPOT {tpot * 1e3:,.2f} ms" in text
     assert "spread over 4 LoRA adapter(s) of rank 64" in text
-    assert ttft > project_request(cfg, 3071, 2, 16, chunk=512, formats="float16", kv_bytes=2)[0]
+    assert ttft > project_request(cfg, 3071, 2, 16, chunk=BUDGET, formats="float16", kv_bytes=2)[0]
 
 
 def test_a_plan_that_does_not_fit_exits_1_with_the_numbers():

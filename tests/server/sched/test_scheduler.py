@@ -168,6 +168,21 @@ def test_a_prefill_beside_decodes_is_not_cut_to_a_trickle():
     assert first_step(0, 100) == [100]                   # no decodes: whole, padded to 128
 
 
+def test_a_burst_of_prompts_beside_decodes_is_not_cut_into_a_tail_of_steps():
+    """17 sequences decode while 14 prompts of 128 tokens wait, budget 2,048 with buckets
+    1..2,048: the step takes all 1,792 prompt tokens (padded to 2,048), not 1,007 (ending on
+    1,024) and the rest over three more steps that stall every decode again."""
+    sched = Scheduler(BlockManager(800, 16), 64, 2048, token_buckets=[2 ** i for i in range(12)],
+                      max_prefill_with_decodes=None)
+    for i in range(17):
+        sched.add(make_seq(i, [5, 6]))
+    for chunk in sched.schedule():
+        sched.collected(chunk, 7)
+    for i in range(14):
+        sched.add(make_seq(17 + i, list(range(1000 * i, 1000 * i + 128))))   # no prefix shared
+    assert sorted(c.num_new for c in sched.schedule()) == [1] * 17 + [128] * 14
+
+
 def test_a_prefill_beside_decodes_takes_at_most_max_prefill_with_decodes():
     def first_step(decodes, prompt_len, cap):
         sched = Scheduler(BlockManager(400, 16), 64, 512, token_buckets=[2 ** i for i in range(10)],

@@ -265,5 +265,5 @@ def test_a_context_the_runner_resolved_is_checked_at_start_too():
     runner.max_model_len = 8192
     with pytest.raises(ValueError, match="--max-num-seqs 32 x --max-model-len 8192 = 262144"):
         for_engine(compat_settings(), runner)
-    assert for_engine(compat_settings(max_num_seqs=16), runner) == SpyreCompat(512, 64)
+    assert for_engine(compat_settings(max_num_seqs=16), runner) == SpyreCompat(2048, 64)
     assert for_engine(Settings(), runner) is None
