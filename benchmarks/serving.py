@@ -395,7 +395,7 @@ SMOLLM2_SERVERS = {
     "vllm-bf16": ("vllm", "bfloat16"),
 }
 # spyre-bf16 under other prefill budgets: --max-num-batched-tokens / --max-prefill-tokens-with-decodes
-for _budget, _cap in ((2048, 128), (2048, 512), (2048, 2048), (1024, 256)):
+for _budget, _cap in ((2048, 128), (2048, 512), (2048, 2048), (1024, 256), (512, 128)):   # 512 / 128: the old defaults
     SMOLLM2_SERVERS[f"spyre-bf16-{_budget}-{_cap}"] = (
         "spyre", ["--dtype", "bfloat16", "--max-num-batched-tokens", str(_budget),
                   "--max-prefill-tokens-with-decodes", str(_cap)])

@@ -179,17 +179,18 @@ class Settings:
     port: int = _flag(8000, "TCP port to listen on", int)
     served_model_name: str | None = _flag(None, "model name clients use (default: the --model name)")
     max_num_seqs: int = _flag(32, "most sequences in one step (running requests)", int, sizing=True)
-    # vLLM's CPU budget. A burst of prompts is prefilled in a few big steps rather than a
-    # chunk per step beside the first ones' decodes (docs/performance.md, "A burst of prompts"):
-    # SmolLM2-135M bf16 on Zen 4, 8 and 32 concurrent 128-token prompts, against the old 512 with
-    # a cap of 128 beside decodes: 287 / 386 tok/s against 247 / 368, ITL p99 33 / 237 ms
-    # against 101 / 144, TTFT p99 0.95 / 3.7 s against 1.4 / 4.8
+    # vLLM's CPU budget: a burst of prompts is prefilled in a few big steps (docs/performance.md,
+    # "A burst of prompts"; SmolLM2-135M bf16 on Zen 4, 8 and 32 concurrent 128-token prompts,
+    # against 512: 1.19x / 1.06x the tok/s, ITL p99 27 / 81 ms against 119 / 120)
     max_num_batched_tokens: int = _flag(2048, "token budget of one step (prefill chunk size)", int,
                                         sizing=True)
+    # SmolLM2-135M fp32, 32 concurrent 128-token prompts, 512 budget: no cap: ITL p99 843 ms =
+    # 5.2x TPOT p50; 128: 2.3x. Only streams past their first tokens are protected
+    # (server/sched/prefill_budget.py): a burst's first prompts do not cap the rest of it
     max_prefill_tokens_with_decodes: int | None = _flag(
-        None, "most prompt tokens a step that also decodes may take (default: the whole budget, "
-        "as vLLM); smaller keeps running streams from waiting on prefill chunks (inter-token "
-        "latency) when prompts arrive one by one, at some TTFT and throughput", int)
+        128, "most prompt tokens a step may take beside the decodes of streams already flowing "
+        "(past their first 8 tokens); smaller keeps them from waiting on prefill chunks "
+        "(inter-token latency), at some TTFT and throughput", int)
     dtype: str = _flag("auto", "width of the weights on the card: auto (the checkpoint's), float32, "
                        "bfloat16, float16 or dlfloat16 (the card's own 16-bit format); 16-bit weights "
                        "multiply 16-bit inputs (--compute-dtype auto)", parse_dtype, sizing=True)

@@ -11,8 +11,13 @@ moves prompt tokens into a later step that also holds every decode, so every dec
 waits for prefill twice (a burst of 32 prompts beside 17 decodes under a 2,048 budget: 1,809
 tokens cut to 1,007, then 487, 227, 73, four steps of stalled decodes, for 2,048 rows against
 2,080). In a step without decodes the step takes what it wants and pads. With decodes in the
-step, prefill takes at most ``max_prefill_with_decodes`` tokens, so that no decode waits long
-for a prefill chunk (the inter-token latency; vLLM's chunked prefill bounds it the same way).
+step, prefill takes at most ``max_prefill_with_decodes`` tokens once a stream in it is flowing
+(has FLOWING_TOKENS output tokens), so that no such stream waits long for a prefill chunk (the
+inter-token latency). Streams that have not got that far are the burst the prompts came in:
+the first of 32 prompts arriving together decodes while the others are still arriving, and
+capping the others' prefill for its sake made the burst a chunk per step beside every
+earlier prompt's decodes (SmolLM2 bf16, 32 prompts: 37 steps, ITL p99 125-145 ms; uncapped,
+two steps).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 def prefill_budget(sched, decoded: int, budget: int) -> int:
     """Prefill tokens for a step of ``sched`` (server.sched.scheduler.Scheduler) that already holds
     ``decoded`` decode tokens: the ``budget`` left, capped and cut as the module says."""
-    if decoded and sched.max_prefill_with_decodes is not None:
+    if decoded and sched.max_prefill_with_decodes is not None and _flowing(sched):
         budget = min(budget, sched.max_prefill_with_decodes)
     if not sched.token_buckets or budget == 0 or decoded == 0:
         return budget               # without decodes, padding beats another step
@@ -49,6 +54,12 @@ def prefill_budget(sched, decoded: int, budget: int) -> int:
 
 
 CUT_SAVES = 8   # a cut must save at least 1 / CUT_SAVES of the rows of the two steps
+FLOWING_TOKENS = 8   # output tokens after which a running stream's decodes cap prefill beside them
+
+
+def _flowing(sched) -> bool:
+    """Whether a running sequence has streamed FLOWING_TOKENS output tokens (known on the host)."""
+    return any(seq.num_generated >= FLOWING_TOKENS for seq in sched.running)
 
 
 def _bucket_of(buckets: list[int]):

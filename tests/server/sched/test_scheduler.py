@@ -7,6 +7,7 @@ import pytest
 
 from spyre_serve.models import SamplingParams
 from spyre_serve.server.sched.block_manager import BlockManager
+from spyre_serve.server.sched.prefill_budget import FLOWING_TOKENS
 from spyre_serve.server.sched.scheduler import Scheduler
 from spyre_serve.server.sched.sequence import GenerationParams, SeqStatus, Sequence
 
@@ -183,20 +184,25 @@ def test_a_burst_of_prompts_beside_decodes_is_not_cut_into_a_tail_of_steps():
     assert sorted(c.num_new for c in sched.schedule()) == [1] * 17 + [128] * 14
 
 
-def test_a_prefill_beside_decodes_takes_at_most_max_prefill_with_decodes():
-    def first_step(decodes, prompt_len, cap):
+def test_a_prefill_beside_flowing_streams_takes_at_most_max_prefill_with_decodes():
+    def first_step(decodes, prompt_len, cap, streamed=FLOWING_TOKENS):
+        """The first step after `decodes` sequences have streamed `streamed` tokens each and
+        a prompt of `prompt_len` tokens arrives."""
         sched = Scheduler(BlockManager(400, 16), 64, 512, token_buckets=[2 ** i for i in range(10)],
                           max_prefill_with_decodes=cap)
         for i in range(decodes):
-            sched.add(make_seq(i, [5, 6]))
-        for chunk in sched.schedule():
-            sched.collected(chunk, 7)
+            sched.add(make_seq(i, [5, 6], max_tokens=64))
+        for _ in range(streamed):
+            for chunk in sched.schedule():
+                sched.collected(chunk, 7)
         sched.add(make_seq(decodes, list(range(prompt_len))))
         return sorted(c.num_new for c in sched.schedule())
 
     assert first_step(8, 300, 64) == [1] * 8 + [56]      # 8 + 64 = 72 -> ends on bucket 64
     assert first_step(8, 300, None) == [1] * 8 + [248]   # the whole budget: ends on 256
     assert first_step(0, 300, 64) == [300]               # no decodes to protect: no cap
+    # streams of the same burst, not yet flowing, do not cap it: ends on 256 as without a cap
+    assert first_step(8, 300, 64, streamed=FLOWING_TOKENS - 1) == [1] * 8 + [248]
 
 
 # ---- release (the runner's per-sequence state), undo, rewind, solo steps ---------------
