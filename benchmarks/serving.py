@@ -330,6 +330,31 @@ class PromptSets:
         return self.sets[(c, rnd)]
 
 
+def busy_fraction(seconds: float) -> float:
+    """The share of the machine's CPU time (all cores) not idle over the next ``seconds``."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]          # total, idle + iowait
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_quiet(limit: float = 0.15, most: float = 15.0) -> None:
+    """Wait (at most ``most`` seconds) until the machine is quiet for half a second, so that a
+    server measured after another does not share the cores with its wind-down (after a level
+    of vLLM's CPU server the machine stayed busy 1-1.5 s; before this wait, the server measured
+    right after it had the slowest c=8 TTFT in three rounds of three)."""
+    t0 = time.monotonic()
+    while (busy := busy_fraction(0.5)) > limit and time.monotonic() < t0 + most:
+        pass
+    if time.monotonic() - t0 > 1:
+        print(f"  waited {time.monotonic() - t0:.1f} s for a quiet machine (last half second "
+              f"{100 * busy:.0f}% busy)", file=sys.stderr, flush=True)
+
+
 def measure_level(srv: Server, c: int, args, prompts: list) -> Level:
     before = compute_seconds(srv.base) if srv.busy_metric else None
     results, duration = asyncio.run(
@@ -352,6 +377,7 @@ def bench_servers(servers: list[Server], env: dict, args, prompts: PromptSets,
         for c in args.concurrency:
             for rnd in range(args.rounds):
                 for srv in servers:
+                    wait_quiet()
                     level = measure_level(srv, c, args, prompts.level(c, rnd))
                     print(f"  {srv.name} c={c} round {rnd + 1}/{args.rounds}: {level.output_tok_s} tok/s, "
                           f"TTFT p50 {level.ttft_p50_ms} ms, TPOT p50 {level.tpot_p50_ms} ms, "
