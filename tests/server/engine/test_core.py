@@ -342,7 +342,7 @@ def test_a_prefill_beside_decodes_is_cut_to_end_the_step_on_a_token_bucket(make_
     while not all(c.updates for c in decoding):           # all three are decoding
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    prompt = "the quick brown fox jumps over the lazy dog"  # 43 tokens
+    prompt = "the quick brown fox jumps over"               # 30 tokens
     c = submit(engine, prompt, params(max_tokens=4, ignore_eos=True))
     assert c.wait().token_ids == reference(TOK.encode(prompt), 4)
     ids = TOK.encode(prompt)
@@ -351,10 +351,10 @@ def test_a_prefill_beside_decodes_is_cut_to_end_the_step_on_a_token_bucket(make_
                if w.start_pos == 0 and len(w.token_ids) > 1 and w.token_ids == ids[:len(w.token_ids)])
     chunks = [(launch, w) for launch in runner.launches for w in launch
               if w.seq_id == sid and w.start_pos < n]
-    # 3 decodes + 43 would pad to 64: the chunk is cut to end the step on 32 (29 tokens);
-    # then 3 + 14 would pad to 32: cut to 16 (13 tokens); the last token rides with the decodes
-    assert [len(w.token_ids) for _, w in chunks] == [29, 13, 1]
-    assert [sum(len(w.token_ids) for w in launch) for launch, _ in chunks] == [32, 16, 4]
+    # 3 decodes + 30 would pad to 64 (then 4 for the decodes): the chunk is cut to end the step
+    # on 32 (29 tokens), and the last token rides with the decodes (32 + 4 rows, not 64 + 4)
+    assert [len(w.token_ids) for _, w in chunks] == [29, 1]
+    assert [sum(len(w.token_ids) for w in launch) for launch, _ in chunks] == [32, 4]
     for c in decoding:
         c.wait()
     assert runner.violations == []
