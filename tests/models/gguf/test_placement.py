@@ -84,8 +84,9 @@ def test_the_plans_weights_are_what_the_loaded_file_holds(tmp_path, make):
     assert "KV cache bfloat16" in text          # beside int8 inputs, as the server keeps it
     assert ("Q6_K_MIN x " in text and "Q4_K x " in text) if make is k_quant_file else \
         ("Q8_0 x " in text and "Q5_K x " in text)
-    fit = plan_fit(cfg, dtype="float32", kv_dtype="bfloat16", tp=1, max_num_seqs=4, max_num_batched_tokens=512,
-                   max_model_len=256, block_size=64, formats=formats)
+    fit = plan_fit(cfg, dtype="float32", kv_dtype="bfloat16", tp=1, max_num_seqs=4,
+                   max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=256, block_size=64,
+                   formats=formats)
     assert fit.weights == model.weights.nbytes and f"{fit.left / 1e9:.2f} GB left" in text
 
 
