@@ -9,7 +9,6 @@ launches (model shapes and addresses, the workspace fields) is bound once, at pr
 
 from __future__ import annotations
 
-import bisect
 import sys
 from collections.abc import Callable, Mapping
 
@@ -25,11 +24,6 @@ def buckets(limit: int) -> list[int]:
         b *= 2
     out.append(limit)
     return out
-
-
-def bucket(sizes: list[int], n: int) -> int:
-    """The smallest of `sizes` (ascending) that holds n."""
-    return sizes[bisect.bisect_left(sizes, n)]
 
 
 class StepPrograms:

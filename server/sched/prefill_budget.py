@@ -22,6 +22,8 @@ two steps).
 
 from __future__ import annotations
 
+from spyre_serve.models import bucket
+
 
 def prefill_budget(sched, decoded: int, budget: int) -> int:
     """Prefill tokens for a step of ``sched`` (server.sched.scheduler.Scheduler) that already holds
@@ -47,9 +49,11 @@ def prefill_budget(sched, decoded: int, budget: int) -> int:
     floor = max((b for b in sched.token_buckets if b <= decoded + prefill), default=0)
     if floor <= decoded:
         return budget               # the cut would leave no prefill: pad
-    bucket = _bucket_of(sched.token_buckets)
-    whole = bucket(decoded + prefill) + bucket(decoded)          # this step padded, then decodes
-    cut = floor + bucket(decoded + prefill - (floor - decoded))  # the cut, then its remainder
+    def rows(n: int) -> int:       # what a step of n tokens computes (past the last bucket: n)
+        return bucket(sched.token_buckets, n) if n <= sched.token_buckets[-1] else n
+
+    whole = rows(decoded + prefill) + rows(decoded)               # this step padded, then decodes
+    cut = floor + rows(decoded + prefill - (floor - decoded))     # the cut, then its remainder
     return floor - decoded if CUT_SAVES * cut <= (CUT_SAVES - 1) * whole else budget
 
 
@@ -60,9 +64,3 @@ FLOWING_TOKENS = 8   # output tokens after which a running stream's decodes cap 
 def _flowing(sched) -> bool:
     """Whether a running sequence has streamed FLOWING_TOKENS output tokens (known on the host)."""
     return any(seq.num_generated >= FLOWING_TOKENS for seq in sched.running)
-
-
-def _bucket_of(buckets: list[int]):
-    """tokens -> the rows a step of that many tokens computes (its bucket; past the largest,
-    the tokens themselves)."""
-    return lambda n: next((b for b in buckets if b >= n), n)
