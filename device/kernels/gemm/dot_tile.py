@@ -41,6 +41,7 @@ from spyre_serve.device.kernels.simd import (
     reduce_sets,
     splat,
     store_tile,
+    weight_locality,
 )
 
 
@@ -54,7 +55,8 @@ def _emit_dot_loop(builder, g, mr, ab_ptr, a_off, lda, ks, w_ptr, w_off, kc):
 
     def pair(k, accs):
         at = builder.add(w_off, builder.mul(k, const(NR)))
-        prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // 2)), const(2)))
+        prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // 2)), const(2)),
+                 weight_locality(mr))
         wv = [builder.bitcast(load_vec(builder, w_ptr, builder.add(at, const(2 * j * g.vw)), g.ivec,
                                        2), pairs) for j in range(g.nv)]
         for i, row in enumerate(accs):

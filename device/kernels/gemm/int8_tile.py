@@ -61,6 +61,7 @@ from spyre_serve.device.kernels.simd import (
     prefetch,
     splat,
     store_tile,
+    weight_locality,
 )
 
 ROWS_AT_ONCE = 8     # rows of one pass at AVX-512 (int32 and float32 accumulators: 2 x 8 + 4)
@@ -148,7 +149,7 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
 
         def group(gi):
             at = builder.add(builder.add(r0, const(q_start)), builder.mul(gi, const(GROUP_BYTES)))
-            prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)))
+            prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)), weight_locality(len(rows)))
             raw = [builder.bitcast(load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)),
                                                 g.ivec), dot.bytes) for j in range(g.nv)]
             row = builder.mul(gi, const(4))

@@ -88,6 +88,7 @@ from spyre_serve.device.kernels.simd import (
     reduce_sets,
     splat,
     store_tile,
+    weight_locality,
 )
 
 # a uint8 weight's format code -> its kind, in the order the tiles test them
@@ -148,7 +149,7 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
         def step(k, accs):
             at = builder.add(w_off, builder.mul(k, ldw))
             prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // size)),
-                                                 const(size)))
+                                                 const(size)), weight_locality(mr))
             wv = _row_weights(builder, g, w_ptr, at, kind)
             _fma_row(builder, g, fma, *args, k, wv, accs)
 
@@ -163,7 +164,8 @@ def _emit_float_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
     # bfloat16 pairs: rows k, k + 1 go to the sets the row-by-row loop above gives them
     def pair(k, s0, s1):
         at = builder.add(w_off, builder.mul(k, const(NR)))
-        prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // 2)), const(2)))
+        prefetch(builder, w_ptr, builder.mul(builder.add(at, const(PREFETCH_BYTES // 2)), const(2)),
+                 weight_locality(mr))
         even, odd = _pair_weights(builder, g, w_ptr, at)
         _fma_row(builder, g, fma, *args, k, even, s0)
         _fma_row(builder, g, fma, *args, builder.add(k, const(1)), odd, s1)
@@ -277,7 +279,7 @@ def _emit_quant_loop(builder, g, fma, kind, mr, a_ptr, a_off, lda, w_ptr, w_off,
             32-bit lane holds a column's 4 rows, one a byte."""
             gi = builder.add(gi, const(u))
             at = builder.add(q0, builder.mul(gi, const(GROUP_BYTES)))
-            prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)))
+            prefetch(builder, w_ptr, builder.add(at, const(PREFETCH_BYTES)), weight_locality(mr))
             raw = [load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)), g.ivec)
                    for j in range(g.nv)]
             if kind in NIBBLE_KINDS:              # 4 quants a lane, a byte each
