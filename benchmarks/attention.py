@@ -1,0 +1,87 @@
+"""Decode attention over a paged KV cache against a plain read of the same cache: how near a
+batch's attention streams to what the machine reads.
+
+    .venv/bin/python benchmarks/attention.py [--rows 32] [--keys 192] [--layers 30] [--rounds 6]
+
+SmolLM2-135M's attention (9 query heads, 3 KV heads of 64, blocks of 64 keys): --rows decode
+rows, each with --keys keys in the cache, in blocks dealt at random over the cache (a running
+server's tables are not in order), one cache per layer, every block a row reads and no other:
+at the defaults 30 layers of 7.1 MB in bfloat16, more than the caches. Against it: the same
+caches read whole by limits._read_all (in order, 64 chunks over the cores) and the machine's
+read of one 512 MB array. For each KV format (bfloat16, float32) the median of --rounds rounds,
+each the best of 5 passes over the layers, attention and read interleaved within a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spyre_serve.device.process import configure  # noqa: E402
+
+configure()
+
+import numpy as np  # noqa: E402
+from limits import _read_all, bandwidth, best_of  # noqa: E402
+
+from spyre_serve.device.isa import current  # noqa: E402
+from spyre_serve.device.kernels.attention.paged import paged_attention  # noqa: E402
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_F32  # noqa: E402
+from spyre_serve.device.layout import to_bf16_bits  # noqa: E402
+
+HQ, HKV, D, BS = 9, 3, 64, 64
+
+
+def caches(fmt: int, blocks: int, layers: int, rng) -> list[tuple[np.ndarray, np.ndarray]]:
+    def one(shape):
+        x = rng.standard_normal(shape).astype(np.float32)
+        return to_bf16_bits(x) if fmt == FMT_BF16 else x
+    return [(one((blocks, HKV, D, BS)), one((blocks, HKV, BS, D))) for _ in range(layers)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--keys", type=int, default=192)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    per_row = -(-args.keys // BS)
+    blocks = args.rows * per_row
+    tables = rng.permutation(blocks).astype(np.int32).reshape(args.rows, per_row)
+    query_start = np.arange(args.rows + 1, dtype=np.int32)
+    context = np.full(args.rows, args.keys, np.int32)
+    q = rng.standard_normal((args.rows, HQ, D)).astype(np.float32)
+    out = np.empty_like(q)
+    print(f"ISA {current().level}, {args.rows} rows of {args.keys} keys, {args.layers} layers")
+    for name, fmt in (("bfloat16", FMT_BF16), ("float32", FMT_F32)):
+        kv = caches(fmt, blocks, args.layers, rng)
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        flat = [(k.reshape(-1).view(np.float32), v.reshape(-1).view(np.float32)) for k, v in kv]
+
+        def attend(kv=kv, fmt=fmt):
+            for k, v in kv:
+                paged_attention(out, q, k, v, tables, query_start, context, 0.125, fmt)
+
+        def read(flat=flat):
+            for k, v in flat:
+                _read_all(k)
+                _read_all(v)
+
+        times: dict[str, list[float]] = {"attention": [], "read of the same caches": []}
+        for _ in range(args.rounds):
+            times["attention"].append(best_of(attend, min_reps=5, max_reps=5))
+            times["read of the same caches"].append(best_of(read, min_reps=5, max_reps=5))
+        for what, ts in times.items():
+            med = sorted(ts)[len(ts) // 2]
+            print(f"{name:9s} {what:24s} {med * 1e3:6.2f} ms  {nbytes / med / 1e9:5.1f} GB/s "
+                  f"({nbytes / 1e6:.0f} MB)")
+    print(f"read of one 512 MB array  {bandwidth()['machine_gbs']:5.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
