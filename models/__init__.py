@@ -29,7 +29,7 @@ _EXPORTS = {
     # what crosses the runner's boundary (models/step/interface.py)
     "SamplingParams": "step.interface", "SeqWork": "step.interface", "StepOutput": "step.interface",
     "SeqWorkError": "step.interface", "ParamError": "step.interface", "INT32_MAX": "step.interface",
-    "MAX_LOGPROBS": "step.interface", "bucket": "step.interface",
+    "MAX_LOGPROBS": "step.interface",
     # the runners
     "ModelRunner": "step.runner", "StepHandle": "step.runner",
     "build_runner": "build", "Built": "build", "RunnerSettings": "build",

@@ -1,9 +1,11 @@
 """Token and sequence buckets, and the step program of each, prepared once.
 
 A step is padded up to the smallest (tokens, sequences) bucket that fits it and runs that
-bucket's program. Every bucket is a `device.Program` of the same compiled `step_entry` (all
-shapes are dim slots) with its own operand table on the card; what does not change between
-launches (model shapes and addresses, the workspace fields) is bound once, at preparation.
+bucket's program, which computes the step's own token rows only (models/step/program.py):
+the bucket sizes the buffers, the padding costs no arithmetic. Every bucket is a
+`device.Program` of the same compiled `step_entry` (all shapes are dim slots) with its own
+operand table on the card; what does not change between launches (model shapes and
+addresses, the workspace fields) is bound once, at preparation.
 `warmup` prepares them all before serving, so that serving never compiles.
 """
 

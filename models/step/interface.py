@@ -15,7 +15,7 @@ import numpy as np
 
 def bucket(sizes: list[int], n: int) -> int:
     """The smallest of `sizes` (ascending) that holds n: the token or sequence bucket a step of n
-    is padded to (the runner's rule; the scheduler sizes its cuts by it)."""
+    is padded to (the runner's rule)."""
     return sizes[bisect.bisect_left(sizes, n)]
 
 

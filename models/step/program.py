@@ -364,6 +364,14 @@ def step_entry(f32, i32, i64, u16, table):
                              src_rows[t], prev_sampled.shape[0])
         if src_rows[t] >= 0:
             tokens[t] = prev_sampled[src_rows[t]]
+    # The bucket's padding rows (past query_start[S]) are not computed: every per-token kernel
+    # below runs on the step's real rows only, so padding costs no arithmetic. A launch with no
+    # rows at all (warmup's) computes the whole bucket: it pages in the workspace.
+    if query_start[S] > T:
+        raise ValueError("step_entry: more token rows than the bucket (rows, bucket)", query_start[S], T)
+    if query_start[S] > 0:
+        T = query_start[S]
+        tokens, positions, slot_mapping, lora_slot = tokens[:T], positions[:T], slot_mapping[:T], lora_slot[:T]
 
     # ---- workspace (WORKSPACE, placed for the largest bucket: this bucket's views are prefixes)
     x = _f32(f32, table, Slot.x, T * H).reshape(T, H)

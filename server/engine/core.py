@@ -104,7 +104,6 @@ class Engine:
         self.blocks = BlockManager(self.num_kv_blocks, self.block_size,
                                    enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
-                                   token_buckets=runner.t_buckets,
                                    on_release=lambda seq: (runner.forget(seq.seq_id),
                                                            speculator and speculator.forget(seq.seq_id)),
                                    max_prefill_with_decodes=max_prefill_with_decodes,

@@ -5,7 +5,7 @@
     sequence.py        one generated sequence: its tokens, blocks, status (and who writes which)
     block_manager.py   the KV blocks each sequence holds; the prefix cache (content-addressed)
     waiting.py         the waiting queue by policy (fcfs, priority) and whom preemption takes
-    prefill_budget.py  the prefill beside decodes: a cap, cut to end on a bucket
+    prefill_budget.py  the prefill beside decodes: a cap once streams flow
     admission.py       what a request must satisfy to be queued at all
     spyre_compat.py    --spyre-compat: the vLLM Spyre plugin's scheduling and admission rules
 

@@ -19,7 +19,7 @@ reads them as written. When a step fails, what it registered leaves the cache an
 sequence that counted one of those blocks as computed is recomputed from position 0
 (``_drop_cached``).
 
-The prefill beside decodes is capped and cut to end on a token bucket (server/sched/prefill_budget.py).
+The prefill beside flowing decodes is capped (server/sched/prefill_budget.py).
 A step scores at most ``max_scored_tokens_per_step`` prompt tokens (prompt logprobs: each a row
 of the vocabulary read back), the chunks of those sequences cut to fit. Under ``--spyre-compat``
 (``compat``: server/sched/spyre_compat.py) a step is decodes only or one whole prefill chunk (never cut),
@@ -63,7 +63,7 @@ from spyre_serve.server.spec_decode.proposals import Speculator
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 token_buckets: list[int] | None = None, on_release: Callable[[Sequence], None] | None = None,
+                 on_release: Callable[[Sequence], None] | None = None,
                  max_prefill_with_decodes: int | None = None, max_scored_tokens_per_step: int | None = None,
                  policy: str = "fcfs", compat: SpyreCompat | None = None,
                  speculator: Speculator | None = None, admits=lambda seq: True) -> None:
@@ -73,7 +73,6 @@ class Scheduler:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.token_buckets = sorted(token_buckets or [])
         # prefill tokens a step that carries decodes may take (None: the whole budget): a
         # prefill chunk makes every decode in its step wait for it (see _prefill_budget)
         self.max_prefill_with_decodes = max_prefill_with_decodes

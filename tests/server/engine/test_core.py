@@ -331,7 +331,7 @@ def test_scoring_with_max_tokens_zero_returns_prompt_logprobs_and_no_tokens(make
     assert [round(lp.logprob, 4) for lp in lps[1:]] == [round(-0.5 - 0.01 * t, 4) for t in ids[1:]]
 
 
-def test_a_prefill_beside_decodes_is_cut_to_end_the_step_on_a_token_bucket(make_engine):
+def test_a_prefill_beside_decodes_is_not_cut_to_end_the_step_on_a_token_bucket(make_engine):
     import time
 
     runner = FakeRunner(num_kv_blocks=200)
@@ -351,10 +351,10 @@ def test_a_prefill_beside_decodes_is_cut_to_end_the_step_on_a_token_bucket(make_
                if w.start_pos == 0 and len(w.token_ids) > 1 and w.token_ids == ids[:len(w.token_ids)])
     chunks = [(launch, w) for launch in runner.launches for w in launch
               if w.seq_id == sid and w.start_pos < n]
-    # 3 decodes + 30 would pad to 64 (then 4 for the decodes): the chunk is cut to end the step
-    # on 32 (29 tokens), and the last token rides with the decodes (32 + 4 rows, not 64 + 4)
-    assert [len(w.token_ids) for _, w in chunks] == [29, 1]
-    assert [sum(len(w.token_ids) for w in launch) for launch, _ in chunks] == [32, 4]
+    # 3 decodes + 30 pad to 64, but the device computes only the step's 33 rows: the whole
+    # prompt goes in one step beside the decodes
+    assert [len(w.token_ids) for _, w in chunks] == [n]
+    assert [sum(len(w.token_ids) for w in launch) for launch, _ in chunks] == [n + 3]
     for c in decoding:
         c.wait()
     assert runner.violations == []

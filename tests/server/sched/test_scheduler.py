@@ -151,11 +151,12 @@ def test_abandon_marks_finished_and_leaves_the_queues_and_blocks_alone():
     assert sched.running == [seq] and seq.block_table != []
 
 
-def test_a_prefill_beside_decodes_is_not_cut_to_a_trickle():
+def test_a_prefill_beside_decodes_takes_what_it_wants_uncut():
     def first_step(decodes, prompt_len):
         """Tokens each chunk gets in the first step after `decodes` sequences are decoding
-        and a prompt of `prompt_len` tokens arrives (budget 512, buckets 1..512)."""
-        sched = Scheduler(BlockManager(400, 16), 64, 512, token_buckets=[2 ** i for i in range(10)])
+        and a prompt of `prompt_len` tokens arrives (budget 512): the device computes only a
+        step's own rows, so no chunk is cut to end the step on a bucket."""
+        sched = Scheduler(BlockManager(400, 16), 64, 512)
         for i in range(decodes):
             sched.add(make_seq(i, [5, 6]))
         for chunk in sched.schedule():              # their prompts, read back: one token to decode each
@@ -163,18 +164,16 @@ def test_a_prefill_beside_decodes_is_not_cut_to_a_trickle():
         sched.add(make_seq(decodes, list(range(prompt_len))))
         return sorted(c.num_new for c in sched.schedule())
 
-    assert first_step(31, 128) == [1] * 31 + [97]        # 159 -> ends on bucket 128
-    assert first_step(31, 60) == [1] * 31 + [33]         # 91 -> ends on 64, over half kept
-    assert first_step(31, 27) == [1] * 31 + [27]         # 58: bucket 32 would keep 1 token
-    assert first_step(0, 100) == [100]                   # no decodes: whole, padded to 128
+    assert first_step(31, 128) == [1] * 31 + [128]
+    assert first_step(31, 60) == [1] * 31 + [60]
+    assert first_step(31, 600) == [1] * 31 + [481]       # the budget's rest: 512 - 31
+    assert first_step(0, 100) == [100]
 
 
 def test_a_burst_of_prompts_beside_decodes_is_not_cut_into_a_tail_of_steps():
-    """17 sequences decode while 14 prompts of 128 tokens wait, budget 2,048 with buckets
-    1..2,048: the step takes all 1,792 prompt tokens (padded to 2,048), not 1,007 (ending on
-    1,024) and the rest over three more steps that stall every decode again."""
-    sched = Scheduler(BlockManager(800, 16), 64, 2048, token_buckets=[2 ** i for i in range(12)],
-                      max_prefill_with_decodes=None)
+    """17 sequences decode while 14 prompts of 128 tokens wait, budget 2,048: the step takes all
+    1,792 prompt tokens, not some and the rest over more steps that stall every decode again."""
+    sched = Scheduler(BlockManager(800, 16), 64, 2048, max_prefill_with_decodes=None)
     for i in range(17):
         sched.add(make_seq(i, [5, 6]))
     for chunk in sched.schedule():
@@ -188,8 +187,7 @@ def test_a_prefill_beside_flowing_streams_takes_at_most_max_prefill_with_decodes
     def first_step(decodes, prompt_len, cap, streamed=FLOWING_TOKENS):
         """The first step after `decodes` sequences have streamed `streamed` tokens each and
         a prompt of `prompt_len` tokens arrives."""
-        sched = Scheduler(BlockManager(400, 16), 64, 512, token_buckets=[2 ** i for i in range(10)],
-                          max_prefill_with_decodes=cap)
+        sched = Scheduler(BlockManager(400, 16), 64, 512, max_prefill_with_decodes=cap)
         for i in range(decodes):
             sched.add(make_seq(i, [5, 6], max_tokens=64))
         for _ in range(streamed):
@@ -198,11 +196,11 @@ def test_a_prefill_beside_flowing_streams_takes_at_most_max_prefill_with_decodes
         sched.add(make_seq(decodes, list(range(prompt_len))))
         return sorted(c.num_new for c in sched.schedule())
 
-    assert first_step(8, 300, 64) == [1] * 8 + [56]      # 8 + 64 = 72 -> ends on bucket 64
-    assert first_step(8, 300, None) == [1] * 8 + [248]   # the whole budget: ends on 256
+    assert first_step(8, 300, 64) == [1] * 8 + [64]
+    assert first_step(8, 300, None) == [1] * 8 + [300]   # no cap: the whole prompt
     assert first_step(0, 300, 64) == [300]               # no decodes to protect: no cap
-    # streams of the same burst, not yet flowing, do not cap it: ends on 256 as without a cap
-    assert first_step(8, 300, 64, streamed=FLOWING_TOKENS - 1) == [1] * 8 + [248]
+    # streams of the same burst, not yet flowing, do not cap it
+    assert first_step(8, 300, 64, streamed=FLOWING_TOKENS - 1) == [1] * 8 + [300]
 
 
 # ---- release (the runner's per-sequence state), undo, rewind, solo steps ---------------
