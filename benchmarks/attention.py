@@ -6,7 +6,7 @@ batch's attention streams to what the machine reads.
 SmolLM2-135M's attention (9 query heads, 3 KV heads of 64, blocks of 64 keys): --rows decode
 rows, each with --keys keys in the cache, in blocks dealt at random over the cache (a running
 server's tables are not in order), one cache per layer, every block a row reads and no other:
-at the defaults 30 layers of 7.1 MB in bfloat16, more than the caches. Against it: the same
+at the defaults 30 layers of 4.7 MB in bfloat16 (142 MB), more than the caches. Against it: the same
 caches read whole by limits._read_all (in order, 64 chunks over the cores) and the machine's
 read of one 512 MB array. For each KV format (bfloat16, float32) the median of --rounds rounds,
 each the best of 5 passes over the layers, attention and read interleaved within a round.

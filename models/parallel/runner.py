@@ -160,7 +160,8 @@ class TensorParallelRunner:
         preps = [r.prepare_launch(t, s, work, return_logits, return_logits, pen)
                  for r, pen in zip(self.runners, pens, strict=True)]
         rows = preps[0][0].packed.dims["R"]
-        ys = [r.memory.workspace_field("y", t * self.config.hidden_size) for r in self.runners]
+        # the cards compute the step's own rows only (models/step/program.py): sum those
+        ys = [r.memory.workspace_field("y", n_tok * self.config.hidden_size) for r in self.runners]
         logits = self._logit_views(rows)
         exchange = _Exchange(self.tp, [lambda: _sum_over_cards(ys)] * self._halves
                              + [lambda: _gather_logits(logits)])

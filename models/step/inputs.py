@@ -11,7 +11,8 @@
 The buffer holds every field of the INPUTS table (models/step/program.py) placed for this
 launch's dims; the packing writes it through the placement's named views, so it follows the
 table wherever its fields sit. Token rows are the work items' tokens one after the other
-(padding rows up to the bucket write the KV cache's trash block); sampling rows are the
+(padding rows up to the bucket are not computed, but for a launch with no rows at all,
+warmup's, whose rows write the KV cache's trash block); sampling rows are the
 sampling sequences in work order (a sequence with proposed tokens, `SeqWork.num_draft`, has
 one for each of its last num_draft + 1 token rows: speculative decoding), then from row SR
 the token rows whose log-softmax is read back: every
@@ -64,7 +65,7 @@ class StepLimits:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
-    trash_slot: int           # KV slot where padding rows write (first slot of the trash block)
+    trash_slot: int           # KV slot where padding rows write when computed (first slot of the trash block)
     max_blocks_per_seq: int   # block-table width the input buffer holds (MB's largest)
     num_penalty_slots: int    # sequences with penalties the card keeps state for at once
     vocab_size: int
@@ -245,7 +246,8 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
         raise ValueError("launch: return_logits with proposed tokens (SeqWork.num_draft)")
     mb = min(max([len(w.block_table) for w in work] + [1]), limits.max_blocks_per_seq) if work else 1
     scored = [i for i, w in enumerate(work) if return_rows or w.prompt_logprobs]
-    n_scored = t if return_rows else sum(len(work[i].token_ids) for i in scored)
+    n_tok = sum(len(w.token_ids) for w in work)     # the step's rows: the program computes no others
+    n_scored = n_tok if return_rows else sum(len(work[i].token_ids) for i in scored)
     sr = s + n_rows - len(samplers)
     dims = {"T": t, "S": s, "SR": sr, "R": sr + n_scored, "NS": n_rows, "MB": mb,
             "K": max([w.sampling.logprobs for w in work] + [0]),
@@ -268,7 +270,7 @@ def pack_step(layout: Layout, work: list[SeqWork], t: int, s: int, return_rows: 
     sample_rows, first_rows = _write_sampling(v, records, work, row_start, bans, limits.seed, pen_slots)
     scored_rows, at = {}, 0
     if return_rows:
-        v["logit_rows"][sr:sr + t] = np.arange(t, dtype=np.int32)
+        v["logit_rows"][sr:sr + n_tok] = np.arange(n_tok, dtype=np.int32)
         scored_rows = {i: row_start[i] for i in scored}
     for i in scored if not return_rows else ():
         n = len(work[i].token_ids)
@@ -288,9 +290,10 @@ def _records(placement: Placement) -> list[tuple[str, Record]]:
 
 def _write_defaults(v: dict[str, np.ndarray], records: list[tuple[str, Record]],
                     trash_slot: int) -> None:
-    """What padding rows and sequences read (the buffer starts zeroed): padding rows write
-    the trash block and read no device token; sampling rows without a sequence sample
-    nothing, and their neutral parameters keep the kernels' arithmetic finite."""
+    """What padding rows and sequences read (the buffer starts zeroed): padding rows (computed
+    only in a launch with no rows, warmup's) write the trash block and read no device token;
+    sampling rows without a sequence sample nothing, and their neutral parameters keep the
+    kernels' arithmetic finite."""
     v["slot_mapping"][:] = trash_slot
     v["src_rows"][:] = -1
     v["count_slot"][:] = -1

@@ -122,7 +122,7 @@ SAMPLE_ROW = Record("sample_row", [
 INPUTS = Layout("inputs", [
     Field("tokens", I32, ("T",)),               # (rows with src_rows >= 0: read on the card)
     Field("positions", I32, ("T",)),
-    Field("slot_mapping", I32, ("T",)),         # KV slot of each row (padding: the trash block)
+    Field("slot_mapping", I32, ("T",)),         # KV slot of each row (padding: the trash block, if computed)
     Field("src_rows", I32, ("T",)),             # row of the previous launch's sample, or -1
     Field("query_start", I32, ("S+1",)),        # first token row of each sequence
     Field("context_lens", I32, ("S",)),

@@ -42,7 +42,6 @@ class StepRunner(Protocol):
     block_size: int
     num_kv_blocks: int
     max_model_len: int
-    t_buckets: list[int] | None   # the token counts a step is padded to (None: any)
     numerics: str                 # what a step computes with (responses' system_fingerprint)
     pooling: tuple[str, bool] | None   # (type, normalize): an embedding model pools, else None
 

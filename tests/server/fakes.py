@@ -107,7 +107,6 @@ class FakeRunner:
     events: list = field(default_factory=list)  # ("launch", i) and ("result", i) in call order
     config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(vocab_size=VOCAB,
                                                                             eos_token_id=None))
-    t_buckets: list[int] | None = None   # any token count
     numerics: str = "fake"
     pooling: tuple | None = None         # a generating runner
 

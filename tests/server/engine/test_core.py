@@ -335,7 +335,6 @@ def test_a_prefill_beside_decodes_is_not_cut_to_end_the_step_on_a_token_bucket(m
     import time
 
     runner = FakeRunner(num_kv_blocks=200)
-    runner.t_buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     engine, _ = make_engine(runner)
     decoding = [submit(engine, "ab", params(max_tokens=200, ignore_eos=True)) for _ in range(3)]
     deadline = time.monotonic() + 20
@@ -362,7 +361,6 @@ def test_a_prefill_beside_decodes_is_not_cut_to_end_the_step_on_a_token_bucket(m
 
 def test_a_prefill_without_decodes_is_taken_whole_and_padded(make_engine):
     runner = FakeRunner()
-    runner.t_buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     engine, _ = make_engine(runner)
     prompt = "the quick brown fox jumps over the lazy dog"  # 43 tokens: one step, bucket 64
     submit(engine, prompt, params(max_tokens=2, ignore_eos=True)).wait()
