@@ -35,9 +35,9 @@ from spyre_serve.models.encoder.program import INPUTS, OUTPUTS, SLOTS, WORKSPACE
 from spyre_serve.models.encoder.projection import EncoderProjector
 from spyre_serve.models.encoder.weights import build_encoder_layer_table
 from spyre_serve.models.sizing.projection import step_of_work
-from spyre_serve.models.step.buckets import StepPrograms, buckets
+from spyre_serve.models.step.buckets import StepPrograms, bucket, buckets
 from spyre_serve.models.step.buffer_layout import Placement
-from spyre_serve.models.step.interface import SeqWork, SeqWorkError, StepOutput, bucket
+from spyre_serve.models.step.interface import SeqWork, SeqWorkError, StepOutput
 from spyre_serve.models.step.threads import use_every_core
 
 

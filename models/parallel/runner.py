@@ -25,8 +25,9 @@ from spyre_serve.models.checkpoints.loader import LoadedModel, tokenizer_of
 from spyre_serve.models.config import GraniteConfig
 from spyre_serve.models.parallel.shards import shard_tensors, vocab_shard
 from spyre_serve.models.sizing.projection import StepProjector, step_of_work
+from spyre_serve.models.step.buckets import bucket
 from spyre_serve.models.step.inputs import check_work
-from spyre_serve.models.step.interface import SeqWork, SeqWorkError, bucket
+from spyre_serve.models.step.interface import SeqWork, SeqWorkError
 from spyre_serve.models.step.runner import ModelRunner, StepHandle
 from spyre_serve.models.step.weights import place_weights
 

@@ -11,6 +11,7 @@ addresses, the workspace fields) is bound once, at preparation.
 
 from __future__ import annotations
 
+import bisect
 import sys
 from collections.abc import Callable, Mapping
 
@@ -26,6 +27,11 @@ def buckets(limit: int) -> list[int]:
         b *= 2
     out.append(limit)
     return out
+
+
+def bucket(sizes: list[int], n: int) -> int:
+    """The smallest of `sizes` (ascending) that holds n."""
+    return sizes[bisect.bisect_left(sizes, n)]
 
 
 class StepPrograms:

@@ -6,18 +6,10 @@ step's results leave as one StepOutput. These are the only types the server buil
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
-
-
-def bucket(sizes: list[int], n: int) -> int:
-    """The smallest of `sizes` (ascending) that holds n: the token or sequence bucket a step of n
-    is padded to (the runner's rule)."""
-    return sizes[bisect.bisect_left(sizes, n)]
-
 
 KMAX = 20  # most top logprobs per sampled token (vLLM's default max_logprobs; OpenAI's chat top_logprobs)
 MAX_LOGPROBS = KMAX

@@ -6,8 +6,9 @@ kernels round on write and widen on read, device/kernels/attention/paged.py).
 Blocks 0..NB-1 belong to sequences (the server's block manager hands them out by number);
 block NB is a trash block where the padding rows of a bucket write their K/V when they are
 computed (a launch with no rows at all, warmup's: otherwise the step program runs on the
-step's own rows only), so the step program never needs a branch for them. NB comes from a memory budget, a fraction
-of the device memory still free (after weights and program scratch), or is given.
+step's own rows only), so the step program never needs a branch for them. NB comes from a
+memory budget, a fraction of the device memory still free (after weights and program
+scratch), or is given.
 """
 
 from __future__ import annotations

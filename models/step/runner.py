@@ -31,10 +31,10 @@ from spyre_serve.device.profile import ticks_per_second
 from spyre_serve.models.lora.arena import LoraArena
 from spyre_serve.models.sizing.fit import capacity
 from spyre_serve.models.sizing.projection import StepProjector, step_of_work
-from spyre_serve.models.step.buckets import StepPrograms, buckets
+from spyre_serve.models.step.buckets import StepPrograms, bucket, buckets
 from spyre_serve.models.step.buffer_layout import Placement, length_slot
 from spyre_serve.models.step.inputs import PackedStep, StepLimits, check_work, pack_step
-from spyre_serve.models.step.interface import SeqWork, SeqWorkError, StepOutput, bucket
+from spyre_serve.models.step.interface import SeqWork, SeqWorkError, StepOutput
 from spyre_serve.models.step.kv_cache import resolve_dtype as resolve_kv_dtype
 from spyre_serve.models.step.memory_plan import StepMemory
 from spyre_serve.models.step.penalty_slots import PenaltySlots, StateSlots
