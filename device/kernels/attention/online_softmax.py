@@ -6,14 +6,17 @@ maximum, denominator and weighted sum, so attention never holds a row's whole sc
                                  block's weights exp(score - m_new), to multiply into V
         m, denom float32[nq]     the running maximum (NEG_BIG before any block) and denominator
         acc float32[nq, dv]      the running weighted sum of V rows, rescaled here to m_new
-        bits int32[>= 2 nq]      scratch (unused by the vector path; kept for callers)
+        bits int32[>= 2 nq]      scratch: each row's new maximum and its correction (as float32)
 A row that has seen only masked scores so far keeps m = NEG_BIG, gets all-zero weights and
 adds nothing; the caller's final acc / denom must treat denom 0 as a row that saw nothing.
 
-Each row is one pass in registers, emitted as LLVM vector IR at the ISA level's width
-(device/kernels/simd.py): its maximum, its correction exp(m_old - m_new) applied to denom and
-acc, its weights (device/kernels/fastexp.py's polynomial) and their sum; a row's tail past
-whole vectors goes one value at a time through the same code. scores and acc C-contiguous.
+Three passes, emitted as LLVM vector IR at the ISA level's width (device/kernels/simd.py), so
+no row waits on a chain of its own: every row's new maximum (whole vectors folded lane-wise,
+one horizontal step a row); every row's correction exp(m_old - m_new), in vectors across rows;
+per row, its weights (device/kernels/fastexp.py's polynomial), their sum (folded the same way)
+and the correction applied to denom and acc (acc only where the maximum moved: a correction
+of exactly 1 changes nothing). A row's tail past whole vectors goes one value
+at a time through the same code. scores and acc C-contiguous.
 """
 
 import numpy as np
@@ -59,63 +62,94 @@ def _reduce(builder, kind, v, start):
     return builder.call(fn, [start, v], fastmath=_FAST)
 
 
+def _fold(builder, n, vw, kind, value):
+    """max or sum over i < n of value(i, vector type): whole vectors of vw folded lane-wise
+    into one vector (no horizontal step per vector: a row's chain is one fold deep), the tail
+    one value at a time; one horizontal reduction at the end."""
+    start = float(NEG_BIG) if kind == "max" else 0.0
+    lanes = {w: cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(F32, w), [start] * w))
+             for w in {vw, 1}}
+
+    def combine(a, b):
+        if kind == "max":
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type, a.type]),
+                                                f"llvm.maxnum.v{a.type.count}f32")
+            return builder.call(fn, [a, b])
+        return builder.fadd(a, b, flags=_FAST)
+
+    def body(i, vt):
+        acc = lanes[vt.count]
+        builder.store(combine(builder.load(acc), value(i, vt)), acc)
+    _vec_loop(builder, n, vw, body)
+    tail = builder.extract_element(builder.load(lanes[1]), ir.Constant(I32, 0))
+    return _reduce(builder, kind, builder.load(lanes[vw]), tail)
+
+
 @intrinsic
-def _update_rows(typingctx, scores, m, denom, acc):
+def _update_rows(typingctx, scores, m, denom, acc, bits):
     for a, nd in ((scores, 2), (m, 1), (denom, 1), (acc, 2)):
         if not isinstance(a, types.Array) or a.dtype != types.float32 or a.ndim != nd:
             return None
+    if not isinstance(bits, types.Array) or bits.dtype != types.int32:
+        return None
 
     def codegen(context, builder, signature, args):
         g = geometry()
         arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args, strict=True)]
-        s_p, m_p, d_p, a_p = (array_ptr(context, builder, t, v) for t, v in zip(signature.args, args, strict=True))
+        s_p, m_p, d_p, a_p, b_p = (array_ptr(context, builder, t, v)
+                                   for t, v in zip(signature.args, args, strict=True))
         nq = builder.extract_value(arrs[0].shape, 0)
         cnt = builder.extract_value(arrs[0].shape, 1)
         dv = builder.extract_value(arrs[3].shape, 1)
         neg_big = ir.Constant(F32, float(NEG_BIG))
+        m_new_p = builder.bitcast(b_p, F32.as_pointer())             # bits[:nq]: each row's new max
+        corr_p = builder.gep(m_new_p, [nq])                           # bits[nq:2nq]: its correction
+        # three passes, so no row waits on a chain of its own: its new maximum; every row's
+        # correction exp(m_old - m_new) in vectors across rows; its weights, sum and rescale
+        with cgutils.for_range(builder, nq) as row:
+            q = row.index
+            srow = builder.gep(s_p, [builder.mul(q, cnt)])
+            bmax = _fold(builder, cnt, g.vw, "max", lambda i, vt: _load(builder, srow, i, vt))
+            m_old = builder.load(builder.gep(m_p, [q]))
+            builder.store(builder.select(builder.fcmp_ordered(">", bmax, m_old), bmax, m_old),
+                          builder.gep(m_new_p, [q]))
+
+        def correction(i, vt):
+            x = builder.fsub(_load(builder, m_p, i, vt), _load(builder, m_new_p, i, vt))
+            _store(builder, corr_p, i, emit_exp(builder, vt, ir.VectorType(I32, vt.count), x))
+        _vec_loop(builder, nq, g.vw, correction)
         with cgutils.for_range(builder, nq) as row:
             q = row.index
             srow = builder.gep(s_p, [builder.mul(q, cnt)])
             arow = builder.gep(a_p, [builder.mul(q, dv)])
-            bmax = cgutils.alloca_once_value(builder, neg_big)
-
-            def find_max(i, vt):
-                builder.store(_reduce(builder, "max", _load(builder, srow, i, vt),
-                                      builder.load(bmax)), bmax)
-            _vec_loop(builder, cnt, g.vw, find_max)
-            m_old = builder.load(builder.gep(m_p, [q]))
-            m_new = builder.select(builder.fcmp_ordered(">", builder.load(bmax), m_old),
-                                   builder.load(bmax), m_old)
+            m_new = builder.load(builder.gep(m_new_p, [q]))
             with builder.if_else(builder.fcmp_ordered("==", m_new, neg_big)) as (blind, seen):
                 with blind:                   # nothing visible yet: weights 0, state unchanged
                     def zero(i, vt):
                         _store(builder, srow, i, ir.Constant(vt, [0.0] * vt.count))
                     _vec_loop(builder, cnt, g.vw, zero)
                 with seen:
-                    one = ir.VectorType(F32, 1)
-                    corr_v = emit_exp(builder, one, ir.VectorType(I32, 1),
-                                      splat(builder, builder.fsub(m_old, m_new), one))
-                    corr = builder.extract_element(corr_v, ir.Constant(I32, 0))
+                    corr = builder.load(builder.gep(corr_p, [q]))
 
                     def rescale(i, vt):
                         _store(builder, arow, i, builder.fmul(_load(builder, arow, i, vt),
                                                               splat(builder, corr, vt)))
-                    _vec_loop(builder, dv, g.vw, rescale)
-                    total = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+                    m_old = builder.load(builder.gep(m_p, [q]))
+                    with builder.if_then(builder.fcmp_unordered("!=", m_new, m_old)):
+                        _vec_loop(builder, dv, g.vw, rescale)     # else corr is exactly 1
 
                     def weights(i, vt):
                         x = builder.fsub(_load(builder, srow, i, vt), splat(builder, m_new, vt))
                         w = emit_exp(builder, vt, ir.VectorType(I32, vt.count), x)
                         _store(builder, srow, i, w)
-                        builder.store(_reduce(builder, "sum", w, builder.load(total)), total)
-                    _vec_loop(builder, cnt, g.vw, weights)
+                        return w
+                    total = _fold(builder, cnt, g.vw, "sum", weights)
                     d_at = builder.gep(d_p, [q])
-                    builder.store(builder.fadd(builder.fmul(builder.load(d_at), corr),
-                                               builder.load(total)), d_at)
+                    builder.store(builder.fadd(builder.fmul(builder.load(d_at), corr), total), d_at)
                     builder.store(m_new, builder.gep(m_p, [q]))
         return context.get_dummy_value()
 
-    return types.void(scores, m, denom, acc), codegen
+    return types.void(scores, m, denom, acc, bits), codegen
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -129,4 +163,4 @@ def online_softmax_block(scores, m, denom, acc, bits):
             or m.shape[0] < nq or denom.shape[0] < nq or acc.shape[0] < nq):
         raise ValueError("online_softmax_block: scores [nq, cnt], acc [nq, dv], m, denom [nq] "
                          "contiguous (nq, cnt)", nq, cnt)
-    _update_rows(scores, m, denom, acc)
+    _update_rows(scores, m, denom, acc, bits)
