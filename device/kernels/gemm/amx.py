@@ -5,6 +5,11 @@ unit that multiplies them (tdpbf16ps), as oneDNN's avx512_core_amx kernels do.
     amx_rows(ab, a_off, lda, rows, w, w_off0, w_off1, pair_step, pairs, kp, c, c_off, ldc)
         c[rows, 32 j: 32 j + 32] = ab[rows, kp] @ [slab0 | slab1] of pair j < pairs
                                        (rows 1..32; byte offsets and strides)
+    amx_strips(a, a_off, lda, row_tiles, b, b_off, ldb, kt, nt, c, c_off, ldc, accumulate)
+        c (+)= a @ b over tiles of 16 rows and up to 4 tiles of 16 columns, B at any row
+        stride: attention's blocks (device/kernels/attention/paged.py)
+    interleave_rows(dst, dst_off, src, a_off, b_off, n)
+        two rows of bfloat16 (or float32, rounded) into one row of AMX's B layout
 
 ab holds the activations as bfloat16 bits, row-major, lda bytes a row (device/kernels/gemm/packed.py
 rounds them once per GEMM; kp a multiple of 32, zero-padded); w a bfloat16 weight in pairs of
@@ -31,9 +36,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from spyre_serve.device.kernels.formats import bf16_narrow_ir
 from spyre_serve.device.kernels.simd import (
     I8,
     I16,
+    I32,
     I64,
     PREFETCH_BYTES,
     array_ptr,
@@ -67,15 +74,21 @@ def _t(n):
     return ir.Constant(I8, n)
 
 
-def _configure(builder, fns, top_rows, bottom_rows):
-    """ldtilecfg: palette 1; every tile 64 bytes a row; C and A tiles of each row block as many
-    rows as it has (bottom_rows 0: its tiles unconfigured), B tiles 16 (i8 values)."""
+def _config_block(builder):
+    """A tile configuration on the stack, zeroed, palette 1: its first byte's address."""
     cfg = cgutils.alloca_once(builder, ir.ArrayType(I8, 64))
     base = builder.bitcast(cfg, _P8)
     words = builder.bitcast(cfg, I64.as_pointer())
     for i in range(8):
         builder.store(const(0), builder.gep(words, [const(i)]))
     builder.store(_t(1), base)                                          # palette 1
+    return base
+
+
+def _configure(builder, fns, top_rows, bottom_rows):
+    """ldtilecfg: palette 1; every tile 64 bytes a row; C and A tiles of each row block as many
+    rows as it has (bottom_rows 0: its tiles unconfigured), B tiles 16 (i8 values)."""
+    base = _config_block(builder)
     rows = {C00: top_rows, C01: top_rows, A0: top_rows, C10: bottom_rows, C11: bottom_rows,
             A1: bottom_rows, B0: _t(16), B1: _t(16)}
     for tile, r in rows.items():
@@ -184,3 +197,128 @@ def amx_release(typingctx):
                                                         "llvm.x86.tilerelease"), [])
         return context.get_dummy_value()
     return types.void(), codegen
+
+
+# ---- strips of 16-row tiles, B at any row stride: attention's blocks ----------------------
+
+_STRIP_C = 4                       # C tiles 0..3: up to four 16-column tiles of one strip
+_STRIP_A, _STRIP_B = 4, (5, 6)     # one A tile; two B tiles, alternating
+
+
+@intrinsic
+def amx_strips(typingctx, a, a_off, lda, row_tiles, b, b_off, ldb, kt, nt, c, c_off, ldc,
+               accumulate):
+    """C (+)= A @ B over `row_tiles` tiles of 16 rows and `nt` (1..4) tiles of 16 columns,
+    k in `kt` steps of 32 bfloat16 values, all tiles 16 rows x 64 bytes:
+        A tile (r, j) at byte a_off + 16 r lda + 64 j of a   (bfloat16 bits, rows lda bytes apart)
+        B tile (j, n) at byte b_off + 16 j ldb + 64 n of b   (pairs of k rows interleaved,
+                                                              AMX's layout; rows ldb bytes apart)
+        C tile (r, n) at byte c_off + 16 r ldc + 64 n of c   (float32; accumulate != 0: added to)
+    so a B of 16 pair rows need not be contiguous: a KV cache block interleaved in place
+    (device/kernels/attention/paged.py) is read as it lies. Numerics as amx_rows'."""
+    if a.dtype != types.uint16 or b.dtype != types.uint16 or c.dtype != types.float32:
+        return None
+    i64 = types.int64
+    sig = types.void(a, i64, i64, i64, b, i64, i64, i64, i64, c, i64, i64, i64)
+
+    def codegen(context, builder, signature, args):
+        if not geometry().amx:
+            return context.get_dummy_value()
+        a_v, a_off, lda, row_tiles, b_v, b_off, ldb, kt, nt, c_v, c_off, ldc, acc = args
+        a_p, b_p, c_p = (array_ptr(context, builder, signature.args[n], v)
+                         for n, v in ((0, a_v), (4, b_v), (9, c_v)))
+        fns = _fns(builder.module)
+        base = _config_block(builder)
+        for tile in range(7):                                           # 16 rows x 64 bytes
+            builder.store(ir.Constant(I16, 64), builder.bitcast(
+                builder.gep(base, [const(16 + 2 * tile)]), I16.as_pointer()))
+            builder.store(_t(16), builder.gep(base, [const(48 + tile)]))
+        builder.call(fns["cfg"], [base])
+
+        def guarded(n, emit):
+            with builder.if_then(builder.icmp_signed(">", nt, const(n))):
+                emit()
+
+        with cgutils.for_range(builder, row_tiles) as rloop:
+            r = rloop.index
+            c_row = builder.add(c_off, builder.mul(r, builder.mul(ldc, const(16))))
+            a_row = builder.add(a_off, builder.mul(r, builder.mul(lda, const(16))))
+
+            def c_at(n):
+                return byte_ptr(builder, c_p, builder.add(c_row, const(64 * n)))
+            for n in range(_STRIP_C):
+                def start(n=n):
+                    with builder.if_else(builder.icmp_signed("!=", acc, const(0))) as (load, zero):
+                        with load:
+                            builder.call(fns["load"], [_t(n), c_at(n), ldc])
+                        with zero:
+                            builder.call(fns["zero"], [_t(n)])
+                guarded(n, start)
+            with cgutils.for_range(builder, kt) as kloop:
+                j = kloop.index
+                builder.call(fns["load"], [_t(_STRIP_A), byte_ptr(
+                    builder, a_p, builder.add(a_row, builder.mul(j, const(64)))), lda])
+                b_row = builder.add(b_off, builder.mul(j, builder.mul(ldb, const(16))))
+                for n in range(_STRIP_C):
+                    def dot(n=n):
+                        bt = _STRIP_B[n % 2]
+                        builder.call(fns["load"], [_t(bt), byte_ptr(
+                            builder, b_p, builder.add(b_row, const(64 * n))), ldb])
+                        builder.call(fns["dot"], [_t(n), _t(_STRIP_A), _t(bt)])
+                    guarded(n, dot)
+            for n in range(_STRIP_C):
+                guarded(n, lambda n=n: builder.call(fns["store"], [_t(n), c_at(n), ldc]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def interleave_rows(typingctx, dst, dst_off, src, a_off, b_off, n):
+    """dst[dst_off + 2 c] = src[a_off + c], dst[dst_off + 2 c + 1] = src[b_off + c] for
+    c < n (a negative a_off or b_off reads zeros): two rows of a block as one row of AMX's B
+    layout, in vectors of 32 values, then of 16, the tail one value at a time. dst holds bfloat16 bits;
+    src bfloat16 bits too (uint16), or float32 values, rounded to nearest even."""
+    if dst.dtype != types.uint16 or src.dtype not in (types.uint16, types.float32):
+        return None
+    wide = src.dtype == types.float32
+    i64 = types.int64
+    sig = types.void(dst, i64, src, i64, i64, i64)
+
+    def codegen(context, builder, signature, args):
+        dst_v, dst_off, src_v, a_off, b_off, n = args
+        d_p = array_ptr(context, builder, signature.args[0], dst_v)
+        s_p = array_ptr(context, builder, signature.args[2], src_v)
+
+        def row(off, i, vt):
+            live = builder.icmp_signed(">=", off, const(0))
+            at = builder.gep(s_p, [builder.select(live, builder.add(off, i), const(0))])
+            if wide:
+                it = ir.VectorType(I32, vt.count)
+                u = builder.load(builder.bitcast(at, it.as_pointer()), align=4)
+                v = builder.trunc(bf16_narrow_ir(builder, u, it), vt)
+            else:
+                v = builder.load(builder.bitcast(at, vt.as_pointer()), align=2)
+            return builder.select(live, v, ir.Constant(vt, None))
+
+        def body(i, w):
+            vt = ir.VectorType(I16, w)
+            lo, hi = row(a_off, i, vt), row(b_off, i, vt)
+            mask = ir.Constant(ir.VectorType(ir.IntType(32), 2 * w),
+                               [x for c in range(w) for x in (c, w + c)])
+            out = builder.shuffle_vector(lo, hi, mask)
+            at = builder.add(dst_off, builder.mul(i, const(2)))
+            builder.store(out, builder.bitcast(builder.gep(d_p, [at]),
+                                               ir.VectorType(I16, 2 * w).as_pointer()), align=2)
+        main = builder.mul(builder.sdiv(n, const(32)), const(32))
+        half = builder.add(main, builder.mul(builder.sdiv(builder.sub(n, main), const(16)),
+                                             const(16)))
+        with cgutils.for_range_slice(builder, const(0), main, const(32)) as (i, _):
+            body(i, 32)
+        with cgutils.for_range_slice(builder, main, half, const(16)) as (i, _):
+            body(i, 16)
+        with cgutils.for_range_slice(builder, half, n, const(1)) as (i, _):
+            body(i, 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
