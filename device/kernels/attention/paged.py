@@ -11,7 +11,9 @@ stride BS or D): scores = q @ K^T reads K^T's rows 16 keys at a time, and the we
 p @ V reads V's rows 16 dims at a time, with nothing packed or transposed per step. BS and D
 are multiples of 16. The cache is float32, or uint16 holding bfloat16 or float16 values
 (`fmt`, FMT_BF16 / FMT_F16: `--kv-cache-dtype`): written rounded to nearest even, widened
-exactly in the tiles; the attention computes in float32.
+exactly in the tiles; the attention computes in float32 (on AMX, a prompt's tile over a
+bfloat16 cache multiplies in bfloat16 and accumulates in float32, as on AVX512_BF16:
+paged_attention).
 """
 
 import numpy as np
@@ -20,9 +22,13 @@ from numba import njit, prange
 from spyre_serve.device.abi import chunks_for, f32_at, get_kernel_threads, u16_at
 from spyre_serve.device.kernels.attention.online_softmax import NEG_BIG, online_softmax_block
 from spyre_serve.device.kernels.formats import FMT_BF16, FMT_BF16R, FMT_F32, narrow
+from spyre_serve.device.kernels.gemm.amx import amx_release, amx_strips, interleave_rows
+from spyre_serve.device.kernels.gemm.dot_tile import dtile
 from spyre_serve.device.kernels.gemm.microkernel import tile, wide_tile
 from spyre_serve.device.kernels.simd import (
     NR,
+    has_amx,
+    has_bf16_dot,
     prefetch_span,
     tile_height,
     wide_cols,
@@ -36,6 +42,25 @@ from spyre_serve.device.profile import lap
 _QV_MAX = 96
 _CHUNKS_PER_THREAD = 8     # items go to chunks round-robin; a chunk's scratch is allocated once
 _WIDE_MAX_QV = 8           # items of at most this many query vectors take the wide tiles
+_PAIRS_MIN_QV = 16         # a bfloat16 cache's items of at least this many (a prompt's tile)
+                           # multiply in bfloat16 where the host can: _pair_path
+_AMX_ROWS = 16             # an AMX tile's rows: the item's query vectors padded to them
+_AMX_K = 32                # bfloat16 values of k in one AMX tile row
+PAIRS_NONE, PAIRS_AMX, PAIRS_DOT = 0, 1, 2
+
+
+@njit(nogil=True, cache=True)
+def _pair_path(nqv, d, bs, fmt):
+    """How an item of nqv query vectors multiplies: PAIRS_AMX (AMX's tiles) or PAIRS_DOT
+    (AVX512_BF16's vdpbf16ps) for a bfloat16 cache's prompt tile, head dim and block size in
+    whole AMX tile rows; else PAIRS_NONE (the float32 tiles, the cache widened)."""
+    if fmt != FMT_BF16 or nqv < _PAIRS_MIN_QV or d % _AMX_K or bs % _AMX_K:
+        return PAIRS_NONE
+    if has_amx() != 0:
+        return PAIRS_AMX
+    if has_bf16_dot() != 0:
+        return PAIRS_DOT
+    return PAIRS_NONE
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -196,6 +221,115 @@ def _attend_item(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, grou
                 out[r0 + j, h0 + g, i] = acc[j * group + g, i] * inv
 
 
+@njit(nogil=True, cache=True)
+def _pairs(dst, src, base, rows, cols, live, panel):
+    """A block's rows (value (r, c) at src[base + r cols + c]) interleaved in pairs, in panels
+    of `panel` columns: (r, c) at dst[(c // panel) rows panel + (r // 2) 2 panel + 2 (c %
+    panel) + r % 2]. panel = cols is AMX's B layout of the whole block (rows 2 cols values
+    apart), panel = NR the dot tiles' slabs (device/kernels/gemm/dot_tile.py). Rows from
+    `live` on are zeros (a block's stale slots, which may hold any bits)."""
+    for p in range(cols // panel):
+        for r in range(rows // 2):
+            a = base + 2 * r * cols + p * panel
+            interleave_rows(dst, p * rows * panel + 2 * r * panel, src,
+                            a if 2 * r < live else -1, a + cols if 2 * r + 1 < live else -1, panel)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _pair_gemm(c, ldc, a, lda, nrows, tiles, w, cols, k, k_live, cols_live, accumulate, amx):
+    """c[:nrows, :cols] (+)= a[:nrows, :k] @ W (a bfloat16 bits, rows lda apart; c float32,
+    rows ldc apart), W [k, cols] a block interleaved by `_pairs`. amx: by amx_strips over
+    `tiles` tiles of 16 rows, W in AMX's layout (panel = cols). Else by the dot tiles, W in
+    panels of NR, only the panels of the first cols_live columns and the first k_live values
+    of k (rounded up to a pair): past them W is zeros or c is masked."""
+    if amx:
+        for n0 in range(0, cols // NR, 4):
+            amx_strips(a, 0, 2 * lda, tiles, w, 4 * NR * n0, 4 * cols, k // _AMX_K,
+                       min(4, cols // NR - n0), c, 4 * NR * n0, 4 * ldc, accumulate)
+        return
+    kc = (k_live + 1) // 2 * 2
+    for p in range((cols_live + NR - 1) // NR):
+        r = 0
+        while r < nrows:
+            mr = tile_height(nrows - r)
+            dtile(mr, a, r * lda, lda, 1, w, p * k * NR, c, r * ldc + p * NR, ldc, kc, accumulate)
+            r += mr
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _bf16_bits(u):
+    """float32 bits -> the nearest bfloat16's bits (round to nearest even)."""
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@njit(nogil=True, cache=True)
+def _round_rows(dst, src, n):
+    """dst[:n] = src[:n] (float32) rounded to bfloat16 bits."""
+    bits = src.view(np.uint32)
+    for i in range(n):
+        dst[i] = _bf16_bits(bits[i])
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _attend_item_pairs(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, group, sc,
+                       qb, sbuf, pb, acc, kb, vb, m, denom, bits, path):
+    """_attend_item's work in bfloat16 products, for a bfloat16 cache (path PAIRS_AMX or
+    PAIRS_DOT): q rounded to bfloat16 (the cache's format); per block, K^T's dim rows and V's
+    key rows interleaved in pairs (kb, vb [D * BS]: `_pairs`), the scores q @ K^T in float32,
+    scaled and masked, the online softmax in float32, the weights rounded to bfloat16 (as a
+    bfloat16 model's attention rounds them: transformers' eager attention casts the float32
+    softmax to the query's dtype) and p @ V into acc. On AMX by amx_strips, the query vectors
+    padded with zeros to whole tiles of _AMX_ROWS; else by the dot tiles, NR columns a panel.
+    Scratch: qb [QV * D], pb [QV * BS] uint16; sbuf [QV * BS], acc [QV, D] float32; QV a
+    multiple of _AMX_ROWS."""
+    nb, hkv, d, bs = shape
+    nqv = nr * group
+    amx = path == PAIRS_AMX
+    tiles = (nqv + _AMX_ROWS - 1) // _AMX_ROWS
+    rows = tiles * _AMX_ROWS if amx else nqv
+    panel_k = bs if amx else NR           # _pairs' panel: AMX reads a whole row of pairs
+    panel_v = d if amx else NR
+    h0 = kvh * group
+    n_keys = pos0 + nr
+    for j in range(nr):
+        for g in range(group):
+            for i in range(d):
+                qb[(j * group + g) * d + i] = narrow(q[r0 + j, h0 + g, i], qb, FMT_BF16)
+    qb[nqv * d:rows * d] = 0
+    pb[nqv * bs:rows * bs] = 0
+    accf = acc.reshape(acc.size)
+    acc[:rows] = 0.0
+    accv = acc[:nqv]
+    m[:nqv] = NEG_BIG
+    denom[:nqv] = 0.0
+    n_blocks = (n_keys + bs - 1) // bs
+    for b in range(n_blocks):
+        base = (block_tables[s, b] * hkv + kvh) * d * bs
+        cnt = min(bs, n_keys - b * bs)
+        if b + 1 < n_blocks:
+            nxt = (block_tables[s, b + 1] * hkv + kvh) * d * bs
+            prefetch_span(kf, nxt, d * bs)
+            prefetch_span(vf, nxt, d * bs)
+        _pairs(kb, kf, base, d, bs, d, panel_k)
+        _pair_gemm(sbuf, bs, qb, d, nqv, tiles, kb, bs, d, d, cnt, 0, amx)
+        scores = sbuf[:nqv * bs].reshape(nqv, bs)
+        for qi in range(nqv):
+            first_hidden = min(cnt, max(0, pos0 + qi // group + 1 - b * bs))
+            for o in range(first_hidden):
+                scores[qi, o] *= sc
+            for o in range(first_hidden, bs):
+                scores[qi, o] = NEG_BIG
+        online_softmax_block(scores, m[:nqv], denom[:nqv], accv, bits)
+        _round_rows(pb, sbuf, nqv * bs)
+        _pairs(vb, vf, base, bs, d, cnt, panel_v)
+        _pair_gemm(accf, d, pb, bs, nqv, tiles, vb, d, bs, cnt, d, 1, amx)
+    for j in range(nr):
+        for g in range(group):
+            inv = np.float32(1.0) / denom[j * group + g]
+            for i in range(d):
+                out[r0 + j, h0 + g, i] = acc[j * group + g, i] * inv
+
+
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
 def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context_lens, scale,
                     fmt=FMT_F32):
@@ -218,6 +352,10 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
     item of at most _WIDE_MAX_QV query vectors (a decode row's heads) takes the wide tiles
     (microkernel.wide_tile: 64 columns on AVX-512), so each row of K^T or V is read once a
     few heights rather than once a 16-column panel and a height.
+    With a bfloat16 cache, an item of at least _PAIRS_MIN_QV query vectors (a prompt's tile)
+    takes `_attend_item_pairs` where the host multiplies bfloat16 (AMX, else AVX512_BF16): q
+    and the softmax weights rounded to bfloat16, each block's K^T and V interleaved in pairs
+    and multiplied by AMX's tiles or vdpbf16ps, the softmax in float32 as above.
     Items are dealt round-robin to chunks (a causal prefill's late tiles cost more than its
     early ones), each chunk's scratch allocated once.
     Rows past query_start[S] (bucket padding) are left untouched.
@@ -249,12 +387,20 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
         for item in range(c, items, chunks):
             s = tile_seq[item // hkv]
             qv = max(qv, min(row_tile, query_start[s + 1] - tile_row0[item // hkv]) * group)
+        pairs = _pair_path(qv, d, bs, fmt)             # may any of the chunk's items take it
+        if pairs == PAIRS_AMX:
+            qv = (qv + _AMX_ROWS - 1) // _AMX_ROWS * _AMX_ROWS    # whole AMX tiles
         qt = np.empty((qv, d), np.float32)
         sbuf = np.empty(qv * bs, np.float32)
         acc = np.empty((qv, d), np.float32)
         m = np.empty(qv, np.float32)
         denom = np.empty(qv, np.float32)
         bits = np.empty(2 * qv, np.int32)
+        n16 = qv * max(d, bs) if pairs else 0           # the bfloat16 scratch, if it may run
+        qb = np.empty(n16, np.uint16)
+        pb = np.empty(n16, np.uint16)
+        kb = np.empty(d * bs if pairs else 0, np.uint16)
+        vb = np.empty(d * bs if pairs else 0, np.uint16)
         for item in range(c, items, chunks):
             tile_i = item // hkv
             kvh = item % hkv
@@ -262,8 +408,16 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
             r0 = tile_row0[tile_i]
             nr = min(row_tile, query_start[s + 1] - r0)
             pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
-            _attend_item(out, q, kf, vf, (nb, hkv, d, bs), block_tables, s, r0, nr, pos0, kvh,
-                         group, sc, qt, sbuf, acc, m, denom, bits, fmt)
+            path = _pair_path(nr * group, d, bs, fmt)
+            if path != PAIRS_NONE:
+                _attend_item_pairs(out, q, kf, vf, (nb, hkv, d, bs), block_tables, s, r0, nr,
+                                   pos0, kvh, group, sc, qb, sbuf, pb, acc, kb, vb, m, denom,
+                                   bits, path)
+            else:
+                _attend_item(out, q, kf, vf, (nb, hkv, d, bs), block_tables, s, r0, nr, pos0,
+                             kvh, group, sc, qt, sbuf, acc, m, denom, bits, fmt)
+        if pairs == PAIRS_AMX:
+            amx_release()
 
 
 @njit(nogil=True, cache=True)
