@@ -1,7 +1,9 @@
 """Decode attention over a paged KV cache against a plain read of the same cache: how near a
-batch's attention streams to what the machine reads.
+batch's attention streams to what the machine reads; or (--prompt T) a prompt's attention, by
+the rate of its causal products.
 
     .venv/bin/python benchmarks/attention.py [--rows 32] [--keys 192] [--layers 30] [--rounds 6]
+    .venv/bin/python benchmarks/attention.py --prompt 512 [--layers 30] [--rounds 6]
 
 SmolLM2-135M's attention (9 query heads, 3 KV heads of 64, blocks of 64 keys): --rows decode
 rows, each with --keys keys in the cache, in blocks dealt at random over the cache (a running
@@ -10,6 +12,9 @@ at the defaults 30 layers of 4.7 MB in bfloat16 (142 MB), more than the caches. 
 caches read whole by limits._read_all (in order, 64 chunks over the cores) and the machine's
 read of one 512 MB array. For each KV format (bfloat16, float32) the median of --rounds rounds,
 each the best of 5 passes over the layers, attention and read interleaved within a round.
+--prompt T: one sequence of T tokens prefilled (T query rows over its own T keys, causal), its
+blocks dealt at random; per format the median of --rounds rounds of the best of 5 passes, and
+the causal products' rate (2 HQ T (T + 1) D multiply-adds a layer: q @ K^T and p @ V).
 """
 
 from __future__ import annotations
@@ -42,13 +47,41 @@ def caches(fmt: int, blocks: int, layers: int, rng) -> list[tuple[np.ndarray, np
     return [(one((blocks, HKV, D, BS)), one((blocks, HKV, BS, D))) for _ in range(layers)]
 
 
+def prompt(args) -> None:
+    """A prompt of args.prompt tokens over each KV format: ms a pass and GFLOP/s."""
+    rng = np.random.default_rng(0)
+    t = args.prompt
+    blocks = -(-t // BS)
+    tables = rng.permutation(blocks).astype(np.int32).reshape(1, blocks)
+    query_start = np.array([0, t], np.int32)
+    context = np.array([t], np.int32)
+    q = rng.standard_normal((t, HQ, D)).astype(np.float32)
+    out = np.empty_like(q)
+    flop = 2.0 * 2 * HQ * t * (t + 1) / 2 * D * args.layers
+    print(f"ISA {current().level}, a prompt of {t} tokens, {args.layers} layers")
+    for name, fmt in (("bfloat16", FMT_BF16), ("float32", FMT_F32)):
+        kv = caches(fmt, blocks, args.layers, rng)
+
+        def attend(kv=kv, fmt=fmt):
+            for k, v in kv:
+                paged_attention(out, q, k, v, tables, query_start, context, 0.125, fmt)
+
+        ts = sorted(best_of(attend, min_reps=5, max_reps=5) for _ in range(args.rounds))
+        med = ts[len(ts) // 2]
+        print(f"{name:9s} prompt attention {med * 1e3:8.2f} ms  {flop / med / 1e9:6.1f} GFLOP/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--keys", type=int, default=192)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--prompt", type=int, default=0, help="a prompt of this many tokens instead")
     args = ap.parse_args()
+    if args.prompt:
+        prompt(args)
+        return
     rng = np.random.default_rng(0)
     per_row = -(-args.keys // BS)
     blocks = args.rows * per_row
