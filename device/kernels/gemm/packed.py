@@ -31,8 +31,9 @@ The inputs' format `act` picks the tile family (device/kernels/):
 The vector width and the tile heights are the ISA level's (device/kernels/simd.py).
 
 The loops follow BLIS: the panels are split across the card's cores (`prange` over chunks
-of panels); a panel's k-block of KC rows (16 KiB in fp32) stays in L1 while every row tile
-passes over it, so each weight byte comes from memory once per block of MC rows.
+of panels); a panel's k-block of KC rows (16 KiB in fp32; for the bfloat16 dot tiles up to
+KC_DOT, K in equal blocks) stays in L1 while every row tile passes over it, so each weight
+byte comes from memory once per block of MC rows.
 Up to MC rows (every decode) that is one pass and one parallel region; for more, the rows
 come in blocks of MC and the k-blocks go outside the panels, so that an [MC, KC] block of
 `a` stays in L2 while all the panels stream past it.
@@ -73,6 +74,7 @@ from spyre_serve.device.kernels.gemm.microkernel import tile
 from spyre_serve.device.kernels.simd import NR, QB, has_amx, max_tile_height, tile_height
 
 KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, in L1 (a multiple of QB)
+KC_DOT = 576     # the bfloat16 dot tiles' most: a [KC_DOT, NR] slab is 18 KiB (_k_block)
 MC = 192         # rows per block of a: [MC, KC] fp32 is 192 KiB, in L2
 CHUNKS_PER_THREAD = 4   # panel chunks per core: balances the split, keeps each core's range contiguous
 AMX_MIN_ROWS = 3        # bfloat16 GEMMs of at least this many rows go to AMX where the level has it
@@ -82,6 +84,18 @@ AMX_B_BYTES = 1 << 20    # a core's share of B up to this stays in L2 for all th
 AMX_KC = 512             # k values of A an AMX block row takes at a time: 32 rows x 1 KiB in L1
 AMX_QUANT_MIN_ROWS = 32  # 8-/4-bit GEMMs on int8 inputs of at least this many rows: bfloat16 on AMX
 AMX_QUANT_PAIRS = 8      # quantized panel pairs widened at a time (8 x 2 K x 16 bfloat16: 576 KiB at K 1152)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _k_block(kk, dot):
+    """Rows of k a block: KC; for the bfloat16 dot tiles, K in as few equal blocks of at most
+    KC_DOT as it takes (each a multiple of QB), so that no short last block costs a pass over
+    c (Zen 4, one thread: K = 576 in one block instead of 256 + 256 + 64, 1.04-1.19x)."""
+    if not dot:
+        return KC
+    blocks = (kk + KC_DOT - 1) // KC_DOT
+    per = (kk + blocks - 1) // blocks
+    return (per + QB - 1) // QB * QB
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -105,14 +119,14 @@ def _tile_at(mr, ins, r0, kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt):
 
 
 @njit(nogil=True, cache=True)
-def _panels(of, w, k, n, m0, mc, k0, kc_all, p0, p1, fmt, tmp, ins):
+def _panels(of, w, k, n, m0, mc, k0, kc_all, kcb, p0, p1, fmt, tmp, ins):
     """Rows m0..m0+mc of out, panels p0..p1-1, k rows k0..k0+kc_all (one core's share of one
-    block): per panel, per k-block of KC, every row tile (the level's heights)."""
+    block): per panel, per k-block of kcb (_k_block), every row tile (the level's heights)."""
     for p in range(p0, p1):
         n0 = p * NR
         cols = min(NR, n - n0)
-        for kb in range(k0, k0 + kc_all, KC):
-            kc = min(KC, k0 + kc_all - kb)
+        for kb in range(k0, k0 + kc_all, kcb):
+            kc = min(kcb, k0 + kc_all - kb)
             acc = 1 if kb > 0 else 0
             w_off = slab_offset(p, kb, k, fmt)
             r0 = m0
@@ -173,23 +187,24 @@ def gemm_packed(out, a, w, k, n, fmt, act):
         _gemm_amx(of, ins[4], m, ins[5], w, k, n, n_panels, AMX_A_BYTES, AMX_B_BYTES, AMX_PAIRS)
         return
     chunks = min(n_panels, CHUNKS_PER_THREAD * get_kernel_threads())
+    kcb = _k_block(kk, dot)
     th = max_tile_height()
     if m <= MC:
         # decode-sized: all of a fits in L2; one parallel region over the panels
         for c in prange(chunks):
             tmp = np.empty(th * NR, np.float32)
-            _panels(of, w, k, n, 0, m, 0, kk, c * n_panels // chunks,
+            _panels(of, w, k, n, 0, m, 0, kk, kcb, c * n_panels // chunks,
                     (c + 1) * n_panels // chunks, fmt, tmp, ins)
         return
     # prefill-sized: a block of MC rows x KC columns of a stays in L2 while every panel's
     # [KC, NR] slab passes (BLIS's order: k-blocks outside the panels)
     for m0 in range(0, m, MC):
         mc = min(MC, m - m0)
-        for k0 in range(0, kk, KC):
-            kc = min(KC, kk - k0)
+        for k0 in range(0, kk, kcb):
+            kc = min(kcb, kk - k0)
             for c in prange(chunks):
                 tmp = np.empty(th * NR, np.float32)
-                _panels(of, w, k, n, m0, mc, k0, kc, c * n_panels // chunks,
+                _panels(of, w, k, n, m0, mc, k0, kc, kcb, c * n_panels // chunks,
                         (c + 1) * n_panels // chunks, fmt, tmp, ins)
 
 
