@@ -11,9 +11,9 @@ stride BS or D): scores = q @ K^T reads K^T's rows 16 keys at a time, and the we
 p @ V reads V's rows 16 dims at a time, with nothing packed or transposed per step. BS and D
 are multiples of 16. The cache is float32, or uint16 holding bfloat16 or float16 values
 (`fmt`, FMT_BF16 / FMT_F16: `--kv-cache-dtype`): written rounded to nearest even, widened
-exactly in the tiles; the attention computes in float32 (on AMX, a prompt's tile over a
-bfloat16 cache multiplies in bfloat16 and accumulates in float32, as on AVX512_BF16:
-paged_attention).
+exactly in the tiles; the attention computes in float32 (where the host multiplies bfloat16,
+AMX or AVX512_BF16, a prompt's tile over a bfloat16 cache multiplies in bfloat16 and sums in
+float32: paged_attention).
 """
 
 import numpy as np
@@ -256,18 +256,11 @@ def _pair_gemm(c, ldc, a, lda, nrows, tiles, w, cols, k, k_live, cols_live, accu
             r += mr
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _bf16_bits(u):
-    """float32 bits -> the nearest bfloat16's bits (round to nearest even)."""
-    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
 @njit(nogil=True, cache=True)
 def _round_rows(dst, src, n):
     """dst[:n] = src[:n] (float32) rounded to bfloat16 bits."""
-    bits = src.view(np.uint32)
     for i in range(n):
-        dst[i] = _bf16_bits(bits[i])
+        dst[i] = narrow(src[i], dst, FMT_BF16)
 
 
 @njit(nogil=True, cache=True, fastmath=True)

@@ -285,8 +285,8 @@ def test_attention_over_a_16_bit_cache_is_the_reference_on_its_values(fmt, q_len
                                                  ([70], [133], 16, 4, 128)])
 def test_prompt_tiles_of_a_bfloat16_cache_in_bfloat16(q_lens, ctx, hq, hkv, d):
     """A prompt's tiles over a bfloat16 cache on AMX's tiles or AVX512_BF16's vdpbf16ps (the
-    host's best): q rounded to bfloat16, q @ K^T exact in
-    float32, the softmax in float32, its weights rounded to bfloat16 before p @ V. Against
+    host's best): q rounded to bfloat16, q @ K^T exact in float32, the softmax in float32,
+    its weights rounded to bfloat16 before p @ V. Against
     the float64 reference on rounded q: within the weights' rounding, 2^-9 relative each, so
     |error| <= 2^-9 max |V|. The blocks' stale slots hold NaN bits, which must not leak."""
     q, kc, vc, bt, qs, cl = _case(q_lens, ctx, hq, hkv, 64, seed=11, d=d)
