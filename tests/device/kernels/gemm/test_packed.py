@@ -85,15 +85,18 @@ def test_16_bit_inputs_are_rounded_once_and_multiplied_exactly(m, k, n, fmt):
     assert np.all(np.abs(out - want) <= 4 * k * 2.0 ** -24 * scale + 1e-30), current().level
 
 
-@pytest.mark.parametrize("m,k", [(1, 64), (17, 33), (40, 577), (512, 96)])
+@pytest.mark.parametrize("m,k", [(1, 64), (17, 33), (40, 577), (512, 96), (16, 32), (48, 1536)])
 def test_bfloat16_inputs_lie_in_micro_panels_for_the_dot_tiles_and_in_rows_for_amx(m, k):
     """The dot tiles' inputs: row r's values k, k + 1 (k even) in one 32-bit word at word
     ((r // PANEL_ROWS) * kp / 2 + k / 2) * PANEL_ROWS + r % PANEL_ROWS, zero past K and past M;
     AMX's, and fewer rows than a panel: rows of kp values. Both the nearest bfloat16 (numpy's
-    reference rounding)."""
+    reference rounding), ties to even included. The shapes take the vector blocks whole (16,
+    32), with a tail of pairs and of rows (40, 577), none (17, 33), over both cores (48, 1536)."""
     if not current().at_least("avx512_bf16"):
         pytest.skip("bfloat16 pairs only on a level with vdpbf16ps")
     a = np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
+    bits = a.reshape(-1).view(np.uint32)
+    bits[::7] = (bits[::7] & 0xFFFF0000) | 0x8000           # exact ties, both parities
     panels_in = gemm_inputs(a.reshape(-1), m, k, FMT_BF16, FMT_BF16, False)
     rows_in = gemm_inputs(a.reshape(-1), m, k, FMT_BF16, FMT_BF16, True)
     kp = panels_in[5]

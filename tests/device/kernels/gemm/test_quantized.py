@@ -244,18 +244,22 @@ def reference_quantize_rows(a: np.ndarray):
     return q.reshape(m, k), d.astype(np.float32), q.sum(axis=-1).astype(np.float32)
 
 
-def test_quantize_rows_is_llama_cpps_q8_0():
+@pytest.mark.parametrize("m,k", [(5, 128), (96, 1536)])
+def test_quantize_rows_is_llama_cpps_q8_0(m, k):
+    """Every block in one vector (inputs._quantize_block), exactly the scalar reference; the
+    larger shape over both cores."""
     rng = np.random.default_rng(4)
-    a = (rng.standard_normal((5, 128)) * rng.uniform(0.01, 10, (5, 1))).astype(np.float32)
+    a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
     a[2, 32:64] = 0.0                                   # a block of zeros: d = 0, q = 0
     a[3, 0:32] = np.linspace(-1, 1, 32)                 # values on the half steps
-    aq, ad, asum = (np.empty(5 * 128, np.int8), np.empty(5 * 4, np.float32),
-                    np.empty(5 * 4, np.float32))
-    quantize_rows(a.reshape(-1), 5, 128, aq, ad, asum)
+    a[4, 32:64] = -a[4, 32:64]                          # the other sign
+    nb = m * k // QB
+    aq, ad, asum = np.empty(m * k, np.int8), np.empty(nb, np.float32), np.empty(nb, np.float32)
+    quantize_rows(a.reshape(-1), m, k, aq, ad, asum)
     q, d, s = reference_quantize_rows(a)
-    np.testing.assert_array_equal(aq.reshape(5, 128), q)
-    np.testing.assert_array_equal(ad.reshape(5, 4), d)
-    np.testing.assert_array_equal(asum.reshape(5, 4), s)
+    np.testing.assert_array_equal(aq.reshape(m, k), q)
+    np.testing.assert_array_equal(ad.reshape(m, k // QB), d)
+    np.testing.assert_array_equal(asum.reshape(m, k // QB), s)
     assert np.abs(q).max() == 127
 
 
