@@ -21,7 +21,7 @@ from numba import njit, prange
 
 from spyre_serve.device.abi import chunks_for, f32_at, get_kernel_threads, u16_at
 from spyre_serve.device.kernels.attention.online_softmax import NEG_BIG, online_softmax_block
-from spyre_serve.device.kernels.formats import FMT_BF16, FMT_BF16R, FMT_F32, narrow
+from spyre_serve.device.kernels.formats import FMT_BF16, FMT_BF16R, FMT_F16, FMT_F32, narrow
 from spyre_serve.device.kernels.gemm.amx import amx_release, amx_strips, interleave_rows
 from spyre_serve.device.kernels.gemm.dot_tile import dtile
 from spyre_serve.device.kernels.gemm.microkernel import tile, wide_tile
@@ -64,17 +64,31 @@ def _pair_path(nqv, d, bs, fmt):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _write_row(k_cache, v_cache, kt, vt, slot, fmt):
-    """One row's K^T and V (kt, vt [Hkv, D]) at slot; a negative slot writes nothing."""
-    if slot < 0:
-        return
-    nb, hkv, d, bs = k_cache.shape
-    blk = slot // bs
-    off = slot % bs
+def _write_row_as(k_cache, v_cache, kt, vt, blk, off, fmt):
+    hkv, d = kt.shape
     for h in range(hkv):
         for i in range(d):
             k_cache[blk, h, i, off] = narrow(kt[h, i], k_cache, fmt)
             v_cache[blk, h, off, i] = narrow(vt[h, i], v_cache, fmt)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _write_row(k_cache, v_cache, kt, vt, slot, fmt):
+    """One row's K^T and V (kt, vt [Hkv, D]) at slot; a negative slot writes nothing. The
+    16-bit formats each in their own loop, fmt a constant there: `narrow` of a format known
+    only at run time computes every format's rounding and selects (DLFloat16's the dearest;
+    Zen 4, 512 rows of a bfloat16 cache: 1.78 ns a value, 0.25 in the bfloat16 loop)."""
+    if slot < 0:
+        return
+    bs = k_cache.shape[3]
+    blk = slot // bs
+    off = slot % bs
+    if fmt == FMT_BF16:
+        _write_row_as(k_cache, v_cache, kt, vt, blk, off, FMT_BF16)
+    elif fmt == FMT_F16:
+        _write_row_as(k_cache, v_cache, kt, vt, blk, off, FMT_F16)
+    else:
+        _write_row_as(k_cache, v_cache, kt, vt, blk, off, fmt)
 
 
 @njit(nogil=True, cache=True)
@@ -109,7 +123,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, fmt=FMT_F32):
     for t in range(t_n):
         if slot_mapping[t] >= nb * bs:
             raise IndexError("write_kv: slot beyond the cache (slot, slots)", slot_mapping[t], nb * bs)
-    if chunks_for(t_n, 8 * t_n * hkv * d) == 1:    # K^T's strided stores: ~8 steps a value
+    if chunks_for(t_n, 2 * t_n * hkv * d) == 1:    # a K and a V value a position
         _write_rows(k_cache, v_cache, k, v, slot_mapping, fmt, 0, t_n)
     else:
         _write_parallel(k_cache, v_cache, k, v, slot_mapping, fmt)
