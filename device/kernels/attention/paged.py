@@ -413,6 +413,11 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
             kvh = item % hkv
             s = tile_seq[tile_i]
             r0 = tile_row0[tile_i]
+            if item + chunks < items:        # the chunk's next item: its first block, now
+                nxt = item + chunks
+                first = (block_tables[tile_seq[nxt // hkv], 0] * hkv + nxt % hkv) * d * bs
+                prefetch_span(kf, first, d * bs)
+                prefetch_span(vf, first, d * bs)
             nr = min(row_tile, query_start[s + 1] - r0)
             pos0 = context_lens[s] - (query_start[s + 1] - query_start[s]) + (r0 - query_start[s])
             path = _pair_path(nr * group, d, bs, fmt)
