@@ -214,13 +214,15 @@ def _attend_item(out, q, kf, vf, shape, block_tables, s, r0, nr, pos0, kvh, grou
     for b in range(n_blocks):
         base = (block_tables[s, b] * hkv + kvh) * d * bs       # this block's K^T, and its V
         cnt = min(bs, n_keys - b * bs)
+        nxt = -1
         if b + 1 < n_blocks:                 # the next block lies elsewhere: ask for it now
             nxt = (block_tables[s, b + 1] * hkv + kvh) * d * bs
             prefetch_span(kf, nxt, d * bs)
-            prefetch_span(vf, nxt, d * bs)
         scores = sbuf[:nqv * bs].reshape(nqv, bs)
         _tiles(sbuf, 0, bs, af, d, nqv, kf, base, bs, (cnt + width - 1) // width * width, d, 0,
                tfmt, wide)
+        if nxt >= 0:
+            prefetch_span(vf, nxt, d * bs)
         # masked: keys past cnt (stale), and key b*bs+o for row r unless <= pos0 + r (causal)
         for qi in range(nqv):
             first_hidden = min(cnt, max(0, pos0 + qi // group + 1 - b * bs))
