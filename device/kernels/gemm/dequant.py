@@ -129,6 +129,13 @@ def _panel(w, k, fmt, p, out, o_off):
     _records(w, p * nb * record_bytes(fmt), nb, fmt, out, 2 * o_off)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def dequantize_panel_bf16(w, k, fmt, p, out, o_off):
+    """Panel p of the packed weight w (an integer block-quantized format, K whole blocks: the
+    caller's checks) as bfloat16 bits in out[o_off:o_off + K NR], in a bfloat16 weight's layout."""
+    _panel(w, k, fmt, p, out, o_off)
+
+
 @njit(nogil=True, cache=True)
 def dequantize_pair_bf16(w, k, fmt, p0, p1, out):
     """Panels p0 and p1 of the packed weight w (uint8; FMT_Q8_0, FMT_Q4_0 or FMT_Q4_1, K a

@@ -27,7 +27,10 @@ The inputs' format `act` picks the tile family (device/kernels/):
                               chunk, a batch of 32), the weight widened to bfloat16 a group
                               of panel pairs at a time (dequant.py) and multiplied by AMX's
                               tiles with bfloat16 inputs instead: 1.5-2.5x the int8 tiles'
-                              speed there, and finer inputs than int8's
+                              speed there, and finer inputs than int8's; on AVX512_BF16
+                              without AMX the same from DOT_QUANT_MIN_ROWS rows on, a group
+                              of panels widened at a time for the dot tiles (Zen 4: 1.1-1.4x
+                              the int8 tiles at 128-512 rows, 0.87x at 32)
 The vector width and the tile heights are the ISA level's (device/kernels/simd.py).
 
 The loops follow BLIS: the panels are split across the card's cores (`prange` over chunks
@@ -59,7 +62,7 @@ from spyre_serve.device.kernels.formats import (
 )
 from spyre_serve.device.kernels.gather import u8_at
 from spyre_serve.device.kernels.gemm.amx import BLOCK_COLS, BLOCK_ROWS, amx_release, amx_rows
-from spyre_serve.device.kernels.gemm.dequant import dequantize_pair_bf16
+from spyre_serve.device.kernels.gemm.dequant import dequantize_pair_bf16, dequantize_panel_bf16
 from spyre_serve.device.kernels.gemm.dot_tile import dtile
 from spyre_serve.device.kernels.gemm.inputs import (
     ACT_INT8,
@@ -71,7 +74,7 @@ from spyre_serve.device.kernels.gemm.inputs import (
 )
 from spyre_serve.device.kernels.gemm.int8_tile import itile
 from spyre_serve.device.kernels.gemm.microkernel import tile
-from spyre_serve.device.kernels.simd import NR, QB, has_amx, max_tile_height, tile_height
+from spyre_serve.device.kernels.simd import NR, QB, has_amx, has_bf16_dot, max_tile_height, tile_height
 
 KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, in L1 (a multiple of QB)
 KC_DOT = 576     # the bfloat16 dot tiles' most: a [KC_DOT, NR] slab is 18 KiB (_k_block)
@@ -84,6 +87,8 @@ AMX_B_BYTES = 1 << 20    # a core's share of B up to this stays in L2 for all th
 AMX_KC = 512             # k values of A an AMX block row takes at a time: 32 rows x 1 KiB in L1
 AMX_QUANT_MIN_ROWS = 32  # 8-/4-bit GEMMs on int8 inputs of at least this many rows: bfloat16 on AMX
 AMX_QUANT_PAIRS = 8      # quantized panel pairs widened at a time (8 x 2 K x 16 bfloat16: 576 KiB at K 1152)
+DOT_QUANT_MIN_ROWS = 64  # the same on vdpbf16ps without AMX: widened panels, the bfloat16 dot tiles
+DOT_QUANT_PANELS = 16    # quantized panels widened at a time there (16 x K x 16 bfloat16: 288 KiB at K 576)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -119,16 +124,17 @@ def _tile_at(mr, ins, r0, kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt):
 
 
 @njit(nogil=True, cache=True)
-def _panels(of, w, k, n, m0, mc, k0, kc_all, kcb, p0, p1, fmt, tmp, ins):
+def _panels(of, w, k, n, m0, mc, k0, kc_all, kcb, p0, p1, fmt, tmp, ins, w_p0):
     """Rows m0..m0+mc of out, panels p0..p1-1, k rows k0..k0+kc_all (one core's share of one
-    block): per panel, per k-block of kcb (_k_block), every row tile (the level's heights)."""
+    block): per panel, per k-block of kcb (_k_block), every row tile (the level's heights).
+    Panel p of out is panel p - w_p0 of w (0: the weight itself; else a group widened)."""
     for p in range(p0, p1):
         n0 = p * NR
         cols = min(NR, n - n0)
         for kb in range(k0, k0 + kc_all, kcb):
             kc = min(kcb, k0 + kc_all - kb)
             acc = 1 if kb > 0 else 0
-            w_off = slab_offset(p, kb, k, fmt)
+            w_off = slab_offset(p - w_p0, kb, k, fmt)
             r0 = m0
             while r0 < m0 + mc:
                 mr = tile_height(m0 + mc - r0)
@@ -179,6 +185,11 @@ def gemm_packed(out, a, w, k, n, fmt, act):
         bf = gemm_inputs(af, m, k, FMT_BF16, FMT_BF16, True)
         _gemm_amx_quantized(of, bf[4], m, bf[5], w, k, n, n_panels, fmt)
         return
+    if act == ACT_INT8 and has_integer_quants(fmt) and m >= DOT_QUANT_MIN_ROWS and has_bf16_dot():
+        # the same without AMX: the widened panels on the bfloat16 dot tiles (vdpbf16ps)
+        _gemm_dot_quantized(of, w, k, n, m, n_panels, fmt,
+                            gemm_inputs(af, m, k, FMT_BF16, FMT_BF16, False))
+        return
     on_amx = m >= AMX_MIN_ROWS and has_amx()        # a bfloat16 dot GEMM's rows go to AMX
     ins = gemm_inputs(af, m, k, fmt, act, on_amx)
     dot = ins[6] == MODE_DOT or ins[6] == MODE_DOT_ROWS
@@ -194,7 +205,7 @@ def gemm_packed(out, a, w, k, n, fmt, act):
         for c in prange(chunks):
             tmp = np.empty(th * NR, np.float32)
             _panels(of, w, k, n, 0, m, 0, kk, kcb, c * n_panels // chunks,
-                    (c + 1) * n_panels // chunks, fmt, tmp, ins)
+                    (c + 1) * n_panels // chunks, fmt, tmp, ins, 0)
         return
     # prefill-sized: a block of MC rows x KC columns of a stays in L2 while every panel's
     # [KC, NR] slab passes (BLIS's order: k-blocks outside the panels)
@@ -205,7 +216,37 @@ def gemm_packed(out, a, w, k, n, fmt, act):
             for c in prange(chunks):
                 tmp = np.empty(th * NR, np.float32)
                 _panels(of, w, k, n, m0, mc, k0, kc, kcb, c * n_panels // chunks,
-                        (c + 1) * n_panels // chunks, fmt, tmp, ins)
+                        (c + 1) * n_panels // chunks, fmt, tmp, ins, 0)
+
+
+@njit(nogil=True, cache=True)
+def _dot_quantized_panels(of, w, k, n, m, p0, p1, fmt, scratch, tmp, ins):
+    """Panels p0..p1-1 of out = a @ W for a block-quantized W on the bfloat16 dot tiles:
+    DOT_QUANT_PANELS panels at a time widened to bfloat16 in `scratch` (dequant.py, a bfloat16
+    weight's layout), then every block of MC rows over the group (_panels), while the group
+    stays in L2."""
+    kk = ins[5]
+    kcb = _k_block(kk, True)
+    for g0 in range(p0, p1, DOT_QUANT_PANELS):
+        g1 = min(p1, g0 + DOT_QUANT_PANELS)
+        for p in range(g0, g1):
+            dequantize_panel_bf16(w, k, fmt, p, scratch, (p - g0) * k * NR)
+        for m0 in range(0, m, MC):
+            _panels(of, scratch, k, n, m0, min(MC, m - m0), 0, kk, kcb, g0, g1, FMT_BF16, tmp,
+                    ins, g0)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemm_dot_quantized(of, w, k, n, m, n_panels, fmt, ins):
+    """out = a @ W, W block-quantized (integer quants), on a level with vdpbf16ps and no AMX:
+    panels split across the cores, each widened to bfloat16 once for all the rows."""
+    chunks = min(n_panels, CHUNKS_PER_THREAD * get_kernel_threads())
+    th = max_tile_height()
+    for c in prange(chunks):
+        scratch = np.empty(DOT_QUANT_PANELS * k * NR, np.uint16)
+        tmp = np.empty(th * NR, np.float32)
+        _dot_quantized_panels(of, w, k, n, m, c * n_panels // chunks, (c + 1) * n_panels // chunks,
+                              fmt, scratch, tmp, ins)
 
 
 @njit(nogil=True, cache=True)
