@@ -123,17 +123,12 @@ def _records(typingctx, w, r0, nrec, fmt, out, o_at):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _panel(w, k, fmt, p, out, o_off):
-    """Panel p (its K / QB records, one after another) into out[o_off:o_off + K NR]."""
-    nb = k // QB
-    _records(w, p * nb * record_bytes(fmt), nb, fmt, out, 2 * o_off)
-
-
-@njit(nogil=True, cache=True, inline="always")
 def dequantize_panel_bf16(w, k, fmt, p, out, o_off):
     """Panel p of the packed weight w (an integer block-quantized format, K whole blocks: the
-    caller's checks) as bfloat16 bits in out[o_off:o_off + K NR], in a bfloat16 weight's layout."""
-    _panel(w, k, fmt, p, out, o_off)
+    caller's checks; its K / QB records, one after another) as bfloat16 bits in
+    out[o_off:o_off + K NR], in a bfloat16 weight's layout."""
+    nb = k // QB
+    _records(w, p * nb * record_bytes(fmt), nb, fmt, out, 2 * o_off)
 
 
 @njit(nogil=True, cache=True)
@@ -145,5 +140,5 @@ def dequantize_pair_bf16(w, k, fmt, p0, p1, out):
     if k % QB or out.shape[0] < 2 * k * NR:
         raise ValueError("dequantize_pair_bf16: K must be whole blocks and out 2 K NR long (K, len)",
                          k, out.shape[0])
-    _panel(w, k, fmt, p0, out, 0)
-    _panel(w, k, fmt, p1, out, k * NR)
+    dequantize_panel_bf16(w, k, fmt, p0, out, 0)
+    dequantize_panel_bf16(w, k, fmt, p1, out, k * NR)

@@ -28,7 +28,17 @@ from spyre_serve.device.kernels.formats import (
     has_integer_quants,
     padded_k,
 )
-from spyre_serve.device.kernels.simd import F32, I16, I32, QB, array_ptr, const, has_bf16_dot, splat
+from spyre_serve.device.kernels.simd import (
+    F32,
+    I16,
+    I32,
+    QB,
+    array_ptr,
+    const,
+    has_bf16_dot,
+    load_vec,
+    splat,
+)
 
 ACT_F32, ACT_INT8 = 0, 6   # GEMM inputs: float32, or int8 per block of QB (quantized weights);
 # FMT_BF16 / FMT_F16 / FMT_DLF16 as an input format: rounded to that format once per GEMM
@@ -46,9 +56,7 @@ PANEL_ROWS = 16
 
 def _block_of(context, builder, ty, arr, at):
     """The QB float32 values of `arr` from element `at`, as one vector."""
-    vt = ir.VectorType(F32, QB)
-    ptr = builder.gep(array_ptr(context, builder, ty, arr), [at])
-    return builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4)
+    return load_vec(builder, array_ptr(context, builder, ty, arr), at, ir.VectorType(F32, QB), 4)
 
 
 def _llvm(builder, name, ret, *args):
@@ -146,7 +154,7 @@ def _words_of(builder, s_p, at):
     """BLOCK_PAIRS words from the 32 float32 bits at s_p[at..]: each value rounded to the
     nearest bfloat16 (ties to even), value 2q in word q's low half and 2q + 1 in its high half."""
     v32 = ir.VectorType(I32, 2 * BLOCK_PAIRS)
-    u = builder.load(builder.bitcast(builder.gep(s_p, [at]), v32.as_pointer()), align=4)
+    u = load_vec(builder, s_p, at, v32, 4)
     halves = builder.trunc(bf16_narrow_ir(builder, u, v32), ir.VectorType(I16, 2 * BLOCK_PAIRS))
     return builder.bitcast(halves, ir.VectorType(I32, BLOCK_PAIRS))
 
