@@ -370,11 +370,11 @@ class Engine:
             req = self._requests.get(request_id)
             if req is None:
                 continue
+            if req.num_finished == len(req.seqs):  # closed first: no count holds it once answered
+                self._open.close(req)
             for seq in req.seqs:
                 if seq.index in indices:
                     self._open.emit(req, seq)
-            if req.num_finished == len(req.seqs):
-                self._open.close(req)
 
     # ---- failures ---------------------------------------------------------------
 

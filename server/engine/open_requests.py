@@ -96,14 +96,15 @@ class OpenRequests:
         self._observer().on_request_params(req.seqs[0].params.max_tokens)
 
     def finish(self, req: EngineRequest, reason: str, notify: bool, error: str | None = None) -> None:
-        """End every sequence of ``req`` not finished yet with ``reason``, then close it."""
-        for seq in req.seqs:
-            if not seq.is_finished:
-                seq.error = error
-                self.finish_seq(seq, reason)
-                if notify:
-                    self.emit(req, seq)
+        """End every sequence of ``req`` not finished yet with ``reason`` and close it, then
+        (``notify``) answer them: closed first, so no count holds a request once answered."""
+        ended = [seq for seq in req.seqs if not seq.is_finished]
+        for seq in ended:
+            seq.error = error
+            self.finish_seq(seq, reason)
         self.close(req)
+        for seq in ended if notify else ():
+            self.emit(req, seq)
 
     def fail(self, request_id: str, message: str) -> None:
         req = self.by_id.get(request_id)

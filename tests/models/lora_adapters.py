@@ -40,7 +40,10 @@ def reference_with_adapter(base_dir, adapter_dir):
     """transformers' model of the base checkpoint with the adapter applied by peft (fp32)."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(load_reference_model(base_dir), str(adapter_dir)).eval()
+    # on the CPU: peft would otherwise load onto torch.accelerator, which is spyre_torch's card
+    # once a test has imported it (peft >= 0.22)
+    return PeftModel.from_pretrained(load_reference_model(base_dir), str(adapter_dir),
+                                     torch_device="cpu").eval()
 
 
 def reference_greedy(ref, prompt, n_new) -> tuple[list[int], float]:
