@@ -268,7 +268,7 @@ def _pair_gemm(c, ldc, a, lda, nrows, tiles, w, cols, k, k_live, cols_live, accu
         r = 0
         while r < nrows:
             mr = tile_height(nrows - r)
-            dtile(mr, a, r * lda, lda, 1, w, p * k * NR, c, r * ldc + p * NR, ldc, kc, accumulate)
+            dtile(mr, a, r * lda, lda, 1, w, p * k * NR, c, r * ldc + p * NR, ldc, kc, accumulate, 0)
             r += mr
 
 

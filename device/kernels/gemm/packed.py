@@ -104,7 +104,7 @@ def _k_block(kk, dot):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _tile_at(mr, ins, r0, kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt):
+def _tile_at(mr, ins, r0, kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt, far):
     """One tile of rows r0.., k rows kb..kb+kc of the inputs `ins` (gemm_inputs)."""
     af, aq, ad, asum, ab, kab, mode = ins
     if mode == MODE_INT8:
@@ -112,13 +112,13 @@ def _tile_at(mr, ins, r0, kb, k, w, w_off, c, c_off, ldc, kc, acc, fmt):
         itile(mr, aq, r0 * k + kb, k, ad, asum, r0 * nb + kb // QB, nb, w, w_off, c, c_off, ldc,
               kc, acc, fmt)
     elif mode == MODE_DOT_ROWS:     # fewer rows than a micro-panel, in rows
-        dtile(mr, ab, r0 * kab + kb, kab, 1, w, w_off, c, c_off, ldc, kc, acc)
+        dtile(mr, ab, r0 * kab + kb, kab, 1, w, w_off, c, c_off, ldc, kc, acc, far)
     elif mode == MODE_DOT:          # micro-panels (inputs.py): r0 never starts a tile across one
         a_off = (r0 // PANEL_ROWS) * kab * PANEL_ROWS + 2 * (r0 % PANEL_ROWS) + kb * PANEL_ROWS
         if mr == PANEL_ROWS:       # the tallest tile by its constant height, not through the
-            dtile(PANEL_ROWS, ab, a_off, 2, PANEL_ROWS, w, w_off, c, c_off, ldc, kc, acc)
+            dtile(PANEL_ROWS, ab, a_off, 2, PANEL_ROWS, w, w_off, c, c_off, ldc, kc, acc, far)
         else:                      # switch over every height: 1.25-1.4x (Zen 4, 2 cores)
-            dtile(mr, ab, a_off, 2, PANEL_ROWS, w, w_off, c, c_off, ldc, kc, acc)
+            dtile(mr, ab, a_off, 2, PANEL_ROWS, w, w_off, c, c_off, ldc, kc, acc, far)
     else:
         tile(mr, af, r0 * k + kb, k, w, w_off, NR, c, c_off, ldc, kc, acc, fmt)
 
@@ -135,7 +135,10 @@ def _panels(of, w, k, n, m0, mc, k0, kc_all, kcb, p0, p1, fmt, tmp, ins, w_p0):
             kc = min(kcb, k0 + kc_all - kb)
             acc = 1 if kb > 0 else 0
             w_off = slab_offset(p - w_p0, kb, k, fmt)
-            r0 = m0
+            # the row tiles after the first read the slab from the caches: they ask for the
+            # next panel's into L2 meanwhile (its first tile's stream then comes from L2)
+            nxt = slab_offset(p + 1 - w_p0, kb, k, fmt) - w_off if p + 1 < p1 else 0
+            r0, first = m0, tile_height(mc)
             while r0 < m0 + mc:
                 mr = tile_height(m0 + mc - r0)
                 # the last panel may be partial: then the whole tile goes to tmp, and its
@@ -146,7 +149,8 @@ def _panels(of, w, k, n, m0, mc, k0, kc_all, kcb, p0, p1, fmt, tmp, ins, w_p0):
                         for j in range(cols):
                             tmp[i * NR + j] = of[(r0 + i) * n + n0 + j]
                     dst, d_off, ldd = tmp, 0, NR
-                _tile_at(mr, ins, r0, kb, k, w, w_off, dst, d_off, ldd, kc, acc, fmt)
+                _tile_at(mr, ins, r0, kb, k, w, w_off, dst, d_off, ldd, kc, acc, fmt,
+                         nxt if r0 == m0 + first else 0)
                 if cols < NR:
                     for i in range(mr):
                         for j in range(cols):
