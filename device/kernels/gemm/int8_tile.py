@@ -45,6 +45,7 @@ from spyre_serve.device.kernels.gemm.microkernel import (
     quant_scales,
 )
 from spyre_serve.device.kernels.simd import (
+    F32,
     I8,
     I16,
     I32,
@@ -131,6 +132,7 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
     fma = fma_fn(builder, g.vec)
     rec, q_start = quant_record(kind)
     low4 = ir.Constant(dot.bytes, [15] * dot.bytes.count)
+    high_bit = ir.Constant(dot.bytes, [-128] * dot.bytes.count)
     zero = ir.Constant(g.ivec, [0] * g.vw)
     halves = kind in HALVES      # a scale a half block: the halves' sums apart
     with counted(builder, const(0), builder.sdiv(kc, const(QB)), 1) as b:
@@ -153,6 +155,13 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
             raw = [builder.bitcast(load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)),
                                                 g.ivec), dot.bytes) for j in range(g.nv)]
             row = builder.mul(gi, const(4))
+            if kind == "q8_0" and g.vnni:      # q + 128 unsigned against aq as it is
+                offset = [builder.xor(x, high_bit) for x in raw]
+                for i in rows:
+                    av = broadcast4(i, row)
+                    for j in range(g.nv):
+                        dot.add(iacc[i][j], [(offset[j], av)])
+                return
             if kind == "q8_0":
                 mags = [dot.magnitude(x) for x in raw]
                 for i in rows:
@@ -190,6 +199,10 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
             s_at = builder.add(builder.add(s_off, builder.mul(const(i), lds)), b)
             ad = builder.load(builder.gep(ad_ptr, [s_at]))
             scale = splat(builder, ad, g.vec)
+            offset_sum = None
+            if kind == "q8_0" and g.vnni:     # the sums hold 128 x the block's sum too
+                block_sum = builder.load(builder.gep(as_ptr, [s_at]))
+                offset_sum = splat(builder, builder.fmul(block_sum, ir.Constant(F32, 128.0)), g.vec)
             if kind != "q8_0":
                 block_sum = builder.load(builder.gep(as_ptr, [s_at]))
                 if halves:          # the activations' sums of each half (the minimums' terms)
@@ -201,6 +214,8 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
             for j in range(g.nv):
                 acc = c_acc[i][j]
                 isum = builder.sitofp(builder.load(iacc[i][j]), g.vec)
+                if offset_sum is not None:   # exact: both below 2^24 in magnitude
+                    isum = builder.fsub(isum, offset_sum)
                 val = builder.call(fma, [isum, builder.fmul(d[j], scale), builder.load(acc)])
                 if kind != "q8_0":
                     val = builder.call(fma, [m[j], asum, val])

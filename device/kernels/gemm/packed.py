@@ -28,9 +28,11 @@ The inputs' format `act` picks the tile family (device/kernels/):
                               of panel pairs at a time (dequant.py) and multiplied by AMX's
                               tiles with bfloat16 inputs instead: 1.5-2.5x the int8 tiles'
                               speed there, and finer inputs than int8's; on AVX512_BF16
-                              without AMX the same from DOT_QUANT_MIN_ROWS rows on, a group
-                              of panels widened at a time for the dot tiles (Zen 4: 1.1-1.4x
-                              the int8 tiles at 128-512 rows, 0.87x at 32)
+                              without AMX the same for a Q6_K weight (`dot_widens`) from
+                              DOT_QUANT_MIN_ROWS rows on, a group of panels widened at a time
+                              for the dot tiles (Zen 4: 1.1-1.5x its int8 tiles at 64-2,048
+                              rows; every other format's int8 tiles are as fast or faster
+                              there, Q8_0's 1.1-1.5x, with VNNI's vpdpbusd)
 The vector width and the tile heights are the ISA level's (device/kernels/simd.py).
 
 The loops follow BLIS: the panels are split across the card's cores (`prange` over chunks
@@ -55,6 +57,8 @@ from spyre_serve.device.abi import f32_at, get_kernel_threads, u16_at
 from spyre_serve.device.kernels.formats import (
     FMT_BF16,
     FMT_F32,
+    FMT_Q6_K,
+    FMT_Q6_K_MIN,
     has_integer_quants,
     is_quantized,
     packed_len,
@@ -87,8 +91,19 @@ AMX_B_BYTES = 1 << 20    # a core's share of B up to this stays in L2 for all th
 AMX_KC = 512             # k values of A an AMX block row takes at a time: 32 rows x 1 KiB in L1
 AMX_QUANT_MIN_ROWS = 32  # 8-/4-bit GEMMs on int8 inputs of at least this many rows: bfloat16 on AMX
 AMX_QUANT_PAIRS = 8      # quantized panel pairs widened at a time (8 x 2 K x 16 bfloat16: 576 KiB at K 1152)
-DOT_QUANT_MIN_ROWS = 64  # the same on vdpbf16ps without AMX: widened panels, the bfloat16 dot tiles
+DOT_QUANT_MIN_ROWS = 64  # the same on vdpbf16ps without AMX (dot_widens): widened panels, the dot tiles
 DOT_QUANT_PANELS = 16    # quantized panels widened at a time there (16 x K x 16 bfloat16: 288 KiB at K 576)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def dot_widens(fmt):
+    """Whether a prompt's rows on this quantized format go widened to bfloat16 on the dot
+    tiles where the level has vdpbf16ps but no AMX: Q6_K's records only. Zen 4, 2 cores, cold
+    weights, in-process A/B of the int8 tiles against the widened path at 64-2,048 rows of
+    K x N = 576 x 3,072 (576 x 960 for the fused record): Q6_K 0.66-0.91x, Q6_K_MIN 0.67-0.94x;
+    Q8_0 1.10-1.49x (vpdpbusd on q + 128), Q4_0 1.05-1.22x, Q4_1 1.36x, Q4_K 1.02-1.37x, Q5_K
+    0.98-1.24x."""
+    return fmt == FMT_Q6_K or fmt == FMT_Q6_K_MIN
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -189,8 +204,8 @@ def gemm_packed(out, a, w, k, n, fmt, act):
         bf = gemm_inputs(af, m, k, FMT_BF16, FMT_BF16, True)
         _gemm_amx_quantized(of, bf[4], m, bf[5], w, k, n, n_panels, fmt)
         return
-    if act == ACT_INT8 and has_integer_quants(fmt) and m >= DOT_QUANT_MIN_ROWS and has_bf16_dot():
-        # the same without AMX: the widened panels on the bfloat16 dot tiles (vdpbf16ps)
+    if act == ACT_INT8 and dot_widens(fmt) and m >= DOT_QUANT_MIN_ROWS and has_bf16_dot():
+        # the same without AMX, for Q6_K: the widened panels on the dot tiles (vdpbf16ps)
         _gemm_dot_quantized(of, w, k, n, m, n_panels, fmt,
                             gemm_inputs(af, m, k, FMT_BF16, FMT_BF16, False))
         return
