@@ -14,7 +14,9 @@ one dot product against 4 activations broadcast to every lane gives the columns'
 in int32. Per block of QB rows, per row i and column j:
 
     Q8_0  isum = sum_k q[k] aq[k]              (|q| against aq with q's sign: the unsigned
-                                                 side of the instruction is the weight's)
+                                                 side of the instruction is the weight's; with
+                                                 VNNI, q + 128 against aq as it is, and 128 x
+                                                 the block's sum of aq taken off)
     Q4_x  isum = sum_k q[k] aq[k], q in 0..15  (unsigned as it is; Q4_0's -8 and Q4_1's m by
                                                  the activation's block sum)
     K     the same on the nibbles with their high bits (q in 0..31, 0..63: microkernel.py's
@@ -135,6 +137,7 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
     high_bit = ir.Constant(dot.bytes, [-128] * dot.bytes.count)
     zero = ir.Constant(g.ivec, [0] * g.vw)
     halves = kind in HALVES      # a scale a half block: the halves' sums apart
+    offset = kind == "q8_0" and g.vnni    # Q8_0's q + 128 as vpdpbusd's unsigned side
     with counted(builder, const(0), builder.sdiv(kc, const(QB)), 1) as b:
         r0 = builder.add(w_off, builder.mul(b, const(rec)))
         q0 = builder.add(r0, const(q_start))
@@ -155,12 +158,12 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
             raw = [builder.bitcast(load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)),
                                                 g.ivec), dot.bytes) for j in range(g.nv)]
             row = builder.mul(gi, const(4))
-            if kind == "q8_0" and g.vnni:      # q + 128 unsigned against aq as it is
-                offset = [builder.xor(x, high_bit) for x in raw]
+            if offset:                         # q + 128 unsigned against aq as it is
+                shifted = [builder.xor(x, high_bit) for x in raw]
                 for i in rows:
                     av = broadcast4(i, row)
                     for j in range(g.nv):
-                        dot.add(iacc[i][j], [(offset[j], av)])
+                        dot.add(iacc[i][j], [(shifted[j], av)])
                 return
             if kind == "q8_0":
                 mags = [dot.magnitude(x) for x in raw]
@@ -199,12 +202,12 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
             s_at = builder.add(builder.add(s_off, builder.mul(const(i), lds)), b)
             ad = builder.load(builder.gep(ad_ptr, [s_at]))
             scale = splat(builder, ad, g.vec)
-            offset_sum = None
-            if kind == "q8_0" and g.vnni:     # the sums hold 128 x the block's sum too
+            if offset or kind != "q8_0":
                 block_sum = builder.load(builder.gep(as_ptr, [s_at]))
+            offset_sum = None
+            if offset:                        # the sums hold 128 x the block's sum too
                 offset_sum = splat(builder, builder.fmul(block_sum, ir.Constant(F32, 128.0)), g.vec)
             if kind != "q8_0":
-                block_sum = builder.load(builder.gep(as_ptr, [s_at]))
                 if halves:          # the activations' sums of each half (the minimums' terms)
                     low_sum = _half_sum(builder, aq_ptr, builder.add(builder.add(a_off, builder.mul(const(i), lda)),
                                                                      kb))
