@@ -33,14 +33,15 @@ import numpy as np  # noqa: E402
 from limits import bandwidth, fma_peak  # noqa: E402
 
 from spyre_serve.device.isa import current  # noqa: E402
-from spyre_serve.device.kernels.formats import FORMATS, has_integer_quants, is_quantized  # noqa: E402
+from spyre_serve.device.kernels.formats import FMT_DLF16, FORMATS, has_integer_quants, is_quantized  # noqa: E402
 from spyre_serve.device.kernels.gemm.inputs import ACT_F32, ACT_INT8  # noqa: E402
 from spyre_serve.device.kernels.gemm.packed import gemm_packed  # noqa: E402
 from spyre_serve.device.layout import pack, pack_quantized  # noqa: E402
 from tests.device.kernels.gemm.test_quantized import random_weight  # noqa: E402
 
 PASS_BYTES = 300e6   # weight bytes a timed pass reads: copies of a weight, in turn
-CHOICES = ["float32", "bfloat16", "float16", "Q8_0", "Q4_0", "Q4_1", "FP8_E4M3", "Q4_K", "Q5_K", "Q6_K", "Q6_K_MIN"]
+# every format a weight is packed in (DLFloat16 is a KV cache's rows, not a packed weight's)
+CHOICES = [name for name, code in FORMATS.items() if code != FMT_DLF16]
 
 
 def packed_weight(fmt: int, k: int, n: int) -> tuple[np.ndarray, int]:

@@ -158,19 +158,21 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
             raw = [builder.bitcast(load_at_byte(builder, w_ptr, builder.add(at, const(4 * j * g.vw)),
                                                 g.ivec), dot.bytes) for j in range(g.nv)]
             row = builder.mul(gi, const(4))
-            if offset:                         # q + 128 unsigned against aq as it is
-                shifted = [builder.xor(x, high_bit) for x in raw]
-                for i in rows:
-                    av = broadcast4(i, row)
-                    for j in range(g.nv):
-                        dot.add(iacc[i][j], [(shifted[j], av)])
-                return
             if kind == "q8_0":
-                mags = [dot.magnitude(x) for x in raw]
+                if offset:                     # q + 128 unsigned against aq as it is
+                    shifted = [builder.xor(x, high_bit) for x in raw]
+
+                    def pair(j, av):
+                        return shifted[j], av
+                else:                          # |q| against aq with q's sign
+                    mags = [dot.magnitude(x) for x in raw]
+
+                    def pair(j, av):
+                        return mags[j], dot.signed_by(av, raw[j])
                 for i in rows:
                     av = broadcast4(i, row)
                     for j in range(g.nv):
-                        dot.add(iacc[i][j], [(mags[j], dot.signed_by(av, raw[j]))])
+                        dot.add(iacc[i][j], [pair(j, av)])
                 return
             if kind in K_KINDS:     # the nibbles with their high bits, 4 quants a lane
                 lo, hi = ([builder.bitcast(nibble_quants(builder, g, kind, w_ptr, q0, builder.bitcast(x, g.ivec),
