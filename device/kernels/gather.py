@@ -147,7 +147,7 @@ def u8_at(u16, address, nbytes):
     return u16_at(u16, address, (nbytes + 1) // 2).view(np.uint8)[:nbytes]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
 def gather_columns_at(out, f32, u16, address, cols, scale, k, n, fmt):
     """gather_columns with the weight at byte `address` of the arena."""
     size = packed_len(k, n, fmt)

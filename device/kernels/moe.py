@@ -76,7 +76,7 @@ def moe_order(order, starts, ids):
             fill[e] += 1
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
 def moe_experts_at(out, x, weights, order, starts, rows, gate_up, act, down, f32, u16, experts, fmts, act_fmt):
     """out[T, H] = each row's experts' SwiGLU MLPs weighted by ``weights[T, k]`` (``moe_route``),
     over the pairs grouped by ``moe_order``. Workspace, [T * k, ...] each: rows [H], gate_up [2I],

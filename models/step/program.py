@@ -275,7 +275,7 @@ def _sample_rows(i64, table, n):
     return i64_at(i64, _bounded(table, Slot.sample_rows, n), n * _ROW_WORDS).view(_ROW_DTYPE)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
 def _mamba_mixer(y, hbuf, f32, u16, row, cfmt, zxbcdt, xbc, ssm_y, gnorm, query_start, state_slot,
                  state_reset, H, MDI, MNH, MP, MN, MCONV, MK, NSS, dt_min, dt_max, eps, timers, t):
     """y = a Mamba-2 mixer of the normed rows hbuf (its weights and states: the layer's table

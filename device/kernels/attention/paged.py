@@ -434,7 +434,7 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, query_start, context
             amx_release()
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
 def attention_at(f32, u16, k_addr, v_addr, kv_fmt, nbt, bs, hkv, d, k3, v3, slot_mapping, a3, q3,
                  block_tables, query_start, context_lens, attn_scale, timers, t, k_write, k_attention):
     """write_kv, then paged attention, over the layer's cache (K^T [NBT, Hkv, D, BS] and V

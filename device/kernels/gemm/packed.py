@@ -51,7 +51,8 @@ quantized or 16-bit weight gives bit for bit what its float32 copy gives.
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from spyre_serve.device.abi import f32_at, get_kernel_threads, u16_at
 from spyre_serve.device.kernels.formats import (
@@ -78,7 +79,7 @@ from spyre_serve.device.kernels.gemm.inputs import (
 )
 from spyre_serve.device.kernels.gemm.int8_tile import itile
 from spyre_serve.device.kernels.gemm.microkernel import tile
-from spyre_serve.device.kernels.simd import NR, QB, has_amx, has_bf16_dot, max_tile_height, tile_height
+from spyre_serve.device.kernels.simd import NR, QB, geometry, has_amx, has_bf16_dot, max_tile_height, tile_height
 
 KC = 256         # k rows per block: a [KC, NR] fp32 slab is 16 KiB, in L1 (a multiple of QB)
 KC_DOT = 576     # the bfloat16 dot tiles' most: a [KC_DOT, NR] slab is 18 KiB (_k_block)
@@ -104,6 +105,25 @@ def dot_widens(fmt):
     Q8_0 1.10-1.49x (vpdpbusd on q + 128), Q4_0 1.05-1.22x, Q4_1 1.36x, Q4_K 1.02-1.37x, Q5_K
     0.98-1.24x."""
     return fmt == FMT_Q6_K or fmt == FMT_Q6_K_MIN
+
+
+WIDEN_NONE, WIDEN_AMX, WIDEN_DOT = 0, 1, 2     # widened_path's answers
+
+
+@njit(nogil=True, cache=True, inline="always")
+def widened_path(m, fmt, act):
+    """Which path a GEMM of m rows on a weight of `fmt` with inputs `act` takes on this level
+    before the tiles: WIDEN_AMX (an 8- or 4-bit weight widened to bfloat16 for AMX, from
+    AMX_QUANT_MIN_ROWS rows), WIDEN_DOT (the same for the dot tiles where there is vdpbf16ps
+    but no AMX, `dot_widens` formats from DOT_QUANT_MIN_ROWS rows) or WIDEN_NONE (the tiles of
+    the inputs' family). gemm_packed takes its decision here, and the tests their expectation."""
+    if act != ACT_INT8:
+        return WIDEN_NONE
+    if has_integer_quants(fmt) and m >= AMX_QUANT_MIN_ROWS and has_amx():
+        return WIDEN_AMX
+    if dot_widens(fmt) and m >= DOT_QUANT_MIN_ROWS and has_bf16_dot():
+        return WIDEN_DOT
+    return WIDEN_NONE
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -198,15 +218,16 @@ def gemm_packed(out, a, w, k, n, fmt, act):
     af = a.reshape(m * k)
     of = out.reshape(m * n)
     n_panels = (n + NR - 1) // NR
-    if act == ACT_INT8 and has_integer_quants(fmt) and m >= AMX_QUANT_MIN_ROWS and has_amx():
+    widen = widened_path(m, fmt, act)
+    if widen == WIDEN_AMX:
         # a prompt's rows on an 8- or 4-bit weight: the weight widened to bfloat16 a panel pair
         # at a time and multiplied by AMX, for bfloat16 inputs (finer than the int8 ones)
         bf = gemm_inputs(af, m, k, FMT_BF16, FMT_BF16, True)
-        _gemm_amx_quantized(of, bf[4], m, bf[5], w, k, n, n_panels, fmt)
+        _amx_quantized_path(of, bf[4], m, bf[5], w, k, n, n_panels, fmt)
         return
-    if act == ACT_INT8 and dot_widens(fmt) and m >= DOT_QUANT_MIN_ROWS and has_bf16_dot():
+    if widen == WIDEN_DOT:
         # the same without AMX, for Q6_K: the widened panels on the dot tiles (vdpbf16ps)
-        _gemm_dot_quantized(of, w, k, n, m, n_panels, fmt,
+        _dot_quantized_path(of, w, k, n, m, n_panels, fmt,
                             gemm_inputs(af, m, k, FMT_BF16, FMT_BF16, False))
         return
     on_amx = m >= AMX_MIN_ROWS and has_amx()        # a bfloat16 dot GEMM's rows go to AMX
@@ -214,28 +235,80 @@ def gemm_packed(out, a, w, k, n, fmt, act):
     dot = ins[6] == MODE_DOT or ins[6] == MODE_DOT_ROWS
     kk = ins[5] if dot else k                       # rows the tiles run over (the dot's padded)
     if ins[6] == MODE_DOT_ROWS and on_amx:
-        _gemm_amx(of, ins[4], m, ins[5], w, k, n, n_panels, AMX_A_BYTES, AMX_B_BYTES, AMX_PAIRS)
+        _amx_path(of, ins[4], m, ins[5], w, k, n, n_panels)
         return
     chunks = min(n_panels, CHUNKS_PER_THREAD * get_kernel_threads())
     kcb = _k_block(kk, dot)
     th = max_tile_height()
-    if m <= MC:
-        # decode-sized: all of a fits in L2; one parallel region over the panels
-        for c in prange(chunks):
-            tmp = np.empty(th * NR, np.float32)
-            _panels(of, w, k, n, 0, m, 0, kk, kcb, c * n_panels // chunks,
-                    (c + 1) * n_panels // chunks, fmt, tmp, ins, 0)
-        return
-    # prefill-sized: a block of MC rows x KC columns of a stays in L2 while every panel's
-    # [KC, NR] slab passes (BLIS's order: k-blocks outside the panels)
-    for m0 in range(0, m, MC):
-        mc = min(MC, m - m0)
-        for k0 in range(0, kk, kcb):
-            kc = min(kcb, kk - k0)
+    # Up to MC rows (decode-sized: all of a fits in L2) one block of every row and every k, and
+    # one parallel region over the panels. More rows (prefill-sized) go in blocks of MC rows x
+    # kcb k-rows: each stays in L2 while every panel's [kcb, NR] slab passes (BLIS's order:
+    # k-blocks outside the panels). One parallel loop for both: each is compiled with its own
+    # copy of the tiles.
+    mb, kb_outer = (m, kk) if m <= MC else (MC, kcb)
+    for m0 in range(0, m, mb):
+        mc = min(mb, m - m0)
+        for k0 in range(0, kk, kb_outer):
+            kc = min(kb_outer, kk - k0)
             for c in prange(chunks):
                 tmp = np.empty(th * NR, np.float32)
                 _panels(of, w, k, n, m0, mc, k0, kc, kcb, c * n_panels // chunks,
                         (c + 1) * n_panels // chunks, fmt, tmp, ins, 0)
+
+
+# ---- the paths a weight's dtype and the level may take, compiled only where they can -------
+# gemm_packed is compiled for float32, uint16 and uint8 weights; the AMX paths serve only
+# bfloat16 (uint16) or quantized (uint8) weights on a level with AMX, the widened dot path
+# only quantized weights on a level with vdpbf16ps. Each path is reached through one of these
+# names, whose overload compiles the real call where it applies and a raise elsewhere (the
+# callers' runtime tests keep it unreached): the parallel kernels of the paths a compile cannot
+# take are not compiled, nor linked into every program above them.
+
+def _amx_quantized_path(of, ab, m, kp, w, k, n, n_panels, fmt):
+    """_gemm_amx_quantized, compiled for a uint8 weight on a level with AMX."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def _dot_quantized_path(of, w, k, n, m, n_panels, fmt, ins):
+    """_gemm_dot_quantized, compiled for a uint8 weight on a level with vdpbf16ps."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def _amx_path(of, ab, m, kp, w, k, n, n_panels):
+    """_gemm_amx, compiled for a uint16 (bfloat16) weight on a level with AMX."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@njit(nogil=True, cache=True)
+def _unreachable():
+    raise RuntimeError("gemm_packed: a path this weight's format or the level cannot take")
+
+
+@overload(_amx_quantized_path, inline="always")
+def _amx_quantized_path_typed(of, ab, m, kp, w, k, n, n_panels, fmt):
+    if w.dtype == types.uint8 and geometry().amx:
+        def impl(of, ab, m, kp, w, k, n, n_panels, fmt):
+            _gemm_amx_quantized(of, ab, m, kp, w, k, n, n_panels, fmt)
+        return impl
+    return lambda of, ab, m, kp, w, k, n, n_panels, fmt: _unreachable()
+
+
+@overload(_dot_quantized_path, inline="always")
+def _dot_quantized_path_typed(of, w, k, n, m, n_panels, fmt, ins):
+    if w.dtype == types.uint8 and geometry().bf16_dot:
+        def impl(of, w, k, n, m, n_panels, fmt, ins):
+            _gemm_dot_quantized(of, w, k, n, m, n_panels, fmt, ins)
+        return impl
+    return lambda of, w, k, n, m, n_panels, fmt, ins: _unreachable()
+
+
+@overload(_amx_path, inline="always")
+def _amx_path_typed(of, ab, m, kp, w, k, n, n_panels):
+    if w.dtype == types.uint16 and geometry().amx:
+        def impl(of, ab, m, kp, w, k, n, n_panels):
+            _gemm_amx(of, ab, m, kp, w, k, n, n_panels, AMX_A_BYTES, AMX_B_BYTES, AMX_PAIRS)
+        return impl
+    return lambda of, ab, m, kp, w, k, n, n_panels: _unreachable()
 
 
 @njit(nogil=True, cache=True)
@@ -358,7 +431,7 @@ def _gemm_amx_quantized(of, ab, m, kp, w, k, n, n_panels, fmt):
 
 # ---- on the arena: a weight by its address, as the card's programs reach it ----------------
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
 def gemm_at(out, a, f32, u16, address, k, n, fmt, act):
     """gemm_packed with the weight at byte `address` of the arena (f32 / u16: its views)."""
     size = packed_len(k, n, fmt)

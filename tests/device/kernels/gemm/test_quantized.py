@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from spyre_serve.device import Card, DeviceError
-from spyre_serve.device.isa import current
 from spyre_serve.device.kernels.formats import (
     FMT_BF16,
     FMT_F32,
@@ -27,9 +26,10 @@ from spyre_serve.device.kernels.gemm.inputs import ACT_F32, ACT_INT8, quantize_r
 from spyre_serve.device.kernels.gemm.packed import (
     AMX_QUANT_MIN_ROWS,
     DOT_QUANT_MIN_ROWS,
-    dot_widens,
+    WIDEN_NONE,
     gemm_at,
     gemm_packed,
+    widened_path,
 )
 from spyre_serve.device.kernels.simd import QB
 from spyre_serve.device.layout import (
@@ -276,16 +276,14 @@ def test_int8_activations_give_the_float_gemm_of_the_quantized_values(m, k, n, f
     """Exact integer sums per block, scaled in float32: the float64 product of the int8
     activations' values and the weights' values, to float32 rounding. A prompt's rows on a
     level that multiplies bfloat16 (AMX_QUANT_MIN_ROWS and more on AMX, DOT_QUANT_MIN_ROWS on
-    AVX512_BF16 for a Q6_K weight: dot_widens) are bfloat16 inputs times the weights' values
+    AVX512_BF16 for a Q6_K weight: widened_path) are bfloat16 inputs times the weights' values
     rounded to bfloat16 (AMX's tiles or vdpbf16ps; finer than int8 inputs): their float64
     product."""
     qw = random_weight(fmt, n, k, seed=m)
     a = np.random.default_rng(m + 1).standard_normal((m, k), dtype=np.float32)
     out = np.full((m, n), np.nan, np.float32)
     gemm_packed(out, a, pack_quantized(qw).reshape(-1), k, n, fmt, ACT_INT8)
-    isa = current()
-    if ((isa.at_least("amx") and m >= AMX_QUANT_MIN_ROWS)
-            or (isa.at_least("avx512_bf16") and m >= DOT_QUANT_MIN_ROWS and dot_widens(fmt))):
+    if widened_path(m, fmt, ACT_INT8) != WIDEN_NONE:
         a16, w16 = a.copy(), reference_values(qw).astype(np.float32)
         round_to_format(a16, FMT_BF16)
         round_to_format(w16, FMT_BF16)
