@@ -86,7 +86,8 @@ def _block_amax(typingctx, af, at):
 @intrinsic
 def _quantize_block(typingctx, af, at, inv, aq):
     """aq[at + t] = round(af[at + t] inv) half away from zero (floor(|v| + 0.5) with v's sign,
-    as the scalar reference), a block of QB values in one vector; returns the sum of the q."""
+    as the scalar reference), a block of QB values in one vector; returns the sum of the q and
+    the sum of its first QB / 2."""
     if af.dtype != types.float32 or aq.dtype != types.int8:
         return None
 
@@ -104,9 +105,13 @@ def _quantize_block(typingctx, af, at, inv, aq):
         out = builder.gep(array_ptr(context, builder, signature.args[3], q_v), [at])
         builder.store(builder.trunc(q, qt), builder.bitcast(out, qt.as_pointer()), align=1)
         total = _llvm(builder, f"llvm.vector.reduce.add.v{QB}i32", I32, q)
-        return builder.sext(total, ir.IntType(64))
+        low = builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(I32, QB // 2), list(range(QB // 2))))
+        low = _llvm(builder, f"llvm.vector.reduce.add.v{QB // 2}i32", I32, low)
+        sums = types.UniTuple(types.int64, 2)
+        return context.make_tuple(builder, sums, [builder.sext(total, ir.IntType(64)),
+                                                  builder.sext(low, ir.IntType(64))])
 
-    return types.int64(af, types.int64, types.float32, aq), codegen
+    return types.UniTuple(types.int64, 2)(af, types.int64, types.float32, aq), codegen
 
 
 @njit(nogil=True, cache=True)
@@ -120,7 +125,9 @@ def _quantize_span(af, k, aq, ad, asum, r0, r1):
             d = _block_amax(af, base) / np.float32(127.0)
             inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
             ad[r * nb + b] = d
-            asum[r * nb + b] = np.float32(_quantize_block(af, base, inv, aq))
+            total, low = _quantize_block(af, base, inv, aq)
+            asum[2 * (r * nb + b)] = np.float32(total)
+            asum[2 * (r * nb + b) + 1] = np.float32(low)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -132,8 +139,10 @@ def _quantize_parallel(af, m, k, aq, ad, asum, chunks):
 @njit(nogil=True, cache=True)
 def quantize_rows(af, m, k, aq, ad, asum):
     """Each row of a[M, K] (flat) in blocks of QB, as llama.cpp's q8_0 activations: d = max|x| /
-    127, q = round(x / d) half away from zero, in aq (int8 [M K]); d and the sum of the block's
-    q in ad, asum (float32 [M, K / QB])."""
+    127, q = round(x / d) half away from zero, in aq (int8 [M K]); d in ad (float32 [M, K / QB]);
+    the sum of the block's q and of its first QB / 2 in asum (float32 [M, K / QB, 2]: Q6_K's
+    tiles take a half block's minimum term from the second, once per GEMM instead of once a
+    panel)."""
     chunks = chunks_for(m, m * k)
     if chunks == 1:
         _quantize_span(af, k, aq, ad, asum, 0, m)
@@ -282,7 +291,7 @@ def gemm_inputs(af, m, k, fmt, act, row_major):
     16-bit values exactly."""
     use_int = act == ACT_INT8 and has_integer_quants(fmt)     # FP8: float inputs
     nq = m * k if use_int else 0
-    aq, ad, asum = np.empty(nq, np.int8), np.empty(nq // QB, np.float32), np.empty(nq // QB, np.float32)
+    aq, ad, asum = np.empty(nq, np.int8), np.empty(nq // QB, np.float32), np.empty(2 * nq // QB, np.float32)
     if use_int:
         quantize_rows(af, m, k, aq, ad, asum)
         return af, aq, ad, asum, np.empty(0, np.uint16), 0, MODE_INT8

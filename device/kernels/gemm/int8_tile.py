@@ -7,7 +7,8 @@ AVX512_VNNI: vpdpbusd, one instruction for both).
 
 The activations come quantized per row in blocks of QB (device/kernels/gemm/packed.py's
 quantize_rows): aq int8 (row i's value k at a_off + i * lda + k), ad the float32 scale of
-each row's block and asum the sum of its int8 values (row i's block b at s_off + i * lds + b).
+each row's block (row i's block b at s_off + i * lds + b) and asum the sums of its int8 values,
+the block's and its first half's (at twice that index and the one after).
 The weights are a quantized slab in the layout of device/kernels/gemm/microkernel.py: each group of
 4 rows is NR columns of 4 bytes, so a 32-bit lane holds 4 consecutive rows of one column and
 one dot product against 4 activations broadcast to every lane gives the columns' 4-row sums
@@ -21,7 +22,7 @@ in int32. Per block of QB rows, per row i and column j:
                                                  the activation's block sum)
     K     the same on the nibbles with their high bits (q in 0..31, 0..63: microkernel.py's
           nibble_quants); Q6_K's halves in two sums, each with its own scale, its -32 by the
-          half's activation sum (the low half's summed here, the high one's the rest)
+          half's activation sum (the low half's from asum, the high one's the rest)
     c    += d[j] ad[i] isum  (+ m[j] ad[i] asum[i]; Q4_0: m = -8 d)
 
 Exact integer sums (|products| stay below vpmaddubsw's int16 saturation: 2 * 128 * 127 for
@@ -204,15 +205,15 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
             s_at = builder.add(builder.add(s_off, builder.mul(const(i), lds)), b)
             ad = builder.load(builder.gep(ad_ptr, [s_at]))
             scale = splat(builder, ad, g.vec)
+            sums_at = builder.mul(s_at, const(2))     # asum: [block, its first half] a block
             if offset or kind != "q8_0":
-                block_sum = builder.load(builder.gep(as_ptr, [s_at]))
+                block_sum = builder.load(builder.gep(as_ptr, [sums_at]))
             offset_sum = None
             if offset:                        # the sums hold 128 x the block's sum too
                 offset_sum = splat(builder, builder.fmul(block_sum, ir.Constant(F32, 128.0)), g.vec)
             if kind != "q8_0":
                 if halves:          # the activations' sums of each half (the minimums' terms)
-                    low_sum = _half_sum(builder, aq_ptr, builder.add(builder.add(a_off, builder.mul(const(i), lda)),
-                                                                     kb))
+                    low_sum = builder.load(builder.gep(as_ptr, [builder.add(sums_at, const(1))]))
                     asum_hi = splat(builder, builder.fmul(ad, builder.fsub(block_sum, low_sum)), g.vec)
                     block_sum = low_sum
                 asum = splat(builder, builder.fmul(ad, block_sum), g.vec)
@@ -229,16 +230,6 @@ def _emit_int8_loop(builder, g, kind, rows, aq_ptr, a_off, lda, ad_ptr, as_ptr, 
                     val = builder.call(fma, [hsum, builder.fmul(d_hi[j], scale), val])
                     val = builder.call(fma, [m_hi[j], asum_hi, val])
                 builder.store(val, acc)
-
-
-def _half_sum(builder, aq_ptr, at):
-    """The sum of the QB / 2 int8 activations from element `at`, as float32 (exact)."""
-    half = ir.VectorType(I8, QB // 2)
-    words = ir.VectorType(I32, QB // 2)
-    v = builder.sext(builder.load(builder.bitcast(builder.gep(aq_ptr, [at]), half.as_pointer()), align=1), words)
-    reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [words]),
-                                            f"llvm.vector.reduce.add.v{QB // 2}i32")
-    return builder.sitofp(builder.call(reduce, [v]), ir.FloatType())
 
 
 @intrinsic

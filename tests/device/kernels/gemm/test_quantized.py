@@ -252,20 +252,23 @@ def reference_quantize_rows(a: np.ndarray):
 
 @pytest.mark.parametrize("m,k", [(5, 128), (96, 1536)])
 def test_quantize_rows_is_llama_cpps_q8_0(m, k):
-    """Every block in one vector (inputs._quantize_block), exactly the scalar reference; the
-    larger shape over both cores."""
+    """Every block in one vector (inputs._quantize_block), exactly the scalar reference, with
+    the sums of each block and of its first half; the larger shape over both cores."""
     rng = np.random.default_rng(4)
     a = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
     a[2, 32:64] = 0.0                                   # a block of zeros: d = 0, q = 0
     a[3, 0:32] = np.linspace(-1, 1, 32)                 # values on the half steps
     a[4, 32:64] = -a[4, 32:64]                          # the other sign
     nb = m * k // QB
-    aq, ad, asum = np.empty(m * k, np.int8), np.empty(nb, np.float32), np.empty(nb, np.float32)
+    aq, ad, asum = np.empty(m * k, np.int8), np.empty(nb, np.float32), np.empty(2 * nb, np.float32)
     quantize_rows(a.reshape(-1), m, k, aq, ad, asum)
     q, d, s = reference_quantize_rows(a)
     np.testing.assert_array_equal(aq.reshape(m, k), q)
     np.testing.assert_array_equal(ad.reshape(m, k // QB), d)
-    np.testing.assert_array_equal(asum.reshape(m, k // QB), s)
+    sums = asum.reshape(m, k // QB, 2)                  # each block's sum, its first half's
+    np.testing.assert_array_equal(sums[..., 0], s)
+    low = q.reshape(m, k // QB, QB)[..., :QB // 2].sum(axis=-1, dtype=np.int64).astype(np.float32)
+    np.testing.assert_array_equal(sums[..., 1], low)
     assert np.abs(q).max() == 127
 
 
