@@ -243,8 +243,8 @@ def gemm_packed(out, a, w, k, n, fmt, act):
     # Up to MC rows (decode-sized: all of a fits in L2) one block of every row and every k, and
     # one parallel region over the panels. More rows (prefill-sized) go in blocks of MC rows x
     # kcb k-rows: each stays in L2 while every panel's [kcb, NR] slab passes (BLIS's order:
-    # k-blocks outside the panels). One parallel loop for both: each is compiled with its own
-    # copy of the tiles.
+    # k-blocks outside the panels). One prange loop serves both: Numba compiles every prange
+    # loop as a function with its own copy of the tiles, so a second loop would double them.
     mb, kb_outer = (m, kk) if m <= MC else (MC, kcb)
     for m0 in range(0, m, mb):
         mc = min(mb, m - m0)
